@@ -1,0 +1,27 @@
+"""Dispatch/combine backends behind one API (see `base.Dispatcher`)."""
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .allgather import AllGatherDispatcher
+from .alltoall import AllToAllDispatcher
+from .base import DispatchResult, Dispatcher
+from .dedup import DedupDispatcher
+from .hierarchical import HierarchicalDispatcher
+from .route import TransferStats
+
+BACKENDS = {cls.name: cls for cls in (AllGatherDispatcher, AllToAllDispatcher, DedupDispatcher,
+                                      HierarchicalDispatcher)}
+
+
+def make_dispatcher(name: str, groups, num_experts: int, **options) -> Dispatcher:
+    """Create the backend ``name`` (one of `BACKENDS`) on ``groups``; options as `Dispatcher`.
+
+    Collective over the EP group: every rank must call it with the same arguments.
+    """
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown backend {name!r}; choose one of {sorted(BACKENDS)}")
+    return BACKENDS[name](groups, num_experts, **options)
+
+
+__all__ = ["BACKENDS", "DispatchResult", "Dispatcher", "TransferStats", "make_dispatcher",
+           "AllGatherDispatcher", "AllToAllDispatcher", "DedupDispatcher", "HierarchicalDispatcher"]

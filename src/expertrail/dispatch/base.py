@@ -1,0 +1,319 @@
+"""The Dispatcher API shared by every backend: validation, agreement, autograd, results.
+
+A backend only says how rows travel (`_plan_source` and `_route`, see `route.py`); this module
+checks inputs, agrees on errors across ranks, drops tokens over capacity, pads expert rows,
+and wires dispatch and combine into autograd.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError, InvalidInputError
+from ..routing import DROP_POLICIES, apply_capacity, expert_capacity
+from ..topology import EPGroups, check_same_on_all_ranks
+from .route import Hop, Route, TransferStats, all_to_all_rows
+
+# Fields every rank sends with its counts in the first exchange of each dispatch, so that a
+# bad input or a mismatched call on one rank raises everywhere before any data moves.
+HEADER = ("num_tokens", "hidden", "topk", "dtype", "x_requires_grad", "weights_require_grad", "error")
+H_TOKENS, H_HIDDEN, H_TOPK, H_DTYPE, H_XGRAD, H_WGRAD, H_ERROR = range(len(HEADER))
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
+ERROR_KINDS = {1: "bad shape", 2: "bad dtype", 3: "bad device", 4: "expert index out of range",
+               5: "non-finite topk_weights"}
+
+
+def weight_bits(weights: torch.Tensor) -> torch.Tensor:
+    """Float weights -> int64 bit patterns of their fp64 value (travel with int metadata)."""
+    return weights.to(torch.float64).contiguous().view(torch.int64)
+
+
+def bits_weight(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return bits.contiguous().view(torch.float64).to(dtype)
+
+
+def copy_slots(index: torch.Tensor, num_src: int) -> torch.Tensor:
+    """For a gather ``index [R]``: the rank of each copy among the copies of its source row,
+    in order of appearance (the fixed order in which they are summed back)."""
+    order = torch.sort(index, stable=True).indices
+    counts = torch.bincount(index, minlength=num_src)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.empty_like(index)
+    slot[order] = torch.arange(index.numel(), device=index.device) - starts[index[order]]
+    return slot
+
+
+def expand_local(local_ids: torch.Tensor, src_key: torch.Tensor | None = None, bound: int = 1):
+    """Expand received rows into (row, k, local expert) triples in expert-major order.
+
+    local_ids: int64 [R, K] local expert of each slot, -1 where the slot is not for this rank.
+    Rows must arrive in (source rank, source token) order, or give ``src_key [R] < bound`` that
+    sorts them so. Returns row, k, expert: int64 [M] each.
+    """
+    row, k = torch.nonzero(local_ids >= 0).unbind(1)
+    expert = local_ids[row, k]
+    key = expert if src_key is None else expert * bound + src_key[row]
+    order = torch.sort(key, stable=True).indices
+    return row[order], k[order], expert[order]
+
+
+@dataclass
+class DispatchResult:
+    """Rows for this rank's local experts.
+
+    tokens: [M, H] x.dtype, expert-major; within an expert ordered by (source EP rank, source
+        token index, k); each expert's block padded with zero rows to ``tokens_per_expert``
+    tokens_per_expert: int64 [E_local] rows per local expert, padding included
+    real_tokens_per_expert: int64 [E_local] rows per local expert without padding
+    weights: [M] topk_weights.dtype, routing weight of each row (0 on padding rows)
+    stats: TransferStats of the dispatch; combine_stats: of the last combine of this result
+    """
+
+    tokens: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    real_tokens_per_expert: torch.Tensor
+    weights: torch.Tensor
+    stats: TransferStats
+    route: Route
+    combine_stats: TransferStats | None = None
+
+
+class Dispatcher:
+    """Moves tokens to the ranks of their experts (dispatch) and the outputs back (combine).
+
+    Args:
+        groups: the EPGroups to run on.
+        num_experts: E, a multiple of ``groups.ep_size``; expert e lives on EP rank e // E_local.
+        hidden: H; when given, inputs are checked against it and it is compared across ranks.
+        expert_alignment: pad each local expert's rows up to a multiple of this (zero rows).
+        capacity_factor: when set, each rank keeps at most ceil(N * K / E * capacity_factor)
+            rows per expert and drops the rest (``drop_policy`` "probs": lowest weights go
+            first; "position": latest tokens go first).
+        pad_to_capacity: pad every local expert to the sum of the senders' capacities, so the
+            output shape depends only on the token counts (static shapes).
+    Construction is collective over the EP group: settings are compared across ranks.
+    """
+
+    name = "base"
+    meta_columns = 0   # int64 metadata columns per row sent by each hop, set by backends
+
+    def __init__(self, groups: EPGroups, num_experts: int, *, hidden: int | None = None,
+                 expert_alignment: int = 1, capacity_factor: float | None = None,
+                 drop_policy: str = "probs", pad_to_capacity: bool = False):
+        check_same_on_all_ranks({
+            "backend": zlib.crc32(self.name.encode()), "num_experts": num_experts,
+            "hidden": hidden or 0, "expert_alignment": expert_alignment,
+            "capacity_factor_x1e6": round((capacity_factor or 0) * 1e6),
+            "drop_policy": DROP_POLICIES.index(drop_policy) if drop_policy in DROP_POLICIES else -1,
+            "pad_to_capacity": pad_to_capacity, "domain_size": groups.domain_size,
+        }, groups.ep_group, groups.device, f"{type(self).__name__}")
+        self.groups = groups
+        self.num_experts = int(num_experts)
+        self.num_local_experts = groups.num_local_experts(self.num_experts)
+        if hidden is not None and hidden < 1:
+            raise ConfigError(f"hidden={hidden} must be positive")
+        if int(expert_alignment) < 1:
+            raise ConfigError(f"expert_alignment={expert_alignment} must be >= 1")
+        if drop_policy not in DROP_POLICIES:
+            raise ConfigError(f"drop_policy={drop_policy!r}; choose one of {DROP_POLICIES}")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ConfigError(f"capacity_factor={capacity_factor} must be positive (or None for no dropping)")
+        if pad_to_capacity and capacity_factor is None:
+            raise ConfigError("pad_to_capacity=True needs a capacity_factor")
+        self.hidden = hidden
+        self.expert_alignment = int(expert_alignment)
+        self.capacity_factor = capacity_factor
+        self.drop_policy = drop_policy
+        self.pad_to_capacity = pad_to_capacity
+        self.rank_of_expert = groups.rank_of_expert(self.num_experts)
+        self.local_of_expert = torch.arange(self.num_experts, device=groups.device) % self.num_local_experts
+
+    # ---------------------------------------------------------------- public verbs
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
+        """Send each token to the ranks of its experts.
+
+        x: [N, H] float; topk_idx: [N, K] integer, -1 for no expert; topk_weights: [N, K] float.
+        N may differ between ranks and be 0. Collective over the EP group.
+        """
+        error, message = self._check_inputs(x, topk_idx, topk_weights)
+        topk_idx = topk_idx.long() if error == 0 else topk_idx
+        if error == 0 and self.capacity_factor is not None:
+            topk_idx = apply_capacity(topk_idx, topk_weights.detach(), self.num_experts,
+                                      self.capacity_factor, self.drop_policy)
+        counts, state = (self._plan_source(topk_idx) if error == 0 else (self._no_counts(), None))
+        grad = torch.is_grad_enabled()
+        header = [x.shape[0] if x.dim() == 2 else 0, x.shape[-1] if x.dim() == 2 else 0,
+                  topk_idx.shape[-1] if topk_idx.dim() == 2 else 0, DTYPE_CODES.get(x.dtype, 0),
+                  int(grad and x.requires_grad), int(grad and topk_weights.requires_grad), error]
+        recv_counts, headers = self._exchange_control(counts, header, message)
+        with torch.no_grad():
+            route, rows, row_weights, row_bytes = self._route(x.detach(), topk_weights.detach(), state,
+                                                              recv_counts, headers)
+        stats = route.stats(row_bytes, self.groups.ep_rank, self.groups.domain_size)
+        stats.control_bytes = recv_counts.numel() * 8 + headers.numel() * 8
+        last = route.hops[-1]
+        tokens = last.forward(rows)
+        weights = last.place(row_weights)
+        if headers[0, H_XGRAD] or headers[0, H_WGRAD]:   # agreed on by every rank
+            tokens, weights = _DispatchFunction.apply(x, topk_weights, route, tokens, weights)
+        return DispatchResult(tokens=tokens, tokens_per_expert=route.tokens_per_expert,
+                              real_tokens_per_expert=route.real_tokens_per_expert,
+                              weights=weights, stats=stats, route=route)
+
+    def combine(self, expert_out: torch.Tensor, res: DispatchResult, weighted: bool = True) -> torch.Tensor:
+        """Bring expert outputs back: y[n] = sum_k w[n,k] * out[n,k] (or the plain sum when
+        ``weighted=False``, for weights already applied on the expert side).
+
+        expert_out: [M, H] with M = res.tokens.shape[0]; padding rows are ignored.
+        Returns [N, H] in expert_out's dtype, summed in fp32 in a fixed order.
+        """
+        if expert_out.dim() != 2 or expert_out.shape[0] != res.tokens.shape[0]:
+            raise InvalidInputError(f"expert_out must be [{res.tokens.shape[0]}, H] (one row per res.tokens row), "
+                                    f"got {tuple(expert_out.shape)}")
+        if not expert_out.is_floating_point():
+            raise InvalidInputError(f"expert_out must be floating point, got {expert_out.dtype}")
+        weights = res.weights if weighted else None
+        res.combine_stats = res.route.stats([expert_out.shape[1] * expert_out.element_size()] * len(res.route.hops),
+                                            self.groups.ep_rank, self.groups.domain_size, backward=True)
+        return _CombineFunction.apply(expert_out, weights, res.route)
+
+    # ---------------------------------------------------------------- backend hooks
+    def _plan_source(self, topk_idx: torch.Tensor):
+        """Local work before any exchange: (counts [P, C] int64 to send each peer, state)."""
+        raise NotImplementedError
+
+    def _route(self, x, topk_weights, state, recv_counts, headers):
+        """Move rows and metadata; return (Route, last-level rows, the weight of each real
+        output row, bytes of one sent row per hop). The Route comes from `_finish_route`."""
+        raise NotImplementedError
+
+    count_columns = 1
+
+    # ---------------------------------------------------------------- shared machinery
+    def _no_counts(self) -> torch.Tensor:
+        return torch.zeros(self.groups.ep_size, self.count_columns, dtype=torch.int64, device=self.groups.device)
+
+    def _exchange_control(self, counts: torch.Tensor, header: list, message: str | None):
+        """All-to-all of counts plus header; raise on every rank if any rank is in error."""
+        p = self.groups.ep_size
+        head = torch.tensor(header, dtype=torch.int64, device=counts.device).expand(p, -1)
+        recv = all_to_all_rows(torch.cat([counts, head], 1), [1] * p, [1] * p, self.groups.ep_group)
+        recv_counts, headers = recv[:, :counts.shape[1]], recv[:, counts.shape[1]:]
+        errors = headers[:, H_ERROR].tolist()
+        if any(errors):
+            if message:
+                raise InvalidInputError(message)
+            bad = ", ".join(f"EP rank {r} ({ERROR_KINDS.get(c, c)})" for r, c in enumerate(errors) if c)
+            raise InvalidInputError(f"{self.name} dispatch aborted on EP rank {self.groups.ep_rank}: invalid input "
+                                    f"on {bad}; see the error raised on that rank")
+        for field in (H_HIDDEN, H_TOPK, H_DTYPE, H_XGRAD, H_WGRAD):
+            values = headers[:, field].tolist()
+            if len(set(values)) > 1:
+                shown = ", ".join(f"rank {r}={v}" for r, v in enumerate(values))
+                raise InvalidInputError(f"{self.name} dispatch: {HEADER[field]} differs across EP ranks ({shown}); "
+                                        "every rank must call dispatch with the same hidden size, top-k, dtype and "
+                                        "requires_grad")
+        return recv_counts, headers
+
+    def _check_inputs(self, x, topk_idx, topk_weights) -> tuple[int, str | None]:
+        """(error kind, message) for this rank's inputs; (0, None) when valid."""
+        where = f"{self.name} dispatch on EP rank {self.groups.ep_rank}"
+        if x.dim() != 2:
+            return 1, f"{where}: x must be [N, H], got shape {tuple(x.shape)}"
+        if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
+            return 1, f"{where}: topk_idx must be [N={x.shape[0]}, K], got {tuple(topk_idx.shape)}"
+        if topk_weights.shape != topk_idx.shape:
+            return 1, (f"{where}: topk_weights {tuple(topk_weights.shape)} must have the shape of topk_idx "
+                       f"{tuple(topk_idx.shape)} (same N and K)")
+        if self.hidden is not None and x.shape[1] != self.hidden:
+            return 1, f"{where}: x has hidden size {x.shape[1]} but the dispatcher was built with hidden={self.hidden}"
+        if x.dtype not in DTYPE_CODES:
+            return 2, f"{where}: x must be float32, bfloat16, float16 or float64, got {x.dtype}"
+        if topk_idx.dtype.is_floating_point or topk_idx.dtype == torch.bool or topk_idx.is_complex():
+            return 2, f"{where}: topk_idx must be an integer tensor (int64), got {topk_idx.dtype}"
+        if not topk_weights.is_floating_point():
+            return 2, f"{where}: topk_weights must be floating point, got {topk_weights.dtype}"
+        for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if t.device != self.groups.device:
+                return 3, (f"{where}: {name} is on {t.device} but this EP group communicates on "
+                           f"{self.groups.device}; move it with .to('{self.groups.device}')")
+        if topk_idx.numel():
+            low, high = int(topk_idx.min()), int(topk_idx.max())
+            if low < -1 or high >= self.num_experts:
+                return 4, (f"{where}: topk_idx values must be in [-1, {self.num_experts}) (num_experts="
+                           f"{self.num_experts}, -1 = no expert), found {low if low < -1 else high}")
+        if not bool(torch.isfinite(topk_weights).all()):
+            return 5, f"{where}: topk_weights holds NaN or Inf; check the router output"
+        return 0, None
+
+    def _padded_counts(self, real: torch.Tensor, headers: torch.Tensor) -> torch.Tensor:
+        rows = real
+        if self.pad_to_capacity:
+            topk = int(headers[0, H_TOPK])
+            cap = sum(expert_capacity(int(n), topk, self.num_experts, self.capacity_factor)
+                      for n in headers[:, H_TOKENS].tolist())
+            rows = torch.full_like(real, cap)
+        a = self.expert_alignment
+        return (rows + a - 1) // a * a
+
+    def _finish_route(self, hops: list, row, k, expert, num_src: int, num_slots: int, headers) -> Route:
+        """Append the local hop that expands the ``num_src`` received rows into padded,
+        expert-major output rows. row, k, expert: int64 [M_real] in output order."""
+        real = torch.bincount(expert, minlength=self.num_local_experts)
+        padded = self._padded_counts(real, headers)
+        last = Hop(index=row, slot=copy_slots(row, num_src), num_src=num_src, num_slots=max(1, num_slots))
+        if not torch.equal(padded, real):
+            real_start = torch.cumsum(real, 0) - real
+            pad_start = torch.cumsum(padded, 0) - padded
+            position = torch.arange(row.numel(), device=row.device) - real_start[expert]
+            last.out_pos = pad_start[expert] + position
+            last.out_rows = int(padded.sum())
+        return Route(hops=[*hops, last], row_k=k, row_expert=expert, tokens_per_expert=padded,
+                     real_tokens_per_expert=real, topk=int(headers[0, H_TOPK]))
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(ep_size={self.groups.ep_size}, domain_size={self.groups.domain_size}, "
+                f"num_experts={self.num_experts}, expert_alignment={self.expert_alignment}, "
+                f"capacity_factor={self.capacity_factor})")
+
+
+class _DispatchFunction(torch.autograd.Function):
+    """Attaches precomputed dispatch outputs to the graph; backward is the route's transpose."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, route, tokens, weights):
+        ctx.route = route
+        ctx.x_dtype = x.dtype
+        return tokens, weights
+
+    @staticmethod
+    def backward(ctx, grad_tokens, grad_weights):
+        # needs_input_grad agrees across ranks (checked in dispatch), so all ranks run the same
+        # collectives here.
+        route = ctx.route
+        grad_x = route.transpose(grad_tokens, out_dtype=ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        grad_w = route.weights_transpose(grad_weights) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None, None
+
+
+class _CombineFunction(torch.autograd.Function):
+    """y = route^T(w * out); backward dispatches grad_y along the route (one exchange)."""
+
+    @staticmethod
+    def forward(ctx, expert_out, weights, route):
+        ctx.route = route
+        ctx.save_for_backward(expert_out, weights)
+        return route.transpose(expert_out, weights)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        expert_out, weights = ctx.saved_tensors
+        grad_rows = ctx.route.forward(grad_y.contiguous())
+        if weights is None:
+            return grad_rows.to(expert_out.dtype), None, None
+        acc = torch.promote_types(torch.float32, weights.dtype)
+        grad_out = (grad_rows.to(acc) * weights.to(acc).unsqueeze(1)).to(expert_out.dtype)
+        grad_w = (grad_rows.to(acc) * expert_out.to(acc)).sum(1).to(weights.dtype)
+        return grad_out, grad_w, None

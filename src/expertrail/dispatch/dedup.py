@@ -1,0 +1,44 @@
+"""``dedup``: one row per (token, destination rank), as DeepEP's intranode normal mode.
+
+The receiver expands each row to its local experts; combine sums a token's local experts on
+the expert side before the single row goes back.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..routing import token_membership
+from .base import Dispatcher, bits_weight, copy_slots, expand_local, weight_bits
+from .route import Hop
+
+
+def local_ids_for(topk_idx, dest_rank, rank_of_expert, local_of_expert):
+    """int64 [R, K]: local expert id on ``dest_rank [R]`` of each slot of ``topk_idx [R, K]``,
+    -1 where the slot's expert lives elsewhere (or the slot is empty)."""
+    safe = topk_idx.clamp(min=0)
+    mine = (topk_idx >= 0) & (rank_of_expert[safe] == dest_rank.unsqueeze(1))
+    return torch.where(mine, local_of_expert[safe], torch.full_like(topk_idx, -1))
+
+
+class DedupDispatcher(Dispatcher):
+    name = "dedup"
+
+    def _plan_source(self, topk_idx):
+        member = token_membership(topk_idx, self.rank_of_expert, self.groups.ep_size)   # [N, P]
+        return member.sum(0).unsqueeze(1), (topk_idx, member)
+
+    def _route(self, x, topk_weights, state, recv_counts, headers):
+        topk_idx, member = state
+        g = self.groups
+        n, topk = topk_idx.shape
+        dest, token = torch.nonzero(member.t()).unbind(1)                    # (rank, token) order
+        hop = Hop(index=token, slot=copy_slots(token, n), num_src=n, num_slots=max(1, min(topk, g.ep_size)),
+                  group=g.ep_group, send_splits=member.sum(0).tolist(), recv_splits=recv_counts[:, 0].tolist(),
+                  peers=list(range(g.ep_size)))
+        local = local_ids_for(topk_idx[token], dest, self.rank_of_expert, self.local_of_expert)
+        meta = torch.cat([local, weight_bits(topk_weights[token])], 1)
+        rows, meta = hop.forward(x), hop.exchange(meta)
+        row, k, expert = expand_local(meta[:, :topk])                         # rows came (source, token)
+        route = self._finish_route([hop], row, k, expert, rows.shape[0], min(topk, self.num_local_experts), headers)
+        weights = bits_weight(meta[:, topk:][row, k], topk_weights.dtype)
+        return route, rows, weights, [x.shape[1] * x.element_size() + 16 * topk, 0]

@@ -1,0 +1,252 @@
+"""Routes: the linear maps that carry rows from tokens to expert rows and back.
+
+Every backend moves data the same way, only the steps differ. A `Route` is a list of `Hop`s:
+each hop gathers rows of the previous level (a row may be taken several times: one copy per
+destination) and, for a communicating hop, exchanges them with one all-to-all (or all-gather).
+The last hop is local: it expands the received rows into expert-major rows, with padding.
+
+Dispatch applies the hops forward. Combine applies their transpose: each hop's all-to-all
+runs backwards and the copies of a row are summed back into it, in fp32 and in a fixed slot
+order, so results are reproducible bit for bit. The autograd of dispatch is combine's
+transpose and vice versa, so gradients need no extra code per backend.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..topology import all_gather_single
+
+LINK_CLASSES = ("self", "intra", "inter")
+
+
+
+@dataclass
+class TransferStats:
+    """What this rank handed to collectives in one operation, per link class.
+
+    ``bytes`` and ``rows`` count the payload rows with their metadata, as sent; link classes are
+    ``self`` (to this rank), ``intra`` (another rank of its domain) and ``inter`` (another
+    domain). ``control_bytes`` counts the small count/flag exchanges that size the transfers.
+    """
+
+    bytes: dict = field(default_factory=lambda: dict.fromkeys(LINK_CLASSES, 0))
+    rows: dict = field(default_factory=lambda: dict.fromkeys(LINK_CLASSES, 0))
+    control_bytes: int = 0
+
+    def add(self, link: str, rows: int, row_bytes: int) -> None:
+        self.rows[link] += rows
+        self.bytes[link] += rows * row_bytes
+
+    @property
+    def remote_bytes(self) -> int:
+        return self.bytes["intra"] + self.bytes["inter"]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+@dataclass
+class Hop:
+    """Gather rows of the previous level, then exchange them over ``group``.
+
+    index:  int64 [R] row of the previous level that each sent row copies, grouped by peer
+    slot:   int64 [R] which copy of its source row this is, in [0, num_slots): the order in
+            which copies are summed back
+    num_src: rows of the previous level; num_slots: most copies of one source row
+    send_splits / recv_splits: rows per peer of ``group`` (None: a local hop, no exchange)
+    peers: EP rank of each member of ``group`` (for link classes)
+    gathered: the exchange is an all-gather (every peer gets the same ``num_src`` rows)
+    out_pos / out_rows: for the last hop, where each row lands in the padded output
+    """
+
+    index: torch.Tensor
+    slot: torch.Tensor
+    num_src: int
+    num_slots: int
+    group: object = None
+    send_splits: list | None = None
+    recv_splits: list | None = None
+    peers: list | None = None
+    gathered: bool = False
+    out_pos: torch.Tensor | None = None
+    out_rows: int | None = None
+
+    @property
+    def local(self) -> bool:
+        return self.group is None
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """[num_src, C] -> rows received (or, for the last hop, the padded output)."""
+        if self.local:
+            return self.place(rows.index_select(0, self.index))
+        return self.exchange(rows if self.gathered else rows.index_select(0, self.index))
+
+    def exchange(self, sent: torch.Tensor) -> torch.Tensor:
+        """Exchange rows already laid out as sent ([R, C], or [num_src, C] for an all-gather)."""
+        if self.gathered:
+            return all_gather_rows(sent, self.recv_splits, self.group)
+        return all_to_all_rows(sent, self.send_splits, self.recv_splits, self.group)
+
+    def place(self, rows: torch.Tensor) -> torch.Tensor:
+        """Real output rows [M_real, ...] -> padded output [M, ...] (zeros on padding)."""
+        if self.out_pos is None:
+            return rows
+        out = rows.new_zeros(self.out_rows, *rows.shape[1:])
+        return out.index_copy_(0, self.out_pos, rows)
+
+    def transpose(self, rows: torch.Tensor, weights: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Received rows [sum(recv), C] -> [num_src, C]: copies summed (fp32) per source row.
+
+        ``weights [rows]`` scale each copy before the sum (the last hop of a weighted combine).
+        """
+        if self.local:
+            if self.out_pos is not None:
+                rows = rows.index_select(0, self.out_pos)
+                weights = None if weights is None else weights.index_select(0, self.out_pos)
+        else:
+            rows = all_to_all_rows(rows, self.recv_splits, self.send_splits, self.group)
+        return reduce_rows(rows, self.index, self.slot, self.num_src, self.num_slots, weights,
+                           out_dtype or rows.dtype)
+
+    def add_stats(self, stats: TransferStats, row_bytes: int, my_rank: int, domain_size: int,
+                  backward: bool = False) -> None:
+        """Count the rows this hop sends (forward) or sends back (transpose)."""
+        if self.local:
+            return
+        splits = self.recv_splits if backward else self.send_splits
+        if self.gathered and not backward:
+            splits = [max(self.recv_splits)] * len(self.peers)   # all-gather sends padded rows
+        for peer, count in zip(self.peers, splits):
+            stats.add(link_class(my_rank, peer, domain_size), count, row_bytes)
+
+
+def link_class(me: int, peer: int, domain_size: int) -> str:
+    if peer == me:
+        return "self"
+    return "intra" if peer // domain_size == me // domain_size else "inter"
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for 16-bit floats and fp32, fp64 stays fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def reduce_rows(rows: torch.Tensor, index: torch.Tensor, slot: torch.Tensor, num_out: int,
+                num_slots: int, weights: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """out[i] = sum over s (ascending) of weights * rows[j] where index[j] == i and slot[j] == s.
+
+    rows [R, C], index/slot int64 [R], weights [R] or None -> [num_out, C] in ``out_dtype``.
+    Accumulates in fp32 (fp64 for fp64) in slot order, never with atomics: deterministic.
+    """
+    width = rows.shape[1]
+    if num_slots == 1 and weights is None:
+        out = rows.new_zeros(num_out, width)
+        return out.index_copy_(0, index, rows).to(out_dtype)
+    acc_dtype = accumulation_dtype(rows.dtype)
+    pos = index * num_slots + slot
+    dense = rows.new_zeros(num_out * num_slots, width).index_copy_(0, pos, rows).view(num_out, num_slots, width)
+    if weights is None:
+        acc = dense[:, 0].to(acc_dtype)
+        for s in range(1, num_slots):
+            acc += dense[:, s]
+        return acc.to(out_dtype)
+    dense_w = torch.zeros(num_out * num_slots, 1, dtype=acc_dtype, device=rows.device)
+    dense_w.index_copy_(0, pos, weights.to(acc_dtype).unsqueeze(1))
+    dense_w = dense_w.view(num_out, num_slots, 1)
+    acc = dense[:, 0] * dense_w[:, 0]
+    for s in range(1, num_slots):
+        acc.addcmul_(dense[:, s], dense_w[:, s])
+    return acc.to(out_dtype)
+
+
+def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, group) -> torch.Tensor:
+    """Send ``rows [sum(send_splits), C]`` in per-peer blocks; return [sum(recv_splits), C]."""
+    if len(send_splits) == 1:       # a group of one: nothing to exchange
+        return rows
+    out = rows.new_empty(sum(recv_splits), *rows.shape[1:])
+    dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
+def all_gather_rows(rows: torch.Tensor, counts: list, group) -> torch.Tensor:
+    """Every peer's rows, concatenated in peer order: [sum(counts), C] (padded transfer)."""
+    if len(counts) == 1:
+        return rows
+    most = max(counts)
+    padded = rows.new_zeros(most, *rows.shape[1:])
+    padded[:rows.shape[0]] = rows
+    out = rows.new_empty(len(counts) * most, *rows.shape[1:])
+    all_gather_single(out, padded, group=group)
+    if all(c == most for c in counts):
+        return out
+    keep = torch.cat([torch.arange(p * most, p * most + c, device=rows.device) for p, c in enumerate(counts)])
+    return out.index_select(0, keep)
+
+
+@dataclass
+class Route:
+    """The hops of one dispatch plus what the last level's rows carry.
+
+    hops: communicating hops then the last (local, expanding) hop
+    row_k / row_expert: int64 [M_real] top-k slot and local expert of each real expert row
+    tokens_per_expert / real_tokens_per_expert: int64 [E_local] rows with and without padding
+    topk: K
+    """
+
+    hops: list
+    row_k: torch.Tensor
+    row_expert: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    real_tokens_per_expert: torch.Tensor
+    topk: int
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """[N, C] -> expert rows [M, C] (dispatch)."""
+        for hop in self.hops:
+            rows = hop.forward(rows)
+        return rows
+
+    def place(self, rows: torch.Tensor) -> torch.Tensor:
+        """Real output rows [M_real, ...] -> padded output [M, ...] (zeros on padding)."""
+        if self.out_pos is None:
+            return rows
+        out = rows.new_zeros(self.out_rows, *rows.shape[1:])
+        return out.index_copy_(0, self.out_pos, rows)
+
+    def transpose(self, rows: torch.Tensor, weights: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Expert rows [M, C] -> [N, C]: sum of each token's rows (combine), ``weights [M]``
+        applied in fp32 at the expert side."""
+        dtype = rows.dtype
+        last, *earlier = reversed(self.hops)
+        rows = last.transpose(rows, weights, dtype)
+        for hop in earlier:
+            rows = hop.transpose(rows, None, dtype)
+        return rows.to(out_dtype or dtype)
+
+    def weights_transpose(self, grad_weights: torch.Tensor) -> torch.Tensor:
+        """Gradient of the expert-row weights [M] -> gradient of ``topk_weights [N, K]``.
+
+        Each row of the last level gets a K-wide vector with the gradient in its top-k column;
+        summing them back along the route is exact since each (token, k) occurs once.
+        """
+        last = self.hops[-1]
+        real = grad_weights if last.out_pos is None else grad_weights.index_select(0, last.out_pos)
+        per_row = torch.zeros(last.index.numel(), self.topk, dtype=grad_weights.dtype, device=grad_weights.device)
+        per_row[torch.arange(per_row.shape[0], device=per_row.device), self.row_k] = real
+        level = reduce_rows(per_row, last.index, last.slot, last.num_src, last.num_slots, None, per_row.dtype)
+        for hop in reversed(self.hops[:-1]):
+            level = hop.transpose(level)
+        return level
+
+    def stats(self, row_bytes: list, my_rank: int, domain_size: int, backward: bool = False) -> TransferStats:
+        """Transfer stats; ``row_bytes[i]`` is the size of a row sent by hop i."""
+        stats = TransferStats()
+        for hop, size in zip(self.hops, row_bytes):
+            hop.add_stats(stats, size, my_rank, domain_size, backward)
+        return stats

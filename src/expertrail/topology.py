@@ -1,0 +1,173 @@
+"""EPGroups: the expert-parallel process groups and the placement of experts on them.
+
+Ranks are laid out EP-innermost: with world W and EP size P, EP group g holds global ranks
+``[g*P, (g+1)*P)`` of the parent group. Inside an EP group, EP rank r lives in domain
+``r // domain_size`` at local index ``r % domain_size``; its rail group is the ranks with the
+same local index in every domain of its EP group (they share a NIC rail).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError, ConfigMismatchError
+
+DOMAIN_SIZE_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
+# torch 2.13 renamed all_gather_into_tensor; keep working on older releases.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def default_domain_size(ep_size: int) -> int:
+    """Ranks per fast-link domain when the caller gives none.
+
+    ``NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN`` if set (the Hybrid-EP setting), else torchrun's
+    ``LOCAL_WORLD_SIZE`` (GPUs of one node share NVLink), else the whole EP group.
+    """
+    for name in (DOMAIN_SIZE_ENV, "LOCAL_WORLD_SIZE"):
+        value = os.environ.get(name)
+        if value:
+            try:
+                size = int(value)
+            except ValueError:
+                raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+            if name == "LOCAL_WORLD_SIZE" and ep_size % size:
+                continue  # a node larger than the EP group, or not aligned with it: not a domain
+            return min(size, ep_size)
+    return ep_size
+
+
+def _group_device(group) -> torch.device:
+    """The device collectives of ``group`` take tensors on (NCCL: this rank's GPU)."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_ints(values: list[int], group, device: torch.device) -> list[list[int]]:
+    """Gather a short list of ints from every rank of ``group``: result[rank] = that rank's list."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    out = torch.empty(dist.get_world_size(group) * len(values), dtype=torch.int64, device=device)
+    all_gather_single(out, mine, group=group)
+    return out.view(-1, len(values)).tolist()
+
+
+def check_same_on_all_ranks(fields: dict[str, int], group, device: torch.device, what: str) -> None:
+    """Raise ConfigMismatchError on every rank if any field differs between ranks of ``group``."""
+    names = list(fields)
+    table = all_gather_ints([int(fields[n]) for n in names], group, device)
+    differing = [i for i, n in enumerate(names) if len({row[i] for row in table}) > 1]
+    if differing:
+        lines = [f"  {names[i]}: " + ", ".join(f"rank {r}={row[i]}" for r, row in enumerate(table))
+                 for i in differing]
+        raise ConfigMismatchError(
+            f"{what} was built with different settings on different ranks; every rank of the "
+            "group must pass the same values:\n" + "\n".join(lines))
+
+
+@dataclass(eq=False)
+class EPGroups:
+    """Process groups of expert parallelism for this rank.
+
+    Attributes:
+        ep_group / ep_size / ep_rank: the ranks that share the experts, and this rank in it.
+        ep_ranks: global ranks (of the default group) of the EP group, by EP rank.
+        domain_group / domain_size / domain_rank: this rank's fast-link domain and its local
+            index in it. ``domain_index`` is the domain's number inside the EP group.
+        rail_group: the ranks of the EP group with this rank's local index, one per domain,
+            ordered by domain.
+        device: the device tensors must be on for these groups (cpu for gloo, cuda for nccl).
+    """
+
+    ep_group: object
+    ep_size: int
+    ep_rank: int
+    ep_ranks: tuple[int, ...]
+    domain_group: object
+    domain_size: int
+    rail_group: object
+    device: torch.device
+
+    @property
+    def num_domains(self) -> int:
+        return self.ep_size // self.domain_size
+
+    @property
+    def domain_index(self) -> int:
+        return self.ep_rank // self.domain_size
+
+    @property
+    def domain_rank(self) -> int:
+        return self.ep_rank % self.domain_size
+
+    def domain_of(self, ep_rank: int) -> int:
+        """Domain number of an EP rank."""
+        return ep_rank // self.domain_size
+
+    def num_local_experts(self, num_experts: int) -> int:
+        """Experts per EP rank; raises ConfigError unless ``num_experts % ep_size == 0``."""
+        if num_experts <= 0 or num_experts % self.ep_size:
+            raise ConfigError(
+                f"num_experts={num_experts} must be a positive multiple of ep_size={self.ep_size}; "
+                f"choose num_experts in {{{self.ep_size}, {2 * self.ep_size}, ...}} or another ep_size")
+        return num_experts // self.ep_size
+
+    def experts_of(self, ep_rank: int, num_experts: int) -> range:
+        """Global expert ids held by ``ep_rank`` (contiguous placement)."""
+        local = self.num_local_experts(num_experts)
+        return range(ep_rank * local, (ep_rank + 1) * local)
+
+    def rank_of_expert(self, num_experts: int) -> torch.Tensor:
+        """int64 [E]: EP rank holding each expert."""
+        local = self.num_local_experts(num_experts)
+        return torch.arange(num_experts, device=self.device) // local
+
+    @classmethod
+    def from_default(cls, ep_size: int | None = None, domain_size: int | None = None,
+                     group=None) -> "EPGroups":
+        """Build the groups from the default process group or ``group``.
+
+        Every rank of the default process group must call this with the same arguments (new
+        groups are collective). ``ep_size`` defaults to the size of ``group``; an EP size
+        smaller than it gives several EP groups side by side. ``domain_size`` defaults to
+        `default_domain_size`.
+        """
+        if not dist.is_initialized():
+            raise ConfigError("torch.distributed is not initialized: call "
+                              "torch.distributed.init_process_group(...) first, or use expertrail.launch")
+        group = group if group is not None else dist.group.WORLD
+        world = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        device = _group_device(group)
+        ep_size = world if ep_size is None else int(ep_size)
+        domain_size = default_domain_size(ep_size) if domain_size is None else int(domain_size)
+        # Agree on the sizes before any group is created: differing sizes would hang new_group.
+        check_same_on_all_ranks({"ep_size": ep_size, "domain_size": domain_size}, group, device,
+                                "EPGroups")
+        if ep_size < 1 or world % ep_size:
+            raise ConfigError(f"ep_size={ep_size} must divide the group size {world}")
+        if domain_size < 1 or ep_size % domain_size:
+            hint = (f" (taken from {DOMAIN_SIZE_ENV})" if os.environ.get(DOMAIN_SIZE_ENV) else "")
+            raise ConfigError(f"domain_size={domain_size}{hint} must divide ep_size={ep_size}; "
+                              "set it to the number of ranks joined by the fast link")
+        parent = dist.get_process_group_ranks(group)
+        ep_lists = [parent[g * ep_size:(g + 1) * ep_size] for g in range(world // ep_size)]
+        domain_lists = [ranks[d * domain_size:(d + 1) * domain_size]
+                        for ranks in ep_lists for d in range(ep_size // domain_size)]
+        rail_lists = [ranks[l::domain_size] for ranks in ep_lists for l in range(domain_size)]
+        ep_group = group if len(ep_lists) == 1 else _subgroup(ep_lists)
+        domain_group = ep_group if domain_size == ep_size else _subgroup(domain_lists)
+        rail_group = ep_group if domain_size == 1 else _subgroup(rail_lists)
+        ep_ranks = tuple(ep_lists[rank // ep_size])
+        return cls(ep_group=ep_group, ep_size=ep_size, ep_rank=rank % ep_size, ep_ranks=ep_ranks,
+                   domain_group=domain_group, domain_size=domain_size, rail_group=rail_group,
+                   device=device)
+
+
+def _subgroup(rank_lists: list[list[int]]):
+    """This rank's group among disjoint ``rank_lists`` (every rank must call it)."""
+    mine, _ = dist.new_subgroups_by_enumeration(rank_lists)
+    return mine
