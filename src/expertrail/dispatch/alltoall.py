@@ -31,7 +31,7 @@ class AllToAllDispatcher(Dispatcher):
         token = slots // topk
         hop = Hop(index=token, slot=copy_slots(token, x.shape[0]), num_src=x.shape[0], num_slots=max(topk, 1),
                   group=g.ep_group, send_splits=send_splits, recv_splits=recv_counts[:, 0].tolist(),
-                  peers=list(range(g.ep_size)))
+                  peers=list(range(g.ep_size)), meta_bytes=16)
         # A row carries (local expert * K + k) and its weight.
         meta = torch.stack([self.local_of_expert[experts] * topk + slots % topk,
                             weight_bits(topk_weights.reshape(-1)[slots])], 1)
@@ -40,4 +40,4 @@ class AllToAllDispatcher(Dispatcher):
         order = torch.sort(expert, stable=True).indices           # rows came (source, expert, n, k)
         route = self._finish_route([hop], order, k[order], expert[order], rows.shape[0], 1, headers)
         weights = bits_weight(meta[order, 1], topk_weights.dtype)
-        return route, rows, weights, [x.shape[1] * x.element_size() + 16, 0]
+        return route, rows, weights

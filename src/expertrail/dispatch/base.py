@@ -149,9 +149,8 @@ class Dispatcher:
                   int(grad and x.requires_grad), int(grad and topk_weights.requires_grad), error]
         recv_counts, headers = self._exchange_control(counts, header, message)
         with torch.no_grad():
-            route, rows, row_weights, row_bytes = self._route(x.detach(), topk_weights.detach(), state,
-                                                              recv_counts, headers)
-        stats = route.stats(row_bytes, self.groups.ep_rank, self.groups.domain_size)
+            route, rows, row_weights = self._route(x.detach(), topk_weights.detach(), state, recv_counts, headers)
+        stats = route.stats(x.shape[1] * x.element_size(), self.groups.ep_rank, self.groups.domain_size)
         stats.control_bytes = recv_counts.numel() * 8 + headers.numel() * 8
         last = route.hops[-1]
         tokens = last.forward(rows)
@@ -175,8 +174,8 @@ class Dispatcher:
         if not expert_out.is_floating_point():
             raise InvalidInputError(f"expert_out must be floating point, got {expert_out.dtype}")
         weights = res.weights if weighted else None
-        res.combine_stats = res.route.stats([expert_out.shape[1] * expert_out.element_size()] * len(res.route.hops),
-                                            self.groups.ep_rank, self.groups.domain_size, backward=True)
+        res.combine_stats = res.route.stats(expert_out.shape[1] * expert_out.element_size(), self.groups.ep_rank,
+                                            self.groups.domain_size, backward=True)
         return _CombineFunction.apply(expert_out, weights, res.route)
 
     # ---------------------------------------------------------------- backend hooks
@@ -186,7 +185,7 @@ class Dispatcher:
 
     def _route(self, x, topk_weights, state, recv_counts, headers):
         """Move rows and metadata; return (Route, last-level rows, the weight of each real
-        output row, bytes of one sent row per hop). The Route comes from `_finish_route`."""
+        output row). The Route comes from `_finish_route`."""
         raise NotImplementedError
 
     count_columns = 1

@@ -34,11 +34,11 @@ class DedupDispatcher(Dispatcher):
         dest, token = torch.nonzero(member.t()).unbind(1)                    # (rank, token) order
         hop = Hop(index=token, slot=copy_slots(token, n), num_src=n, num_slots=max(1, min(topk, g.ep_size)),
                   group=g.ep_group, send_splits=member.sum(0).tolist(), recv_splits=recv_counts[:, 0].tolist(),
-                  peers=list(range(g.ep_size)))
+                  peers=list(range(g.ep_size)), meta_bytes=16 * topk)
         local = local_ids_for(topk_idx[token], dest, self.rank_of_expert, self.local_of_expert)
         meta = torch.cat([local, weight_bits(topk_weights[token])], 1)
         rows, meta = hop.forward(x), hop.exchange(meta)
         row, k, expert = expand_local(meta[:, :topk])                         # rows came (source, token)
         route = self._finish_route([hop], row, k, expert, rows.shape[0], min(topk, self.num_local_experts), headers)
         weights = bits_weight(meta[:, topk:][row, k], topk_weights.dtype)
-        return route, rows, weights, [x.shape[1] * x.element_size() + 16 * topk, 0]
+        return route, rows, weights

@@ -41,7 +41,7 @@ class HierarchicalDispatcher(Dispatcher):
         hop1 = Hop(index=token, slot=copy_slots(token, n), num_src=n, num_slots=max(1, min(topk, g.num_domains)),
                    group=g.rail_group, send_splits=in_domain.sum(0).tolist(),
                    recv_splits=recv_counts[g.domain_rank::size, 1].tolist(),
-                   peers=[d * size + g.domain_rank for d in range(g.num_domains)])
+                   peers=[d * size + g.domain_rank for d in range(g.num_domains)], meta_bytes=8 * (2 + 2 * topk))
         ids = topk_idx[token]
         mask = (ids >= 0) & (self.rank_of_expert[ids.clamp(min=0)] // size == domain.unsqueeze(1))
         meta = torch.cat([torch.full_like(token, me).unsqueeze(1), token.unsqueeze(1),
@@ -56,7 +56,7 @@ class HierarchicalDispatcher(Dispatcher):
         hop2 = Hop(index=row1, slot=copy_slots(row1, rows.shape[0]), num_src=rows.shape[0],
                    num_slots=max(1, min(topk, size)), group=g.domain_group, send_splits=member.sum(0).tolist(),
                    recv_splits=recv_counts[:, 0].view(g.num_domains, size).sum(0).tolist(),
-                   peers=[first + r for r in range(size)])
+                   peers=[first + r for r in range(size)], meta_bytes=8 * (2 + 2 * topk))
         local = local_ids_for(ids[row1], first + local_rank, self.rank_of_expert, self.local_of_expert)
         meta2 = torch.cat([meta[row1, :2], local, meta[row1, 2 + topk:]], 1)
         rows, meta2 = hop2.forward(rows), hop2.exchange(meta2)
@@ -67,5 +67,4 @@ class HierarchicalDispatcher(Dispatcher):
         route = self._finish_route([hop1, hop2], row, k, expert, rows.shape[0],
                                    min(topk, self.num_local_experts), headers)
         weights = bits_weight(meta2[:, 2 + topk:][row, k], topk_weights.dtype)
-        row_bytes = x.shape[1] * x.element_size() + 8 * (2 + 2 * topk)
-        return route, rows, weights, [row_bytes, row_bytes, 0]
+        return route, rows, weights

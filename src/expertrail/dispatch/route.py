@@ -61,6 +61,7 @@ class Hop:
     peers: EP rank of each member of ``group`` (for link classes)
     gathered: the exchange is an all-gather (every peer gets the same ``num_src`` rows)
     out_pos / out_rows: for the last hop, where each row lands in the padded output
+    meta_bytes: metadata bytes sent with each row on the way out (ids, weights, sources)
     """
 
     index: torch.Tensor
@@ -74,6 +75,7 @@ class Hop:
     gathered: bool = False
     out_pos: torch.Tensor | None = None
     out_rows: int | None = None
+    meta_bytes: int = 0
 
     @property
     def local(self) -> bool:
@@ -113,11 +115,12 @@ class Hop:
         return reduce_rows(rows, self.index, self.slot, self.num_src, self.num_slots, weights,
                            out_dtype or rows.dtype)
 
-    def add_stats(self, stats: TransferStats, row_bytes: int, my_rank: int, domain_size: int,
+    def add_stats(self, stats: TransferStats, payload_bytes: int, my_rank: int, domain_size: int,
                   backward: bool = False) -> None:
-        """Count the rows this hop sends (forward) or sends back (transpose)."""
+        """Count the rows this hop sends (forward, with metadata) or sends back (transpose)."""
         if self.local:
             return
+        row_bytes = payload_bytes if backward else payload_bytes + self.meta_bytes
         splits = self.recv_splits if backward else self.send_splits
         if self.gathered and not backward:
             splits = [max(self.recv_splits)] * len(self.peers)   # all-gather sends padded rows
@@ -244,9 +247,9 @@ class Route:
             level = hop.transpose(level)
         return level
 
-    def stats(self, row_bytes: list, my_rank: int, domain_size: int, backward: bool = False) -> TransferStats:
-        """Transfer stats; ``row_bytes[i]`` is the size of a row sent by hop i."""
+    def stats(self, payload_bytes: int, my_rank: int, domain_size: int, backward: bool = False) -> TransferStats:
+        """Transfer stats of dispatch (or of combine, ``backward``) for rows of ``payload_bytes``."""
         stats = TransferStats()
-        for hop, size in zip(self.hops, row_bytes):
-            hop.add_stats(stats, size, my_rank, domain_size, backward)
+        for hop in self.hops:
+            hop.add_stats(stats, payload_bytes, my_rank, domain_size, backward)
         return stats

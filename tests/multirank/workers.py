@@ -1,0 +1,271 @@
+"""Functions run on every rank by the multi-rank tests: fn(rank, world, ...)."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import expertrail as er
+from expertrail.reference import reference_dispatch, reference_moe
+from expertrail.routing import token_membership
+
+from scenarios import SCENARIOS, expert_fn, make_inputs, row_experts
+
+_GROUPS = {}
+
+
+def groups_for(ep_size=None, domain_size=None) -> er.EPGroups:
+    """EPGroups cached per (ep_size, domain_size): building groups is collective and slow."""
+    key = (ep_size, domain_size)
+    if key not in _GROUPS:
+        _GROUPS[key] = er.EPGroups.from_default(ep_size=ep_size, domain_size=domain_size)
+    return _GROUPS[key]
+
+
+def _ep_slice(groups, seq):
+    """The entries of ``seq`` (indexed by global rank) that belong to this rank's EP group."""
+    first = groups.ep_ranks[0]
+    return seq[first:first + groups.ep_size]
+
+
+def check_backend(rank, world, backend, ep_size, domain_size, hidden=8, num_experts=16, topk=4, seed=0):
+    """Every scenario x dtype: dispatch rows bitwise equal to the reference, combine close,
+    gradients of x and topk_weights equal to the reference's autograd. Returns #cases checked."""
+    groups = groups_for(ep_size, domain_size)
+    d = er.make_dispatcher(backend, groups, num_experts=num_experts, hidden=hidden)
+    local = num_experts // groups.ep_size
+    cases = 0
+    for scenario in SCENARIOS:
+        for dtype in (torch.float32, torch.bfloat16):
+            xs, idxs, ws = make_inputs(scenario, world, hidden, num_experts, topk, seed, dtype)
+            xs, idxs, ws = (_ep_slice(groups, v) for v in (xs, idxs, ws))
+            me = groups.ep_rank
+            x = xs[me].clone().requires_grad_()
+            w = ws[me].clone().requires_grad_()
+            res = d.dispatch(x, idxs[me], w)
+            ref_tokens, ref_counts, ref_weights = reference_dispatch(xs, idxs, ws, num_experts, groups.ep_size)[me]
+            assert torch.equal(res.tokens.detach(), ref_tokens), f"{scenario} {dtype}: rows differ"
+            assert torch.equal(res.tokens_per_expert, ref_counts)
+            assert torch.equal(res.weights.detach(), ref_weights)
+            out = expert_fn(res.tokens, row_experts(res, me, local))
+            y = d.combine(out, res)
+            assert y.dtype == dtype and y.shape == x.shape
+            # Reference forward and backward in fp64 over all ranks' inputs.
+            xr = [t.double().requires_grad_() for t in xs]
+            wr = [t.double().requires_grad_() for t in ws]
+            yr = reference_moe(xr, idxs, wr, expert_fn, num_experts)
+            tol = 1e-6 if dtype == torch.float32 else 2e-2
+            _assert_close(y.double(), yr[me].detach(), tol, f"{backend} {scenario} {dtype} combine")
+            g = torch.Generator().manual_seed(seed + 1)
+            cot = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in xs]
+            (y.double() * cot[me]).sum().backward()
+            sum((a * c).sum() for a, c in zip(yr, cot)).backward()
+            gtol = 1e-5 if dtype == torch.float32 else 5e-2
+            _assert_close(x.grad.double(), xr[me].grad, gtol, f"{backend} {scenario} {dtype} grad x")
+            _assert_close(w.grad.double(), wr[me].grad, gtol, f"{backend} {scenario} {dtype} grad w")
+            cases += 1
+    return cases
+
+
+def _assert_close(actual, expected, rel, what):
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    err = (actual - expected).abs().max().item() if expected.numel() else 0.0
+    assert err <= rel * max(scale, 1.0), f"{what}: max error {err:.3g} > {rel} x {max(scale, 1.0):.3g}"
+
+
+def dispatch_rows(rank, world, backend, domain_size, scenario, dtype=torch.float32, seed=3, **options):
+    """Dispatch and combine one scenario; return (tokens, tokens_per_expert, weights, y)."""
+    groups = groups_for(None, domain_size)
+    d = er.make_dispatcher(backend, groups, num_experts=16, **options)
+    xs, idxs, ws = make_inputs(scenario, world, 8, 16, 4, seed, dtype)
+    res = d.dispatch(xs[rank], idxs[rank], ws[rank])
+    y = d.combine(expert_fn(res.tokens, row_experts(res, rank, 16 // world)), res)
+    return res.tokens, res.tokens_per_expert, res.weights, y
+
+
+def check_options(rank, world, backend, domain_size, alignment, capacity_factor, drop_policy, pad):
+    """Alignment / capacity / pad-to-capacity against the reference, padding kept out of combine."""
+    groups = groups_for(None, domain_size)
+    num_experts, local = 16, 16 // world
+    d = er.make_dispatcher(backend, groups, num_experts=num_experts, expert_alignment=alignment,
+                           capacity_factor=capacity_factor, drop_policy=drop_policy, pad_to_capacity=pad)
+    xs, idxs, ws = make_inputs("random", world, 8, num_experts, 4, 5)
+    res = d.dispatch(xs[rank], idxs[rank], ws[rank])
+    ref = reference_dispatch(xs, idxs, ws, num_experts, world, expert_alignment=alignment,
+                             capacity_factor=capacity_factor, drop_policy=drop_policy, pad_to_capacity=pad)[rank]
+    assert torch.equal(res.tokens, ref[0]) and torch.equal(res.tokens_per_expert, ref[1])
+    assert torch.equal(res.weights, ref[2])
+    assert (res.tokens_per_expert % alignment == 0).all()
+    padding = torch.ones(res.tokens.shape[0], dtype=torch.bool)
+    starts = torch.cumsum(res.tokens_per_expert, 0) - res.tokens_per_expert
+    for e in range(local):   # mark real rows
+        padding[starts[e]:starts[e] + res.real_tokens_per_expert[e]] = False
+    assert (res.tokens[padding] == 0).all()
+    out = expert_fn(res.tokens, row_experts(res, rank, local))
+    out[padding] = 1e6                                     # must never reach combine
+    y = d.combine(out, res)
+    yref = reference_moe(xs, idxs, ws, expert_fn, num_experts, capacity_factor, drop_policy)[rank]
+    _assert_close(y.double(), yref.double(), 1e-6, "combine with options")
+    y_plain = d.combine(out, res, weighted=False)
+    yref_plain = reference_moe(xs, idxs, ws, expert_fn, num_experts, capacity_factor, drop_policy,
+                               weighted=False)[rank]
+    _assert_close(y_plain.double(), yref_plain.double(), 1e-6, "unweighted combine")
+    return int(padding.sum())
+
+
+def bytes_moved(rank, world, backend, domain_size, hidden=8, num_experts=16, topk=4):
+    """Dispatch/combine stats next to the minimum the algorithm promises, counted from routing."""
+    groups = groups_for(None, domain_size)
+    d = er.make_dispatcher(backend, groups, num_experts=num_experts)
+    xs, idxs, ws = make_inputs("random", world, hidden, num_experts, topk, 7)
+    idx = idxs[rank]
+    res = d.dispatch(xs[rank], idx, ws[rank])
+    d.combine(res.tokens, res)
+    rank_of_expert = torch.arange(num_experts) // (num_experts // world)
+    in_rank = token_membership(idx, rank_of_expert, world)                          # [N, P]
+    in_domain = in_rank.view(idx.shape[0], world // domain_size, domain_size).any(2)
+    my_domain = rank // domain_size
+    same_domain = (torch.arange(world) // domain_size) == my_domain
+    pairs = torch.stack([(idx == e).sum() for e in range(num_experts)])            # pairs per expert
+    pairs_per_rank = pairs.view(world, -1).sum(1)
+    return {
+        "stats": (res.stats.rows, res.stats.bytes, res.combine_stats.rows, res.combine_stats.bytes),
+        "row_bytes": hidden * 4,
+        "remote_pairs_intra": int(pairs_per_rank[same_domain].sum() - pairs_per_rank[rank]),
+        "remote_pairs_inter": int(pairs_per_rank[~same_domain].sum()),
+        "self_pairs": int(pairs_per_rank[rank]),
+        "ranks_intra": int(in_rank[:, same_domain].sum() - in_rank[:, rank].sum()),
+        "ranks_inter": int(in_rank[:, ~same_domain].sum()),
+        "ranks_self": int(in_rank[:, rank].sum()),
+        "remote_domains": int(in_domain.sum() - in_domain[:, my_domain].sum()),
+        "num_tokens": [x.shape[0] for x in xs],
+    }
+
+
+def dist_gradcheck(rank, world, backend, domain_size, eps=1e-6):
+    """Finite differences of a global scalar loss against autograd, in fp64, in lockstep:
+    at each step one rank perturbs one input element and every rank runs forward."""
+    groups = groups_for(None, domain_size)
+    num_experts, topk = 8, 3
+    d = er.make_dispatcher(backend, groups, num_experts=num_experts)
+    xs, idxs, ws = make_inputs("random", world, 3, num_experts, topk, 11, torch.float64, zero_rank=2)
+    xs = [t[:2] for t in xs]
+    idxs = [t[:2] for t in idxs]
+    ws = [t[:2].double() for t in ws]
+    local = num_experts // world
+    cot = torch.randn(xs[rank].shape, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+
+    def loss(x, w):
+        res = d.dispatch(x, idxs[rank], w)
+        y = d.combine(expert_fn(res.tokens, row_experts(res, rank, local)), res)
+        mine = (y * cot).sum().reshape(1)
+        dist.all_reduce(mine)
+        return mine[0]
+
+    x = xs[rank].clone().requires_grad_()
+    w = ws[rank].clone().requires_grad_()
+    loss(x, w).backward()
+    analytic = torch.cat([x.grad.reshape(-1), w.grad.reshape(-1)])
+    sizes = [xs[r].numel() + ws[r].numel() for r in range(world)]
+    numeric = torch.zeros(sizes[rank], dtype=torch.float64)
+    with torch.no_grad():
+        for owner in range(world):
+            for i in range(sizes[owner]):
+                values = []
+                for sign in (1, -1):
+                    xp, wp = xs[rank].clone(), ws[rank].clone()
+                    if owner == rank:
+                        flat = torch.cat([xp.reshape(-1), wp.reshape(-1)])
+                        flat[i] += sign * eps
+                        xp = flat[:xp.numel()].view_as(xp)
+                        wp = flat[xp.numel():].view_as(wp)
+                    values.append(loss(xp, wp))
+                if owner == rank:
+                    numeric[i] = (values[0] - values[1]) / (2 * eps)
+    torch.testing.assert_close(analytic, numeric, rtol=1e-6, atol=1e-7)
+    return int(analytic.numel())
+
+
+def group_layout(rank, world, ep_size, domain_size, env=None):
+    """Members of this rank's EP, domain and rail groups (global ranks)."""
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        g = er.EPGroups.from_default(ep_size=ep_size, domain_size=domain_size)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    members = dist.get_process_group_ranks
+    return {"ep": members(g.ep_group), "domain": members(g.domain_group), "rail": members(g.rail_group),
+            "ep_rank": g.ep_rank, "domain_size": g.domain_size, "domain_index": g.domain_index,
+            "domain_rank": g.domain_rank}
+
+
+def bad_dispatch(rank, world, kind, bad_rank=2, backend="alltoall"):
+    """Dispatch where only ``bad_rank`` passes a bad input of ``kind``; every rank must raise."""
+    groups = groups_for(None, 2)
+    d = er.make_dispatcher(backend, groups, num_experts=8, hidden=4)
+    xs, idxs, ws = make_inputs("random", world, 4, 8, 2, 1)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    if rank == bad_rank:
+        x, idx, w = corrupt(kind, x, idx, w)
+    d.dispatch(x, idx, w)
+
+
+def corrupt(kind, x, idx, w):
+    if kind == "expert_out_of_range":
+        idx = idx.clone(); idx[0, 0] = 8
+    elif kind == "expert_below_minus_one":
+        idx = idx.clone(); idx[0, 0] = -2
+    elif kind == "k_mismatch":
+        w = w[:, :1]
+    elif kind == "n_mismatch":
+        w = w[:-1]
+    elif kind == "nonfinite_weights":
+        w = w.clone(); w[0, 0] = float("nan")
+    elif kind == "x_dtype":
+        x = x.to(torch.int32)
+    elif kind == "idx_dtype":
+        idx = idx.float()
+    elif kind == "device":
+        x = x.to("meta")
+    elif kind == "hidden":
+        x = torch.zeros(x.shape[0], 5)
+    elif kind == "x_rank3":
+        x = x.unsqueeze(0)
+    return x, idx, w
+
+
+def healthy_dispatch(rank, world, backend="hierarchical"):
+    """A valid dispatch after errors: the group must still work."""
+    return dispatch_rows(rank, world, backend, 2, "random")[1].sum().item()
+
+
+def bad_construction(rank, world, kind):
+    if kind == "experts_not_divisible":
+        er.make_dispatcher("alltoall", groups_for(None, 2), num_experts=6)
+    elif kind == "domain_not_dividing":
+        er.EPGroups.from_default(domain_size=3)
+    elif kind == "ep_not_dividing":
+        er.EPGroups.from_default(ep_size=3)
+    elif kind == "num_experts_differ":
+        er.make_dispatcher("alltoall", groups_for(None, 2), num_experts=8 if rank else 16)
+    elif kind == "hidden_differs":
+        er.make_dispatcher("alltoall", groups_for(None, 2), num_experts=8, hidden=64 if rank == 3 else 32)
+    elif kind == "backend_differs":
+        er.make_dispatcher("dedup" if rank == 1 else "alltoall", groups_for(None, 2), num_experts=8)
+    elif kind == "unknown_backend":
+        er.make_dispatcher("ring", groups_for(None, 2), num_experts=8)
+    elif kind == "alignment":
+        er.make_dispatcher("alltoall", groups_for(None, 2), num_experts=8, expert_alignment=0)
+
+
+def hidden_differs_per_call(rank, world):
+    """No hidden given at construction: one rank calls with another hidden size."""
+    d = er.make_dispatcher("dedup", groups_for(None, 2), num_experts=8)
+    h = 6 if rank == 0 else 4
+    d.dispatch(torch.zeros(3, h), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))
