@@ -20,7 +20,7 @@ from .dispatch import BACKENDS, make_dispatcher
 from .dispatch.route import LINK_CLASSES
 from .errors import ExpertrailError
 from .reference import reference_dispatch, reference_moe
-from .topology import EPGroups
+from .topology import EPGroups, all_gather_single
 from .workload import make_routing, make_tokens
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -89,7 +89,7 @@ def bare_collectives(res, x_bytes_per_row: int):
             if len(hop.peers) == 1:
                 continue
             if hop.gathered:
-                dist.all_gather_into_tensor(recv, send, group=hop.group)
+                all_gather_single(recv, send, group=hop.group)
             else:
                 dist.all_to_all_single(recv, send, [s * row for s in hop.recv_splits],
                                        [s * row for s in hop.send_splits], group=hop.group)

@@ -1,0 +1,93 @@
+"""The `expertrail` command."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .dispatch import BACKENDS
+from .errors import ExpertrailError
+from .workload import ROUTING_HELP
+
+
+def _bench_parser(sub) -> None:
+    from .bench import DTYPES, BenchConfig
+    d = BenchConfig()
+    p = sub.add_parser("bench", help="every dispatcher side by side on real ranks, checked and timed",
+                       description="Runs every backend on identical inputs on local CPU ranks (gloo), or on the "
+                                   "ranks of torchrun when launched by it; checks each against the single-process "
+                                   "reference, then times dispatch, combine and the bare collectives.")
+    p.add_argument("--world", type=int, default=d.world, help="local ranks to spawn (default %(default)s)")
+    p.add_argument("--domain-size", type=int, default=d.domain_size, help="ranks per fast-link domain (default %(default)s)")
+    p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size H (default %(default)s)")
+    p.add_argument("--tokens", type=int, default=d.tokens, help="tokens per rank (default %(default)s)")
+    p.add_argument("--experts", type=int, default=d.experts, help="experts E (default %(default)s)")
+    p.add_argument("--topk", type=int, default=d.topk, help="experts per token K (default %(default)s)")
+    p.add_argument("--backends", default=",".join(d.backends), help="comma-separated (default: all)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
+    p.add_argument("--routing", default=d.routing, help=ROUTING_HELP)
+    p.add_argument("--iters", type=int, default=d.iters)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--json", metavar="PATH", help="write every figure and the configuration as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_bench(args) -> int:
+    from .bench import BenchConfig, bench_rank, format_table, write_json
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise ExpertrailError(f"--backends: unknown {unknown}; choose from {sorted(BACKENDS)}")
+    cfg = BenchConfig(world=args.world, domain_size=args.domain_size, hidden=args.hidden, tokens=args.tokens,
+                      experts=args.experts, topk=args.topk, backends=backends, dtype=args.dtype,
+                      routing=args.routing, iters=args.iters, warmup=args.warmup, seed=args.seed,
+                      progress=not args.no_progress and sys.stderr.isatty())
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:     # launched by torchrun
+        import torch
+        import torch.distributed as dist
+        use_nccl = torch.cuda.is_available()
+        if use_nccl:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if use_nccl else "gloo")
+        cfg.world = dist.get_world_size()
+        report = bench_rank(dist.get_rank(), cfg.world, cfg)
+        if dist.get_rank() == 0:
+            _report(report, args, format_table, write_json)
+        dist.destroy_process_group()
+        return 0
+    from .launch import LocalRanks
+    with LocalRanks(cfg.world) as ranks:
+        report = ranks.run(bench_rank, cfg)[0]
+    _report(report, args, format_table, write_json)
+    return 0
+
+
+def _report(report, args, format_table, write_json) -> None:
+    print(format_table(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="expertrail", description="Expert-parallel dispatch and combine for MoE.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _bench_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "bench":
+            return _run_bench(args)
+    except ExpertrailError as err:
+        print(f"expertrail {args.command}: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:
+        from .launch import RankError
+        if isinstance(err, RankError):
+            first = min(err.errors)
+            exc = err.errors[first][2]
+            if isinstance(exc, ExpertrailError):
+                print(f"expertrail {args.command}: rank {first}: {exc}", file=sys.stderr)
+                return 2
+        raise
+    return 1
