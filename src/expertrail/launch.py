@@ -18,6 +18,21 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def use_heap_for_large_buffers() -> bool:
+    """Make glibc serve large allocations from its heap and keep freed memory (no mmap/munmap
+    per tensor), as PyTorch's caching allocator does on GPU. Without it every fresh 30 MB CPU
+    tensor costs ~20 ms of page faults on first touch. Process-wide; returns False where glibc's
+    mallopt is not available."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
+    except (OSError, AttributeError):
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -35,6 +50,7 @@ class RankError(RuntimeError):
 
 def _worker(rank: int, world: int, port: int, backend: str, tasks, results, threads: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    use_heap_for_large_buffers()
     torch.set_num_threads(threads)
     if backend == "nccl":
         torch.cuda.set_device(rank)

@@ -39,5 +39,6 @@ class AllToAllDispatcher(Dispatcher):
         expert, k = meta[:, 0] // topk, meta[:, 0] % topk
         order = torch.sort(expert, stable=True).indices           # rows came (source, expert, n, k)
         route = self._finish_route([hop], order, k[order], expert[order], rows.shape[0], 1, headers)
+        route.source_weights = topk_weights.reshape(-1)[slots]
         weights = bits_weight(meta[order, 1], topk_weights.dtype)
         return route, rows, weights

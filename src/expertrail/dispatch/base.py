@@ -157,6 +157,7 @@ class Dispatcher:
         weights = last.place(row_weights)
         if headers[0, H_XGRAD] or headers[0, H_WGRAD]:   # agreed on by every rank
             tokens, weights = _DispatchFunction.apply(x, topk_weights, route, tokens, weights)
+        route.remember_weights(weights)
         return DispatchResult(tokens=tokens, tokens_per_expert=route.tokens_per_expert,
                               real_tokens_per_expert=route.real_tokens_per_expert,
                               weights=weights, stats=stats, route=route)

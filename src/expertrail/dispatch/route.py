@@ -12,6 +12,7 @@ transpose and vice versa, so gradients need no extra code per backend.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -112,8 +113,13 @@ class Hop:
                 weights = None if weights is None else weights.index_select(0, self.out_pos)
         else:
             rows = all_to_all_rows(rows, self.recv_splits, self.send_splits, self.group)
-        return reduce_rows(rows, self.index, self.slot, self.num_src, self.num_slots, weights,
-                           out_dtype or rows.dtype)
+        return reduce_copies(rows, self.copies(), weights, out_dtype or rows.dtype)
+
+    def copies(self) -> "CopyPositions":
+        """Where each source row's copies sit among the rows of this hop (cached)."""
+        if getattr(self, "_copies", None) is None:
+            self._copies = CopyPositions.build(self.index, self.slot, self.num_src, self.num_slots)
+        return self._copies
 
     def add_stats(self, stats: TransferStats, payload_bytes: int, my_rank: int, domain_size: int,
                   backward: bool = False) -> None:
@@ -139,32 +145,61 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+@dataclass
+class CopyPositions:
+    """For each slot s, the row holding copy s of every source row (-1: no such copy).
+
+    pos: int64 [num_slots, num_src] (missing copies point at row 0, see ``missing``)
+    missing: per slot, int64 indices of the source rows without that copy
+    """
+
+    pos: torch.Tensor
+    missing: list
+
+    @classmethod
+    def build(cls, index: torch.Tensor, slot: torch.Tensor, num_src: int, num_slots: int) -> "CopyPositions":
+        pos = torch.full((num_slots, num_src), -1, dtype=torch.int64, device=index.device)
+        pos[slot, index] = torch.arange(index.numel(), device=index.device)
+        missing = [torch.nonzero(p < 0).squeeze(1) for p in pos]
+        return cls(pos=pos.clamp_(min=0), missing=missing)
+
+
+def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tensor | None,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """out[i] = sum over slots s, ascending, of weights * rows[copy s of i].
+
+    rows [R, C], weights [R] or None -> [num_src, C] in ``out_dtype``. Each slot is gathered
+    into a contiguous plane and added in fp32 (fp64 for fp64): a fixed order, no atomics, so
+    the result is bitwise reproducible.
+    """
+    num_slots, num_src = copies.pos.shape
+    if rows.shape[0] == 0 or num_src == 0:
+        return rows.new_zeros(num_src, rows.shape[1], dtype=out_dtype)
+    acc_dtype = accumulation_dtype(rows.dtype)
+    acc = None
+    for s in range(num_slots):
+        plane = rows.index_select(0, copies.pos[s])
+        if copies.missing[s].numel():
+            plane.index_fill_(0, copies.missing[s], 0)
+        if weights is None:
+            if num_slots == 1:
+                return plane.to(out_dtype)
+            acc = plane.to(acc_dtype) if acc is None else acc.add_(plane)
+            continue
+        w = weights.index_select(0, copies.pos[s]).to(acc_dtype).unsqueeze(1)
+        if copies.missing[s].numel():
+            w.index_fill_(0, copies.missing[s], 0)
+        acc = plane.to(acc_dtype).mul_(w) if acc is None else acc.addcmul_(plane, w)
+    return acc.to(out_dtype)
+
+
 def reduce_rows(rows: torch.Tensor, index: torch.Tensor, slot: torch.Tensor, num_out: int,
                 num_slots: int, weights: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """out[i] = sum over s (ascending) of weights * rows[j] where index[j] == i and slot[j] == s.
 
     rows [R, C], index/slot int64 [R], weights [R] or None -> [num_out, C] in ``out_dtype``.
-    Accumulates in fp32 (fp64 for fp64) in slot order, never with atomics: deterministic.
     """
-    width = rows.shape[1]
-    if num_slots == 1 and weights is None:
-        out = rows.new_zeros(num_out, width)
-        return out.index_copy_(0, index, rows).to(out_dtype)
-    acc_dtype = accumulation_dtype(rows.dtype)
-    pos = index * num_slots + slot
-    dense = rows.new_zeros(num_out * num_slots, width).index_copy_(0, pos, rows).view(num_out, num_slots, width)
-    if weights is None:
-        acc = dense[:, 0].to(acc_dtype)
-        for s in range(1, num_slots):
-            acc += dense[:, s]
-        return acc.to(out_dtype)
-    dense_w = torch.zeros(num_out * num_slots, 1, dtype=acc_dtype, device=rows.device)
-    dense_w.index_copy_(0, pos, weights.to(acc_dtype).unsqueeze(1))
-    dense_w = dense_w.view(num_out, num_slots, 1)
-    acc = dense[:, 0] * dense_w[:, 0]
-    for s in range(1, num_slots):
-        acc.addcmul_(dense[:, s], dense_w[:, s])
-    return acc.to(out_dtype)
+    return reduce_copies(rows, CopyPositions.build(index, slot, num_out, num_slots), weights, out_dtype)
 
 
 def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, group) -> torch.Tensor:
@@ -199,6 +234,9 @@ class Route:
     row_k / row_expert: int64 [M_real] top-k slot and local expert of each real expert row
     tokens_per_expert / real_tokens_per_expert: int64 [E_local] rows with and without padding
     topk: K
+    source_weights: for routes whose first hop sends one row per (token, expert) pair, the
+        weight of each sent row: combine then weights the exact expert outputs where they are
+        summed, on the source rank, instead of rounding weighted rows before they travel
     """
 
     hops: list
@@ -207,6 +245,8 @@ class Route:
     tokens_per_expert: torch.Tensor
     real_tokens_per_expert: torch.Tensor
     topk: int
+    source_weights: torch.Tensor | None = None
+    dispatched_weights: object = None     # weakref to res.weights and its version, see combine
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         """[N, C] -> expert rows [M, C] (dispatch)."""
@@ -221,15 +261,28 @@ class Route:
         out = rows.new_zeros(self.out_rows, *rows.shape[1:])
         return out.index_copy_(0, self.out_pos, rows)
 
+    def remember_weights(self, weights: torch.Tensor) -> None:
+        """Record the row weights handed out by dispatch, so combine can tell them apart from
+        weights the caller replaced or modified in place."""
+        self.dispatched_weights = (weakref.ref(weights), weights._version)
+
+    def _weights_unchanged(self, weights: torch.Tensor) -> bool:
+        if self.source_weights is None or self.dispatched_weights is None:
+            return False
+        ref, version = self.dispatched_weights
+        return ref() is weights and weights._version == version
+
     def transpose(self, rows: torch.Tensor, weights: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Expert rows [M, C] -> [N, C]: sum of each token's rows (combine), ``weights [M]``
-        applied in fp32 at the expert side."""
+        """Expert rows [M, C] -> [N, C]: sum of each token's rows (combine), each row scaled
+        by ``weights [M]`` in fp32 first."""
         dtype = rows.dtype
+        at_source = weights is not None and self._weights_unchanged(weights)
         last, *earlier = reversed(self.hops)
-        rows = last.transpose(rows, weights, dtype)
+        rows = last.transpose(rows, None if at_source else weights, dtype)
         for hop in earlier:
-            rows = hop.transpose(rows, None, dtype)
+            first = hop is self.hops[0]
+            rows = hop.transpose(rows, self.source_weights if at_source and first else None, dtype)
         return rows.to(out_dtype or dtype)
 
     def weights_transpose(self, grad_weights: torch.Tensor) -> torch.Tensor:
