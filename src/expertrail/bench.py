@@ -47,6 +47,8 @@ class BenchConfig:
     iters: int = 10
     warmup: int = 2
     seed: int = 0
+    chunks: int = 1
+    expert_ffn: int = 256
     progress: bool = True
 
 
@@ -62,9 +64,7 @@ def _slowest_rank(times: list, group) -> list:
 
 
 def _agree_ok(ok: bool, group) -> bool:
-    flag = torch.tensor([0 if ok else 1])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return flag.item() == 0
+    return _max_over_ranks(0.0 if ok else 1.0) == 0.0
 
 
 def bare_collectives(res, x_bytes_per_row: int):
@@ -103,36 +103,45 @@ def bare_collectives(res, x_bytes_per_row: int):
     return run
 
 
+def _clock(device: torch.device) -> float:
+    """perf_counter after the device has finished queued work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
     """Run the benchmark on this rank (collective over the default group); returns the results
     (the same on every rank)."""
     torch.manual_seed(cfg.seed)
     dtype = DTYPES[cfg.dtype]
     groups = EPGroups.from_default(domain_size=cfg.domain_size)
+    dev = groups.device
     inputs = [(make_tokens(cfg.tokens, cfg.hidden, dtype, r, cfg.seed),
                *make_routing(cfg.routing, cfg.tokens, cfg.experts, cfg.topk, r, world, cfg.seed))
               for r in range(world)]
-    x, idx, w = inputs[rank]
     xs, idxs, ws = zip(*inputs)
     ref_tokens = reference_dispatch(xs, idxs, ws, cfg.experts, world)[rank][0]
-    ref_y = reference_moe([x], [idx], [w], lambda rows, e: rows, cfg.experts)[0]
+    ref_y = reference_moe([xs[rank]], [idxs[rank]], [ws[rank]], lambda rows, e: rows, cfg.experts)[0]
+    x, idx, w = (t.to(dev) for t in inputs[rank])
     del inputs, xs, idxs, ws
 
-    progress = _progress(rank == 0 and cfg.progress, len(cfg.backends) * (2 * cfg.iters + cfg.warmup + 1))
+    steps = 2 * cfg.iters + cfg.warmup + (2 * (cfg.iters + 1) if cfg.chunks > 1 else 0)
+    progress = _progress(rank == 0 and cfg.progress, len(cfg.backends) * steps)
     results = {}
     for backend in cfg.backends:
         d = make_dispatcher(backend, groups, num_experts=cfg.experts, hidden=cfg.hidden)
         disp, comb = [], []
         for it in range(cfg.warmup + cfg.iters):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0 = _clock(dev)
             res = d.dispatch(x, idx, w)
-            t1 = time.perf_counter()
+            t1 = _clock(dev)
             y = d.combine(res.tokens, res)
-            t2 = time.perf_counter()
+            t2 = _clock(dev)
             if it == 0:
                 _check(backend, res, y, ref_tokens, ref_y, dtype, rank)
-            elif it >= cfg.warmup:
+            if it >= cfg.warmup:
                 disp.append(t1 - t0)
                 comb.append(t2 - t1)
             progress.advance()
@@ -140,9 +149,9 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
         bare_d, bare_c = [], []
         for _ in range(cfg.iters):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0 = _clock(dev)
             t1 = replay()
-            t2 = time.perf_counter()
+            t2 = _clock(dev)
             bare_d.append(t1 - t0)
             bare_c.append(t2 - t1)
             progress.advance()
@@ -156,13 +165,49 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
             "bare_dispatch_s": _stats(bare_d), "bare_combine_s": _stats(bare_c), "bare_total_s": _stats(bare),
             "ratio_to_bare": statistics.median(total) / statistics.median(bare) if statistics.median(bare) else None,
             "dispatch_bytes": _sum_over_ranks(res.stats.bytes, groups),
+            "dispatch_rows": _sum_over_ranks(res.stats.rows, groups),
             "combine_bytes": _sum_over_ranks(res.combine_stats.bytes, groups),
             "algorithm_bandwidth_GBps": logical / statistics.median(total) / 1e9,
             "check": "passed",
         }
+        if cfg.chunks > 1:
+            results[backend]["overlap"] = _bench_overlap(d, x, idx, w, cfg, groups, progress)
     progress.close()
     return {"config": asdict(cfg), "results": results,
             "machine": {"torch": torch.__version__, "backend": dist.get_backend(), "threads": torch.get_num_threads()}}
+
+
+def _bench_overlap(d, x, idx, w, cfg, groups, progress) -> dict:
+    """dispatch -> expert MLP -> combine, unchunked and in ``cfg.chunks`` overlapped chunks."""
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    # fp32 weights: CPUs without bf16 matrix units run bf16 GEMMs tens of times slower.
+    w1 = (torch.randn(cfg.hidden, cfg.expert_ffn, generator=g) / cfg.hidden ** 0.5).to(x.device)
+    w2 = (torch.randn(cfg.expert_ffn, cfg.hidden, generator=g) / cfg.expert_ffn ** 0.5).to(x.device)
+
+    def experts(tokens, tokens_per_expert):    # the same cost per row on every expert
+        return (torch.relu(tokens.float() @ w1) @ w2).to(tokens.dtype)
+
+    out = {}
+    for chunks in (1, cfg.chunks):
+        times = []
+        for it in range(cfg.iters + 1):
+            dist.barrier()
+            t0 = _clock(x.device)
+            y = d.moe(x, idx, w, experts, num_chunks=chunks)
+            times.append(_clock(x.device) - t0)
+            progress.advance()
+        out[chunks] = (statistics.median(_slowest_rank(times[1:], None)), y)
+    (t1, y1), (tc, yc) = out[1], out[cfg.chunks]
+    diff = (y1.float() - yc.float()).abs().max().item() if y1.numel() else 0.0
+    diff = _max_over_ranks(diff)
+    return {"chunks": cfg.chunks, "expert_ffn": cfg.expert_ffn, "unchunked_s": t1, "chunked_s": tc,
+            "speedup": t1 / tc, "max_abs_diff": diff, "identical": diff == 0.0}
+
+
+def _max_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def _logical_bytes(res, cfg, element_size, groups) -> int:
@@ -180,7 +225,8 @@ def _sum_over_ranks(per_class: dict, groups) -> dict:
 
 def _check(backend, res, y, ref_tokens, ref_y, dtype, rank) -> None:
     problem = None
-    if not torch.equal(res.tokens, ref_tokens):
+    tokens, y = res.tokens.cpu(), y.cpu()
+    if not torch.equal(tokens, ref_tokens):
         problem = "dispatched rows differ from the reference"
     else:
         tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -246,6 +292,52 @@ def format_table(report: dict) -> str:
                       "x bare: total / bare collectives moving the same bytes"])
 
 
+def format_overlap(report: dict) -> str:
+    rows = [(name, r["overlap"]) for name, r in report["results"].items() if "overlap" in r]
+    if not rows:
+        return ""
+    o = rows[0][1]
+    lines = [f"overlap: dispatch -> expert MLP (ffn {o['expert_ffn']}) -> combine, 1 vs {o['chunks']} chunks",
+             f"{'backend':<14}{'1 chunk ms':>12}{'chunked ms':>12}{'speedup':>9}  identical"]
+    for name, o in rows:
+        lines.append(f"{name:<14}{o['unchunked_s'] * 1e3:>12.2f}{o['chunked_s'] * 1e3:>12.2f}{o['speedup']:>9.2f}  "
+                     f"{'yes' if o['identical'] else 'max diff %.2g' % o['max_abs_diff']}")
+    return "\n".join(lines)
+
+
 def write_json(report: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
+
+
+def write_plot(report: dict, path: str) -> None:
+    """PNG: time per backend split into bare communication and local work; bytes per link class."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(report["results"])
+    res = report["results"]
+    total = [res[n]["total_s"]["median"] * 1e3 for n in names]
+    comm = [min(res[n]["bare_total_s"]["median"] * 1e3, t) for n, t in zip(names, total)]
+    local = [t - c for t, c in zip(total, comm)]
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax_t.bar(names, comm, label="communication (bare collectives)", color="#4c72b0")
+    ax_t.bar(names, local, bottom=comm, label="local work and waiting", color="#dd8452")
+    ax_t.set_ylabel("dispatch + combine, ms (median)")
+    ax_t.set_title("time per backend")
+    ax_t.legend(fontsize=8)
+    width = 0.27
+    for i, link in enumerate(LINK_CLASSES):
+        ax_b.bar([j + (i - 1) * width for j in range(len(names))],
+                 [res[n]["dispatch_bytes"][link] / 1e6 for n in names], width, label=link)
+    ax_b.set_xticks(range(len(names)), names)
+    ax_b.set_ylabel("dispatch MB, all ranks")
+    ax_b.set_title("bytes per link class")
+    ax_b.legend(fontsize=8)
+    cfg = report["config"]
+    fig.suptitle(f"expertrail bench: {cfg['world']} ranks, domain {cfg['domain_size']}, {cfg['tokens']} tokens/rank, "
+                 f"H {cfg['hidden']}, E {cfg['experts']}, top-{cfg['topk']}, {cfg['dtype']}, {cfg['routing']}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

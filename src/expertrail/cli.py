@@ -29,12 +29,17 @@ def _bench_parser(sub) -> None:
     p.add_argument("--iters", type=int, default=d.iters)
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--chunks", type=int, default=d.chunks,
+                   help="also time dispatch -> expert MLP -> combine unchunked vs in this many overlapped chunks")
+    p.add_argument("--expert-ffn", type=int, default=d.expert_ffn,
+                   help="width of the expert MLP used with --chunks (the expert cost; default %(default)s)")
     p.add_argument("--json", metavar="PATH", help="write every figure and the configuration as JSON")
+    p.add_argument("--plot", metavar="PATH.png", help="plot time per backend and bytes per link class")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _run_bench(args) -> int:
-    from .bench import BenchConfig, bench_rank, format_table, write_json
+    from .bench import BenchConfig, bench_rank
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
@@ -42,6 +47,7 @@ def _run_bench(args) -> int:
     cfg = BenchConfig(world=args.world, domain_size=args.domain_size, hidden=args.hidden, tokens=args.tokens,
                       experts=args.experts, topk=args.topk, backends=backends, dtype=args.dtype,
                       routing=args.routing, iters=args.iters, warmup=args.warmup, seed=args.seed,
+                      chunks=args.chunks, expert_ffn=args.expert_ffn,
                       progress=not args.no_progress and sys.stderr.isatty())
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:     # launched by torchrun
         import torch
@@ -53,21 +59,30 @@ def _run_bench(args) -> int:
         cfg.world = dist.get_world_size()
         report = bench_rank(dist.get_rank(), cfg.world, cfg)
         if dist.get_rank() == 0:
-            _report(report, args, format_table, write_json)
+            _report(report, args)
         dist.destroy_process_group()
         return 0
+    import torch
     from .launch import LocalRanks
-    with LocalRanks(cfg.world) as ranks:
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= cfg.world else "gloo"
+    with LocalRanks(cfg.world, backend=backend) as ranks:
         report = ranks.run(bench_rank, cfg)[0]
-    _report(report, args, format_table, write_json)
+    _report(report, args)
     return 0
 
 
-def _report(report, args, format_table, write_json) -> None:
+def _report(report, args) -> None:
+    from .bench import format_overlap, format_table, write_json, write_plot
     print(format_table(report))
+    overlap = format_overlap(report)
+    if overlap:
+        print(overlap)
     if args.json:
         write_json(report, args.json)
         print(f"wrote {args.json}")
+    if args.plot:
+        write_plot(report, args.plot)
+        print(f"wrote {args.plot}")
 
 
 def main(argv=None) -> int:

@@ -72,3 +72,14 @@ def test_bytes_are_the_minimum_each_algorithm_promises(world4, domain_size):
                 meta = 16 * 4
             assert rows == expect, (backend, rank, rows, expect)
             assert nbytes == {k: v * (data + meta) for k, v in expect.items()}
+
+
+@pytest.mark.parametrize("backend", sorted(er.BACKENDS))
+def test_chunked_overlap_gives_identical_results(world4, backend):
+    tokens = world4.run(workers.chunked_matches_unchunked, backend, 3)
+    assert 0 in tokens  # a rank with no tokens takes part in every chunk
+
+
+@pytest.mark.parametrize("backend", sorted(er.BACKENDS))
+def test_combine_uses_weights_the_caller_changed(world4, backend):
+    world4.run(workers.replaced_weights_are_used, backend)

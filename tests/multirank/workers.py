@@ -269,3 +269,43 @@ def hidden_differs_per_call(rank, world):
     d = er.make_dispatcher("dedup", groups_for(None, 2), num_experts=8)
     h = 6 if rank == 0 else 4
     d.dispatch(torch.zeros(3, h), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))
+
+
+def chunked_matches_unchunked(rank, world, backend, num_chunks):
+    """d.moe with chunks overlapping communication gives bitwise the same y and gradients."""
+    groups = groups_for(None, 2)
+    d = er.make_dispatcher(backend, groups, num_experts=16)
+    xs, idxs, ws = make_inputs("random", world, 8, 16, 4, 9)
+    local = 16 // world
+
+    def experts(tokens, tokens_per_expert):
+        ids = torch.repeat_interleave(torch.arange(local), tokens_per_expert) + rank * local
+        return expert_fn(tokens, ids)
+
+    outs = []
+    for chunks in (1, num_chunks):
+        x = xs[rank].clone().requires_grad_()
+        w = ws[rank].clone().requires_grad_()
+        y = d.moe(x, idxs[rank], w, experts, num_chunks=chunks)
+        (y * torch.arange(y.numel()).view_as(y).sin()).sum().backward()
+        outs.append((y.detach(), x.grad, w.grad))
+    (y1, gx1, gw1), (yc, gxc, gwc) = outs
+    assert torch.equal(y1, yc), "chunked output differs"
+    torch.testing.assert_close(gxc, gx1, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gwc, gw1, rtol=1e-6, atol=1e-6)
+    return xs[rank].shape[0]
+
+
+def replaced_weights_are_used(rank, world, backend):
+    """Combine uses res.weights as the caller left them (replaced or changed in place)."""
+    groups = groups_for(None, 2)
+    d = er.make_dispatcher(backend, groups, num_experts=16)
+    xs, idxs, ws = make_inputs("random", world, 8, 16, 4, 4)
+    res = d.dispatch(xs[rank], idxs[rank], ws[rank])
+    base = d.combine(res.tokens, res)
+    res.weights = res.weights * 2
+    doubled = d.combine(res.tokens, res)
+    res.weights.mul_(0.5)
+    again = d.combine(res.tokens, res)
+    torch.testing.assert_close(doubled, 2 * base, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(again, base, rtol=1e-6, atol=1e-6)

@@ -19,20 +19,18 @@ class AllGatherDispatcher(Dispatcher):
     def _plan_source(self, topk_idx):
         return self._no_counts(), topk_idx
 
-    def _route(self, x, topk_weights, topk_idx, recv_counts, headers):
+    def _route(self, topk_weights, topk_idx, recv_counts, headers):
         g = self.groups
         n, topk = topk_idx.shape
         counts = headers[:, H_TOKENS].tolist()
-        dev = x.device
+        dev = topk_idx.device
         hop = Hop(index=torch.arange(n, device=dev).repeat(g.ep_size),
                   slot=torch.arange(g.ep_size, device=dev).repeat_interleave(n),
                   num_src=n, num_slots=g.ep_size, group=g.ep_group, send_splits=[n] * g.ep_size,
                   recv_splits=counts, peers=list(range(g.ep_size)), gathered=True,
                   meta_bytes=16 * topk)
-        rows = hop.forward(x)
         meta = hop.exchange(torch.cat([topk_idx, weight_bits(topk_weights)], 1))
-        me = torch.full((rows.shape[0],), g.ep_rank, device=dev)
+        me = torch.full((meta.shape[0],), g.ep_rank, device=dev)
         row, k, expert = expand_local(local_ids_for(meta[:, :topk], me, self.rank_of_expert, self.local_of_expert))
-        route = self._finish_route([hop], row, k, expert, rows.shape[0], min(topk, self.num_local_experts), headers)
-        weights = bits_weight(meta[:, topk:][row, k], topk_weights.dtype)
-        return route, rows, weights
+        route = self._finish_route([hop], row, k, expert, meta.shape[0], min(topk, self.num_local_experts), headers)
+        return route, bits_weight(meta[:, topk:][row, k], topk_weights.dtype)

@@ -25,20 +25,20 @@ class AllToAllDispatcher(Dispatcher):
         counts = torch.bincount(ranks, minlength=self.groups.ep_size).unsqueeze(1)
         return counts, (slots, experts, counts.squeeze(1).tolist(), k)
 
-    def _route(self, x, topk_weights, state, recv_counts, headers):
+    def _route(self, topk_weights, state, recv_counts, headers):
         slots, experts, send_splits, topk = state
         g = self.groups
+        n = topk_weights.shape[0]
         token = slots // topk
-        hop = Hop(index=token, slot=copy_slots(token, x.shape[0]), num_src=x.shape[0], num_slots=max(topk, 1),
+        hop = Hop(index=token, slot=copy_slots(token, n), num_src=n, num_slots=max(topk, 1),
                   group=g.ep_group, send_splits=send_splits, recv_splits=recv_counts[:, 0].tolist(),
                   peers=list(range(g.ep_size)), meta_bytes=16)
         # A row carries (local expert * K + k) and its weight.
         meta = torch.stack([self.local_of_expert[experts] * topk + slots % topk,
                             weight_bits(topk_weights.reshape(-1)[slots])], 1)
-        rows, meta = hop.forward(x), hop.exchange(meta)
+        meta = hop.exchange(meta)
         expert, k = meta[:, 0] // topk, meta[:, 0] % topk
         order = torch.sort(expert, stable=True).indices           # rows came (source, expert, n, k)
-        route = self._finish_route([hop], order, k[order], expert[order], rows.shape[0], 1, headers)
+        route = self._finish_route([hop], order, k[order], expert[order], meta.shape[0], 1, headers)
         route.source_weights = topk_weights.reshape(-1)[slots]
-        weights = bits_weight(meta[order, 1], topk_weights.dtype)
-        return route, rows, weights
+        return route, bits_weight(meta[order, 1], topk_weights.dtype)

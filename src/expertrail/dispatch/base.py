@@ -131,11 +131,14 @@ class Dispatcher:
         self.local_of_expert = torch.arange(self.num_experts, device=groups.device) % self.num_local_experts
 
     # ---------------------------------------------------------------- public verbs
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 async_op: bool = False):
         """Send each token to the ranks of its experts.
 
         x: [N, H] float; topk_idx: [N, K] integer, -1 for no expert; topk_weights: [N, K] float.
-        N may differ between ranks and be 0. Collective over the EP group.
+        N may differ between ranks and be 0. Collective over the EP group. Returns a
+        DispatchResult, or with ``async_op`` a handle whose ``wait()`` returns it: the routing
+        metadata is exchanged before returning, the rows travel in the background.
         """
         error, message = self._check_inputs(x, topk_idx, topk_weights)
         topk_idx = topk_idx.long() if error == 0 else topk_idx
@@ -149,25 +152,22 @@ class Dispatcher:
                   int(grad and x.requires_grad), int(grad and topk_weights.requires_grad), error]
         recv_counts, headers = self._exchange_control(counts, header, message)
         with torch.no_grad():
-            route, rows, row_weights = self._route(x.detach(), topk_weights.detach(), state, recv_counts, headers)
+            route, row_weights = self._route(topk_weights.detach(), state, recv_counts, headers)
+            transfer = route.forward(x.detach(), async_op=True)
         stats = route.stats(x.shape[1] * x.element_size(), self.groups.ep_rank, self.groups.domain_size)
         stats.control_bytes = recv_counts.numel() * 8 + headers.numel() * 8
-        last = route.hops[-1]
-        tokens = last.forward(rows)
-        weights = last.place(row_weights)
-        if headers[0, H_XGRAD] or headers[0, H_WGRAD]:   # agreed on by every rank
-            tokens, weights = _DispatchFunction.apply(x, topk_weights, route, tokens, weights)
-        route.remember_weights(weights)
-        return DispatchResult(tokens=tokens, tokens_per_expert=route.tokens_per_expert,
-                              real_tokens_per_expert=route.real_tokens_per_expert,
-                              weights=weights, stats=stats, route=route)
+        pending = PendingDispatch(x, topk_weights, route, transfer, row_weights, stats,
+                                  bool(headers[0, H_XGRAD] or headers[0, H_WGRAD]))   # agreed by every rank
+        return pending if async_op else pending.wait()
 
-    def combine(self, expert_out: torch.Tensor, res: DispatchResult, weighted: bool = True) -> torch.Tensor:
+    def combine(self, expert_out: torch.Tensor, res: DispatchResult, weighted: bool = True,
+                async_op: bool = False):
         """Bring expert outputs back: y[n] = sum_k w[n,k] * out[n,k] (or the plain sum when
         ``weighted=False``, for weights already applied on the expert side).
 
         expert_out: [M, H] with M = res.tokens.shape[0]; padding rows are ignored.
-        Returns [N, H] in expert_out's dtype, summed in fp32 in a fixed order.
+        Returns [N, H] in expert_out's dtype, summed in fp32 in a fixed order; with
+        ``async_op`` a handle whose ``wait()`` returns it.
         """
         if expert_out.dim() != 2 or expert_out.shape[0] != res.tokens.shape[0]:
             raise InvalidInputError(f"expert_out must be [{res.tokens.shape[0]}, H] (one row per res.tokens row), "
@@ -177,16 +177,27 @@ class Dispatcher:
         weights = res.weights if weighted else None
         res.combine_stats = res.route.stats(expert_out.shape[1] * expert_out.element_size(), self.groups.ep_rank,
                                             self.groups.domain_size, backward=True)
-        return _CombineFunction.apply(expert_out, weights, res.route)
+        with torch.no_grad():
+            transfer = res.route.transpose_async(expert_out, weights)
+        pending = PendingCombine(expert_out, weights, res.route, transfer)
+        return pending if async_op else pending.wait()
+
+    def moe(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, experts,
+            num_chunks: int = 1, weighted: bool = True) -> torch.Tensor:
+        """dispatch -> ``experts(tokens, tokens_per_expert)`` -> combine, in ``num_chunks``
+        chunks whose communication overlaps the expert compute (see `overlap.pipelined_moe`)."""
+        from .overlap import pipelined_moe
+        return pipelined_moe(self, x, topk_idx, topk_weights, experts, num_chunks, weighted)
 
     # ---------------------------------------------------------------- backend hooks
     def _plan_source(self, topk_idx: torch.Tensor):
         """Local work before any exchange: (counts [P, C] int64 to send each peer, state)."""
         raise NotImplementedError
 
-    def _route(self, x, topk_weights, state, recv_counts, headers):
-        """Move rows and metadata; return (Route, last-level rows, the weight of each real
-        output row). The Route comes from `_finish_route`."""
+    def _route(self, topk_weights, state, recv_counts, headers):
+        """Exchange the routing metadata hop by hop and plan the whole route; return (Route,
+        weight of each real output row). Rows move later, along the route. The Route comes
+        from `_finish_route`."""
         raise NotImplementedError
 
     count_columns = 1
@@ -199,7 +210,7 @@ class Dispatcher:
         """All-to-all of counts plus header; raise on every rank if any rank is in error."""
         p = self.groups.ep_size
         head = torch.tensor(header, dtype=torch.int64, device=counts.device).expand(p, -1)
-        recv = all_to_all_rows(torch.cat([counts, head], 1), [1] * p, [1] * p, self.groups.ep_group)
+        recv = all_to_all_rows(torch.cat([counts, head], 1), [1] * p, [1] * p, self.groups.ep_group).wait()
         recv_counts, headers = recv[:, :counts.shape[1]], recv[:, counts.shape[1]:]
         errors = headers[:, H_ERROR].tolist()
         if any(errors):
@@ -279,6 +290,42 @@ class Dispatcher:
                 f"capacity_factor={self.capacity_factor})")
 
 
+class PendingDispatch:
+    """A dispatch whose rows are in flight; ``wait()`` returns the DispatchResult."""
+
+    def __init__(self, x, topk_weights, route, transfer, row_weights, stats, attach_grad):
+        self._args = (x, topk_weights, route, transfer, row_weights, stats, attach_grad)
+        self._result = None
+
+    def wait(self) -> DispatchResult:
+        if self._result is None:
+            x, topk_weights, route, transfer, row_weights, stats, attach_grad = self._args
+            last = route.hops[-1]
+            tokens, weights = transfer.wait(), last.place(row_weights)
+            if attach_grad:
+                tokens, weights = _DispatchFunction.apply(x, topk_weights, route, tokens, weights)
+            route.remember_weights(weights)
+            self._result = DispatchResult(tokens=tokens, tokens_per_expert=route.tokens_per_expert,
+                                          real_tokens_per_expert=route.real_tokens_per_expert,
+                                          weights=weights, stats=stats, route=route)
+            self._args = None
+        return self._result
+
+
+class PendingCombine:
+    """A combine whose rows are in flight; ``wait()`` returns y [N, H]."""
+
+    def __init__(self, expert_out, weights, route, transfer):
+        self._args = (expert_out, weights, route, transfer)
+        self._result = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            self._result = _CombineFunction.apply(*self._args)
+            self._args = None
+        return self._result
+
+
 class _DispatchFunction(torch.autograd.Function):
     """Attaches precomputed dispatch outputs to the graph; backward is the route's transpose."""
 
@@ -299,21 +346,22 @@ class _DispatchFunction(torch.autograd.Function):
 
 
 class _CombineFunction(torch.autograd.Function):
-    """y = route^T(w * out); backward dispatches grad_y along the route (one exchange)."""
+    """y = route^T(w * out), computed by ``transfer``; backward dispatches grad_y along the
+    route (one exchange) and scales it locally."""
 
     @staticmethod
-    def forward(ctx, expert_out, weights, route):
+    def forward(ctx, expert_out, weights, route, transfer):
         ctx.route = route
         ctx.save_for_backward(expert_out, weights)
-        return route.transpose(expert_out, weights)
+        return transfer.wait()
 
     @staticmethod
     def backward(ctx, grad_y):
         expert_out, weights = ctx.saved_tensors
         grad_rows = ctx.route.forward(grad_y.contiguous())
         if weights is None:
-            return grad_rows.to(expert_out.dtype), None, None
+            return grad_rows.to(expert_out.dtype), None, None, None
         acc = torch.promote_types(torch.float32, weights.dtype)
         grad_out = (grad_rows.to(acc) * weights.to(acc).unsqueeze(1)).to(expert_out.dtype)
         grad_w = (grad_rows.to(acc) * expert_out.to(acc)).sum(1).to(weights.dtype)
-        return grad_out, grad_w, None
+        return grad_out, grad_w, None, None

@@ -27,7 +27,7 @@ class DedupDispatcher(Dispatcher):
         member = token_membership(topk_idx, self.rank_of_expert, self.groups.ep_size)   # [N, P]
         return member.sum(0).unsqueeze(1), (topk_idx, member)
 
-    def _route(self, x, topk_weights, state, recv_counts, headers):
+    def _route(self, topk_weights, state, recv_counts, headers):
         topk_idx, member = state
         g = self.groups
         n, topk = topk_idx.shape
@@ -37,8 +37,7 @@ class DedupDispatcher(Dispatcher):
                   peers=list(range(g.ep_size)), meta_bytes=16 * topk)
         local = local_ids_for(topk_idx[token], dest, self.rank_of_expert, self.local_of_expert)
         meta = torch.cat([local, weight_bits(topk_weights[token])], 1)
-        rows, meta = hop.forward(x), hop.exchange(meta)
+        meta = hop.exchange(meta)
         row, k, expert = expand_local(meta[:, :topk])                         # rows came (source, token)
-        route = self._finish_route([hop], row, k, expert, rows.shape[0], min(topk, self.num_local_experts), headers)
-        weights = bits_weight(meta[:, topk:][row, k], topk_weights.dtype)
-        return route, rows, weights
+        route = self._finish_route([hop], row, k, expert, meta.shape[0], min(topk, self.num_local_experts), headers)
+        return route, bits_weight(meta[:, topk:][row, k], topk_weights.dtype)

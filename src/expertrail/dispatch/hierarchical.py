@@ -30,11 +30,11 @@ class HierarchicalDispatcher(Dispatcher):
         to_rail_peer[g.domain_rank::g.domain_size] = in_domain.sum(0)
         return torch.stack([member.sum(0), to_rail_peer], 1), (topk_idx, in_domain)
 
-    def _route(self, x, topk_weights, state, recv_counts, headers):
+    def _route(self, topk_weights, state, recv_counts, headers):
         topk_idx, in_domain = state
         g = self.groups
         n, topk = topk_idx.shape
-        dev = x.device
+        dev = topk_idx.device
         size, me = g.domain_size, g.ep_rank
         # Hop 1: over the rail group, one row per (token, domain).
         domain, token = torch.nonzero(in_domain.t()).unbind(1)
@@ -46,25 +46,24 @@ class HierarchicalDispatcher(Dispatcher):
         mask = (ids >= 0) & (self.rank_of_expert[ids.clamp(min=0)] // size == domain.unsqueeze(1))
         meta = torch.cat([torch.full_like(token, me).unsqueeze(1), token.unsqueeze(1),
                           torch.where(mask, ids, torch.full_like(ids, -1)), weight_bits(topk_weights[token])], 1)
-        rows, meta = hop1.forward(x), hop1.exchange(meta)
+        meta = hop1.exchange(meta)
         # Hop 2: inside the domain, one row per (token, rank).
         ids = meta[:, 2:2 + topk]
         first = g.domain_index * size
         member = token_membership(ids, self.rank_of_expert - first, size) if ids.numel() else \
             torch.zeros(0, size, dtype=torch.bool, device=dev)
         local_rank, row1 = torch.nonzero(member.t()).unbind(1)
-        hop2 = Hop(index=row1, slot=copy_slots(row1, rows.shape[0]), num_src=rows.shape[0],
+        hop2 = Hop(index=row1, slot=copy_slots(row1, meta.shape[0]), num_src=meta.shape[0],
                    num_slots=max(1, min(topk, size)), group=g.domain_group, send_splits=member.sum(0).tolist(),
                    recv_splits=recv_counts[:, 0].view(g.num_domains, size).sum(0).tolist(),
                    peers=[first + r for r in range(size)], meta_bytes=8 * (2 + 2 * topk))
         local = local_ids_for(ids[row1], first + local_rank, self.rank_of_expert, self.local_of_expert)
         meta2 = torch.cat([meta[row1, :2], local, meta[row1, 2 + topk:]], 1)
-        rows, meta2 = hop2.forward(rows), hop2.exchange(meta2)
+        meta2 = hop2.exchange(meta2)
         # Rows arrive grouped by forwarding rank; sort each expert's rows by (source, token).
         most = max(1, int(headers[:, H_TOKENS].max()))
         src_key = meta2[:, 0] * most + meta2[:, 1]
         row, k, expert = expand_local(meta2[:, 2:2 + topk], src_key, g.ep_size * most)
-        route = self._finish_route([hop1, hop2], row, k, expert, rows.shape[0],
+        route = self._finish_route([hop1, hop2], row, k, expert, meta2.shape[0],
                                    min(topk, self.num_local_experts), headers)
-        weights = bits_weight(meta2[:, 2 + topk:][row, k], topk_weights.dtype)
-        return route, rows, weights
+        return route, bits_weight(meta2[:, 2 + topk:][row, k], topk_weights.dtype)

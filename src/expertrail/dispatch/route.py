@@ -82,17 +82,20 @@ class Hop:
     def local(self) -> bool:
         return self.group is None
 
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        """[num_src, C] -> rows received (or, for the last hop, the padded output)."""
+    def forward(self, rows: torch.Tensor, async_op: bool = False):
+        """[num_src, C] -> rows received (or, for the last hop, the padded output).
+        With ``async_op`` a communicating hop returns a `Transfer` to wait on."""
         if self.local:
             return self.place(rows.index_select(0, self.index))
-        return self.exchange(rows if self.gathered else rows.index_select(0, self.index))
+        return self.exchange(rows if self.gathered else rows.index_select(0, self.index), async_op)
 
-    def exchange(self, sent: torch.Tensor) -> torch.Tensor:
+    def exchange(self, sent: torch.Tensor, async_op: bool = False):
         """Exchange rows already laid out as sent ([R, C], or [num_src, C] for an all-gather)."""
         if self.gathered:
-            return all_gather_rows(sent, self.recv_splits, self.group)
-        return all_to_all_rows(sent, self.send_splits, self.recv_splits, self.group)
+            transfer = all_gather_rows(sent, self.recv_splits, self.group)
+        else:
+            transfer = all_to_all_rows(sent, self.send_splits, self.recv_splits, self.group)
+        return transfer if async_op else transfer.wait()
 
     def place(self, rows: torch.Tensor) -> torch.Tensor:
         """Real output rows [M_real, ...] -> padded output [M, ...] (zeros on padding)."""
@@ -112,8 +115,16 @@ class Hop:
                 rows = rows.index_select(0, self.out_pos)
                 weights = None if weights is None else weights.index_select(0, self.out_pos)
         else:
-            rows = all_to_all_rows(rows, self.recv_splits, self.send_splits, self.group)
-        return reduce_copies(rows, self.copies(), weights, out_dtype or rows.dtype)
+            rows = self.send_back(rows).wait()
+        return self.reduce(rows, weights, out_dtype or rows.dtype)
+
+    def send_back(self, rows: torch.Tensor) -> "Transfer":
+        """Start the reverse exchange of a communicating hop (the first half of `transpose`)."""
+        return all_to_all_rows(rows, self.recv_splits, self.send_splits, self.group)
+
+    def reduce(self, rows: torch.Tensor, weights: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        """Sum the copies of each source row (the second half of `transpose`)."""
+        return reduce_copies(rows, self.copies(), weights, out_dtype)
 
     def copies(self) -> "CopyPositions":
         """Where each source row's copies sit among the rows of this hop (cached)."""
@@ -202,28 +213,45 @@ def reduce_rows(rows: torch.Tensor, index: torch.Tensor, slot: torch.Tensor, num
     return reduce_copies(rows, CopyPositions.build(index, slot, num_out, num_slots), weights, out_dtype)
 
 
-def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, group) -> torch.Tensor:
-    """Send ``rows [sum(send_splits), C]`` in per-peer blocks; return [sum(recv_splits), C]."""
+class Transfer:
+    """An exchange in flight: ``wait()`` returns the received rows."""
+
+    def __init__(self, out: torch.Tensor, work=None, finish=None):
+        self._out, self._work, self._finish = out, work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._finish is not None:
+            self._out, self._finish = self._finish(self._out), None
+        return self._out
+
+
+def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, group) -> Transfer:
+    """Start sending ``rows [sum(send_splits), C]`` in per-peer blocks; the Transfer yields
+    [sum(recv_splits), C]."""
     if len(send_splits) == 1:       # a group of one: nothing to exchange
-        return rows
+        return Transfer(rows)
     out = rows.new_empty(sum(recv_splits), *rows.shape[1:])
-    dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
-    return out
+    work = dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group, async_op=True)
+    return Transfer(out, work)
 
 
-def all_gather_rows(rows: torch.Tensor, counts: list, group) -> torch.Tensor:
-    """Every peer's rows, concatenated in peer order: [sum(counts), C] (padded transfer)."""
+def all_gather_rows(rows: torch.Tensor, counts: list, group) -> Transfer:
+    """Start gathering every peer's rows; the Transfer yields them concatenated in peer order,
+    [sum(counts), C]. Ranks send ``max(counts)`` rows each (padding)."""
     if len(counts) == 1:
-        return rows
+        return Transfer(rows)
     most = max(counts)
     padded = rows.new_zeros(most, *rows.shape[1:])
     padded[:rows.shape[0]] = rows
     out = rows.new_empty(len(counts) * most, *rows.shape[1:])
-    all_gather_single(out, padded, group=group)
+    work = all_gather_single(out, padded, group=group, async_op=True)
     if all(c == most for c in counts):
-        return out
+        return Transfer(out, work)
     keep = torch.cat([torch.arange(p * most, p * most + c, device=rows.device) for p, c in enumerate(counts)])
-    return out.index_select(0, keep)
+    return Transfer(out, work, lambda full: full.index_select(0, keep))
 
 
 @dataclass
@@ -248,11 +276,24 @@ class Route:
     source_weights: torch.Tensor | None = None
     dispatched_weights: object = None     # weakref to res.weights and its version, see combine
 
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        """[N, C] -> expert rows [M, C] (dispatch)."""
-        for hop in self.hops:
-            rows = hop.forward(rows)
-        return rows
+    def forward(self, rows: torch.Tensor, async_op: bool = False):
+        """[N, C] -> expert rows [M, C] (dispatch). With ``async_op`` the first exchange is
+        left in flight and a `Transfer` is returned; its wait() runs the remaining hops."""
+        if not async_op:
+            for hop in self.hops:
+                rows = hop.forward(rows)
+            return rows
+        first = self.hops[0]
+        if first.local:
+            return Transfer(self.forward(rows))
+        transfer = first.forward(rows, async_op=True)
+        rest = self.hops[1:]
+
+        def finish(received):
+            for hop in rest:
+                received = hop.forward(received)
+            return received
+        return Transfer(transfer, None, lambda t: finish(t.wait()))
 
     def place(self, rows: torch.Tensor) -> torch.Tensor:
         """Real output rows [M_real, ...] -> padded output [M, ...] (zeros on padding)."""
@@ -276,14 +317,27 @@ class Route:
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Expert rows [M, C] -> [N, C]: sum of each token's rows (combine), each row scaled
         by ``weights [M]`` in fp32 first."""
+        return self.transpose_async(rows, weights, out_dtype).wait()
+
+    def transpose_async(self, rows: torch.Tensor, weights: torch.Tensor | None = None,
+                        out_dtype: torch.dtype | None = None) -> Transfer:
+        """`transpose` with the first reverse exchange left in flight."""
         dtype = rows.dtype
         at_source = weights is not None and self._weights_unchanged(weights)
         last, *earlier = reversed(self.hops)
         rows = last.transpose(rows, None if at_source else weights, dtype)
-        for hop in earlier:
-            first = hop is self.hops[0]
-            rows = hop.transpose(rows, self.source_weights if at_source and first else None, dtype)
-        return rows.to(out_dtype or dtype)
+        if not earlier:
+            return Transfer(rows.to(out_dtype or dtype))
+        transfer = earlier[0].send_back(rows)
+
+        def finish(back):
+            for i, hop in enumerate(earlier):
+                if i:
+                    back = hop.send_back(back).wait()
+                hop_weights = self.source_weights if at_source and hop is self.hops[0] else None
+                back = hop.reduce(back, hop_weights, dtype)
+            return back.to(out_dtype or dtype)
+        return Transfer(transfer, None, lambda t: finish(t.wait()))
 
     def weights_transpose(self, grad_weights: torch.Tensor) -> torch.Tensor:
         """Gradient of the expert-row weights [M] -> gradient of ``topk_weights [N, K]``.
