@@ -2,17 +2,25 @@
 
 The Megatron-Core alltoall dispatcher and torchtitan move tokens this way. A token with two
 experts on one rank crosses the link twice; the other backends avoid that.
+
+The exchange is split in one run per (peer, local expert), so received rows land directly in
+the expert-major output (and combine sends slices of the expert output straight back): the
+expert side does no permutation in either direction.
 """
 from __future__ import annotations
 
 import torch
 
 from .base import Dispatcher, bits_weight, copy_slots, weight_bits
-from .route import Hop
+from .route import Hop, LandingRuns, Route, Transfer
 
 
 class AllToAllDispatcher(Dispatcher):
     name = "alltoall"
+
+    @property
+    def count_columns(self) -> int:
+        return self.num_local_experts       # rows per (destination rank, its local expert)
 
     def _plan_source(self, topk_idx):
         n, k = topk_idx.shape
@@ -21,24 +29,43 @@ class AllToAllDispatcher(Dispatcher):
         experts = flat[slots]
         order = torch.sort(experts, stable=True).indices          # expert, then n, then k
         slots, experts = slots[order], experts[order]
-        ranks = self.rank_of_expert[experts]
-        counts = torch.bincount(ranks, minlength=self.groups.ep_size).unsqueeze(1)
-        return counts, (slots, experts, counts.squeeze(1).tolist(), k)
+        counts = torch.bincount(experts, minlength=self.num_experts).view(self.groups.ep_size, -1)
+        return counts, (slots, experts, counts, k)
 
     def _route(self, topk_weights, state, recv_counts, headers):
-        slots, experts, send_splits, topk = state
+        slots, experts, send_counts, topk = state
         g = self.groups
         n = topk_weights.shape[0]
         token = slots // topk
+        real = recv_counts.sum(0)                                 # [E_local] rows per local expert
+        padded = self._padded_counts(real, headers)
+        # Rows from source s for expert e land after those of sources < s, inside e's block.
+        land = (torch.cumsum(padded, 0) - padded).unsqueeze(0) + torch.cumsum(recv_counts, 0) - recv_counts
+        send_start = (torch.cumsum(send_counts.reshape(-1), 0) - send_counts.reshape(-1)).view_as(send_counts)
+        runs = LandingRuns(send=_runs(send_start, send_counts), recv=_runs(land, recv_counts),
+                           peer_ranks=list(g.ep_ranks), me=g.ep_rank, group=g.ep_group,
+                           out_rows=int(padded.sum()), zero_fill=not torch.equal(padded, real))
         hop = Hop(index=token, slot=copy_slots(token, n), num_src=n, num_slots=max(topk, 1),
-                  group=g.ep_group, send_splits=send_splits, recv_splits=recv_counts[:, 0].tolist(),
-                  peers=list(range(g.ep_size)), meta_bytes=16)
-        # A row carries (local expert * K + k) and its weight.
-        meta = torch.stack([self.local_of_expert[experts] * topk + slots % topk,
-                            weight_bits(topk_weights.reshape(-1)[slots])], 1)
-        meta = hop.exchange(meta)
-        expert, k = meta[:, 0] // topk, meta[:, 0] % topk
-        order = torch.sort(expert, stable=True).indices           # rows came (source, expert, n, k)
-        route = self._finish_route([hop], order, k[order], expert[order], meta.shape[0], 1, headers)
-        route.source_weights = topk_weights.reshape(-1)[slots]
-        return route, bits_weight(meta[order, 1], topk_weights.dtype)
+                  group=g.ep_group, send_splits=send_counts.sum(1).tolist(), recv_splits=recv_counts.sum(1).tolist(),
+                  peers=list(range(g.ep_size)), meta_bytes=16, runs=runs)
+        # A row carries its k and its weight; its expert follows from where it lands.
+        # Nothing in the plan depends on it, so it travels while the rows do.
+        meta = hop.exchange(torch.stack([slots % topk, weight_bits(topk_weights.reshape(-1)[slots])], 1),
+                            async_op=True)
+        expert = torch.repeat_interleave(torch.arange(self.num_local_experts, device=real.device), real)
+        position = torch.arange(int(real.sum()), device=real.device) - (torch.cumsum(real, 0) - real)[expert]
+        real_pos = (torch.cumsum(padded, 0) - padded)[expert] + position
+        last = Hop(index=real_pos, slot=torch.zeros_like(real_pos), num_src=runs.out_rows, num_slots=1,
+                   out_pos=real_pos, out_rows=runs.out_rows, identity=True)
+        route = Route(hops=[hop, last], row_k=None, row_expert=expert, tokens_per_expert=padded,
+                      real_tokens_per_expert=real, topk=topk, source_weights=topk_weights.reshape(-1)[slots])
+
+        def arrived(received):
+            route.row_k = received[real_pos, 0]
+            return bits_weight(received[real_pos, 1], topk_weights.dtype)
+        return route, Transfer(meta, None, lambda t: arrived(t.wait()))
+
+
+def _runs(start: torch.Tensor, counts: torch.Tensor) -> list:
+    """Per peer, the (offset, count) run of each local expert: [P, E_local] -> P lists."""
+    return [list(zip(s, c)) for s, c in zip(start.tolist(), counts.tolist())]

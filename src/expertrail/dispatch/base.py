@@ -14,7 +14,7 @@ import torch
 from ..errors import ConfigError, InvalidInputError
 from ..routing import DROP_POLICIES, apply_capacity, expert_capacity
 from ..topology import EPGroups, check_same_on_all_ranks
-from .route import Hop, Route, TransferStats, all_to_all_rows
+from .route import Hop, Route, Transfer, TransferStats, all_to_all_rows
 
 # Fields every rank sends with its counts in the first exchange of each dispatch, so that a
 # bad input or a mismatched call on one rank raises everywhere before any data moves.
@@ -196,8 +196,8 @@ class Dispatcher:
 
     def _route(self, topk_weights, state, recv_counts, headers):
         """Exchange the routing metadata hop by hop and plan the whole route; return (Route,
-        weight of each real output row). Rows move later, along the route. The Route comes
-        from `_finish_route`."""
+        weight of each real output row, or a Transfer yielding them). Rows move later, along
+        the route. The Route comes from `_finish_route`."""
         raise NotImplementedError
 
     count_columns = 1
@@ -301,6 +301,8 @@ class PendingDispatch:
         if self._result is None:
             x, topk_weights, route, transfer, row_weights, stats, attach_grad = self._args
             last = route.hops[-1]
+            if isinstance(row_weights, Transfer):      # metadata still in flight (alltoall)
+                row_weights = row_weights.wait()
             tokens, weights = transfer.wait(), last.place(row_weights)
             if attach_grad:
                 tokens, weights = _DispatchFunction.apply(x, topk_weights, route, tokens, weights)

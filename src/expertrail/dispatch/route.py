@@ -63,6 +63,9 @@ class Hop:
     gathered: the exchange is an all-gather (every peer gets the same ``num_src`` rows)
     out_pos / out_rows: for the last hop, where each row lands in the padded output
     meta_bytes: metadata bytes sent with each row on the way out (ids, weights, sources)
+    runs: for a hop whose received rows land directly in their final places (no local
+        permutation after it), `LandingRuns`; its last hop is then an ``identity`` hop
+    identity: a local hop that leaves the rows where they are (``out_pos`` marks the real ones)
     """
 
     index: torch.Tensor
@@ -77,6 +80,8 @@ class Hop:
     out_pos: torch.Tensor | None = None
     out_rows: int | None = None
     meta_bytes: int = 0
+    runs: "LandingRuns | None" = None
+    identity: bool = False
 
     @property
     def local(self) -> bool:
@@ -85,13 +90,17 @@ class Hop:
     def forward(self, rows: torch.Tensor, async_op: bool = False):
         """[num_src, C] -> rows received (or, for the last hop, the padded output).
         With ``async_op`` a communicating hop returns a `Transfer` to wait on."""
+        if self.identity:
+            return rows
         if self.local:
             return self.place(rows.index_select(0, self.index))
         return self.exchange(rows if self.gathered else rows.index_select(0, self.index), async_op)
 
     def exchange(self, sent: torch.Tensor, async_op: bool = False):
         """Exchange rows already laid out as sent ([R, C], or [num_src, C] for an all-gather)."""
-        if self.gathered:
+        if self.runs is not None:
+            transfer = self.runs.exchange(sent, forward=True)
+        elif self.gathered:
             transfer = all_gather_rows(sent, self.recv_splits, self.group)
         else:
             transfer = all_to_all_rows(sent, self.send_splits, self.recv_splits, self.group)
@@ -110,6 +119,8 @@ class Hop:
 
         ``weights [rows]`` scale each copy before the sum (the last hop of a weighted combine).
         """
+        if self.identity and weights is None:
+            return rows.to(out_dtype or rows.dtype)
         if self.local:
             if self.out_pos is not None:
                 rows = rows.index_select(0, self.out_pos)
@@ -120,6 +131,8 @@ class Hop:
 
     def send_back(self, rows: torch.Tensor) -> "Transfer":
         """Start the reverse exchange of a communicating hop (the first half of `transpose`)."""
+        if self.runs is not None:
+            return self.runs.exchange(rows, forward=False)
         return all_to_all_rows(rows, self.recv_splits, self.send_splits, self.group)
 
     def reduce(self, rows: torch.Tensor, weights: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
@@ -195,12 +208,14 @@ def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tens
         if weights is None:
             if num_slots == 1:
                 return plane.to(out_dtype)
-            acc = plane.to(acc_dtype) if acc is None else acc.add_(plane)
+            plane = plane.to(acc_dtype)     # same-dtype kernels: mixed bf16/fp32 ones are slow on CPU
+            acc = plane if acc is None else acc.add_(plane)
             continue
         w = weights.index_select(0, copies.pos[s]).to(acc_dtype).unsqueeze(1)
         if copies.missing[s].numel():
             w.index_fill_(0, copies.missing[s], 0)
-        acc = plane.to(acc_dtype).mul_(w) if acc is None else acc.addcmul_(plane, w)
+        plane = plane.to(acc_dtype)
+        acc = plane.mul_(w) if acc is None else acc.addcmul_(plane, w)
     return acc.to(out_dtype)
 
 
@@ -226,6 +241,55 @@ class Transfer:
         if self._finish is not None:
             self._out, self._finish = self._finish(self._out), None
         return self._out
+
+
+@dataclass
+class LandingRuns:
+    """An all-to-all whose received rows land straight in their final places.
+
+    send[p] / recv[p]: (offset, count) runs exchanged with peer p of the group, matched in
+    order (run j sent to p is run j received from us); ``out_rows``: rows of the landing
+    buffer; ``zero_fill``: it has padding rows that must read as zeros. The exchange is a
+    batch of point-to-point transfers, one per non-empty run (the run to this rank is a copy).
+    """
+
+    send: list
+    recv: list
+    peer_ranks: list
+    me: int
+    group: object
+    out_rows: int
+    zero_fill: bool
+
+    def exchange(self, rows: torch.Tensor, forward: bool) -> "Transfer":
+        """Forward: rows [sum send counts, C] -> landing [out_rows, C]; backward the reverse."""
+        send, recv = (self.send, self.recv) if forward else (self.recv, self.send)
+        rows_out = self.out_rows if forward else sum(c for runs in self.send for _, c in runs)
+        out = rows.new_zeros(rows_out, *rows.shape[1:]) if forward and self.zero_fill else \
+            rows.new_empty(rows_out, *rows.shape[1:])
+        ops = []
+        for p, peer in enumerate(self.peer_ranks):
+            if p == self.me:
+                for (src, count), (dst, _) in zip(send[p], recv[p]):
+                    out[dst:dst + count] = rows[src:src + count]
+                continue
+            for tag, (src, count) in enumerate(send[p]):
+                if count:
+                    ops.append(dist.P2POp(dist.isend, rows[src:src + count], peer, self.group, tag))
+            for tag, (dst, count) in enumerate(recv[p]):
+                if count:
+                    ops.append(dist.P2POp(dist.irecv, out[dst:dst + count], peer, self.group, tag))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return Transfer(out, _AllWorks(works))
+
+
+class _AllWorks:
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
 
 
 def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, group) -> Transfer:
@@ -294,13 +358,6 @@ class Route:
                 received = hop.forward(received)
             return received
         return Transfer(transfer, None, lambda t: finish(t.wait()))
-
-    def place(self, rows: torch.Tensor) -> torch.Tensor:
-        """Real output rows [M_real, ...] -> padded output [M, ...] (zeros on padding)."""
-        if self.out_pos is None:
-            return rows
-        out = rows.new_zeros(self.out_rows, *rows.shape[1:])
-        return out.index_copy_(0, self.out_pos, rows)
 
     def remember_weights(self, weights: torch.Tensor) -> None:
         """Record the row weights handed out by dispatch, so combine can tell them apart from
