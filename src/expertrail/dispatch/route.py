@@ -171,51 +171,53 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class CopyPositions:
-    """For each slot s, the row holding copy s of every source row (-1: no such copy).
+    """Per slot s: the source rows that have a copy s (``present``, ascending) and the row
+    holding it (``pos``)."""
 
-    pos: int64 [num_slots, num_src] (missing copies point at row 0, see ``missing``)
-    missing: per slot, int64 indices of the source rows without that copy
-    """
-
-    pos: torch.Tensor
-    missing: list
+    present: list
+    pos: list
+    num_src: int
 
     @classmethod
     def build(cls, index: torch.Tensor, slot: torch.Tensor, num_src: int, num_slots: int) -> "CopyPositions":
-        pos = torch.full((num_slots, num_src), -1, dtype=torch.int64, device=index.device)
-        pos[slot, index] = torch.arange(index.numel(), device=index.device)
-        missing = [torch.nonzero(p < 0).squeeze(1) for p in pos]
-        return cls(pos=pos.clamp_(min=0), missing=missing)
+        order = torch.argsort(slot * max(num_src, 1) + index)         # by slot, then source row
+        counts = torch.bincount(slot, minlength=num_slots).tolist()
+        present, pos = index[order].split(counts), order.split(counts)
+        return cls(present=list(present), pos=list(pos), num_src=num_src)
 
 
 def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tensor | None,
                   out_dtype: torch.dtype) -> torch.Tensor:
     """out[i] = sum over slots s, ascending, of weights * rows[copy s of i].
 
-    rows [R, C], weights [R] or None -> [num_src, C] in ``out_dtype``. Each slot is gathered
-    into a contiguous plane and added in fp32 (fp64 for fp64): a fixed order, no atomics, so
-    the result is bitwise reproducible.
+    rows [R, C], weights [R] or None -> [num_src, C] in ``out_dtype``. Slot by slot, the copies
+    are gathered and added in fp32 (fp64 for fp64); each slot adds at most once to a row, so
+    the order is fixed without atomics and the result is bitwise reproducible. The work is
+    proportional to the number of copies, not to slots x rows.
     """
-    num_slots, num_src = copies.pos.shape
-    if rows.shape[0] == 0 or num_src == 0:
-        return rows.new_zeros(num_src, rows.shape[1], dtype=out_dtype)
+    num_src, width = copies.num_src, rows.shape[1]
+    if len(copies.pos) == 1 and weights is None:        # a permutation (with holes): no sum
+        present, pos = copies.present[0], copies.pos[0]
+        picked = rows.index_select(0, pos)
+        if present.numel() == num_src:
+            return picked.to(out_dtype)
+        return picked.new_zeros(num_src, width).index_copy_(0, present, picked).to(out_dtype)
     acc_dtype = accumulation_dtype(rows.dtype)
     acc = None
-    for s in range(num_slots):
-        plane = rows.index_select(0, copies.pos[s])
-        if copies.missing[s].numel():
-            plane.index_fill_(0, copies.missing[s], 0)
-        if weights is None:
-            if num_slots == 1:
-                return plane.to(out_dtype)
-            plane = plane.to(acc_dtype)     # same-dtype kernels: mixed bf16/fp32 ones are slow on CPU
+    for present, pos in zip(copies.present, copies.pos):
+        if present.numel() == 0:
+            continue
+        plane = rows.index_select(0, pos).to(acc_dtype)   # same-dtype kernels: mixed bf16/fp32 is slow on CPU
+        if weights is not None:   # w * row rounded once, then added: the same bits on both paths below
+            plane.mul_(weights.index_select(0, pos).to(acc_dtype).unsqueeze(1))
+        if present.numel() == num_src:                     # every row has this copy: present == arange
             acc = plane if acc is None else acc.add_(plane)
             continue
-        w = weights.index_select(0, copies.pos[s]).to(acc_dtype).unsqueeze(1)
-        if copies.missing[s].numel():
-            w.index_fill_(0, copies.missing[s], 0)
-        plane = plane.to(acc_dtype)
-        acc = plane.mul_(w) if acc is None else acc.addcmul_(plane, w)
+        if acc is None:
+            acc = torch.zeros(num_src, width, dtype=acc_dtype, device=rows.device)
+        acc.index_add_(0, present, plane)
+    if acc is None:
+        return rows.new_zeros(num_src, width, dtype=out_dtype)
     return acc.to(out_dtype)
 
 

@@ -1,0 +1,79 @@
+"""Where the time of one dispatch + combine goes, phase by phase, on 4 local gloo ranks.
+
+    .venv/bin/python benchmarks/phases.py [--dtype bf16|fp32] [--backend alltoall] [--tokens 4096] ...
+
+Each rank times the phases of its own dispatch and combine (after a barrier, no overlap
+between iterations) and the table shows the mean per rank over the timed iterations. The
+phases are those of `Dispatcher.dispatch` / `combine` run step by step.
+"""
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+import expertrail as er
+from expertrail.bench import DTYPES
+from expertrail.dispatch.base import DTYPE_CODES
+from expertrail.launch import LocalRanks
+from expertrail.workload import make_routing, make_tokens
+
+PHASES = ["barrier", "check+plan", "control exchange", "route planning", "gather+post rows",
+          "rows arrive", "metadata arrives", "combine: expert side + post", "combine: arrive + reduce"]
+
+
+def phases(rank, world, args):
+    dtype = DTYPES[args.dtype]
+    groups = er.EPGroups.from_default(domain_size=args.domain_size)
+    x = make_tokens(args.tokens, args.hidden, dtype, rank)
+    idx, w = make_routing("uniform", args.tokens, args.experts, args.topk, rank, world)
+    d = er.make_dispatcher(args.backend, groups, num_experts=args.experts)
+    totals = dict.fromkeys(PHASES, 0.0)
+    for it in range(args.warmup + args.iters):
+        marks = [time.perf_counter()]
+        dist.barrier(); marks.append(time.perf_counter())
+        d._check_inputs(x, idx, w)
+        counts, state = d._plan_source(idx); marks.append(time.perf_counter())
+        header = [x.shape[0], x.shape[1], args.topk, DTYPE_CODES[dtype], 0, 0, 0]
+        recv_counts, headers = d._exchange_control(counts, header, None); marks.append(time.perf_counter())
+        route, row_weights = d._route(w, state, recv_counts, headers); marks.append(time.perf_counter())
+        transfer = route.forward(x, async_op=True); marks.append(time.perf_counter())
+        tokens = transfer.wait(); marks.append(time.perf_counter())
+        if hasattr(row_weights, "wait"):
+            row_weights = row_weights.wait()
+        marks.append(time.perf_counter())
+        weights = route.hops[-1].place(row_weights)
+        route.remember_weights(weights)                 # as dispatch does for res.weights
+        back = route.transpose_async(tokens, weights); marks.append(time.perf_counter())
+        back.wait(); marks.append(time.perf_counter())
+        if it >= args.warmup:
+            for name, a, b in zip(PHASES, marks, marks[1:]):
+                totals[name] += (b - a) * 1e3 / args.iters
+    return totals
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="alltoall", choices=sorted(er.BACKENDS))
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--domain-size", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    args = p.parse_args()
+    with LocalRanks(args.world) as ranks:
+        rows = ranks.run(phases, args)
+    print(f"{args.backend} {args.dtype}: {args.world} ranks, {args.tokens} tokens/rank, H {args.hidden}, "
+          f"E {args.experts}, top-{args.topk}; ms per iteration")
+    print(f"{'phase':<30}" + "".join(f"{'rank ' + str(r):>9}" for r in range(args.world)))
+    for name in PHASES:
+        print(f"{name:<30}" + "".join(f"{row[name]:>9.2f}" for row in rows))
+    print(f"{'total':<30}" + "".join(f"{sum(row.values()) - row['barrier']:>9.2f}" for row in rows))
+
+
+if __name__ == "__main__":
+    main()
