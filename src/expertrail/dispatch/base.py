@@ -364,6 +364,9 @@ class _CombineFunction(torch.autograd.Function):
         if weights is None:
             return grad_rows.to(expert_out.dtype), None, None, None
         acc = torch.promote_types(torch.float32, weights.dtype)
-        grad_out = (grad_rows.to(acc) * weights.to(acc).unsqueeze(1)).to(expert_out.dtype)
-        grad_w = (grad_rows.to(acc) * expert_out.to(acc)).sum(1).to(weights.dtype)
+        grad_out = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_out = (grad_rows.to(acc) * weights.to(acc).unsqueeze(1)).to(expert_out.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad_rows.to(acc) * expert_out.to(acc)).sum(1).to(weights.dtype)
         return grad_out, grad_w, None, None
