@@ -309,3 +309,47 @@ def replaced_weights_are_used(rank, world, backend):
     again = d.combine(res.tokens, res)
     torch.testing.assert_close(doubled, 2 * base, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(again, base, rtol=1e-6, atol=1e-6)
+
+
+def moe_layer_matches_reference(rank, world, backend, num_chunks, shared, dtype=torch.float32):
+    """MoELayer on EP=world against the same MoE computed on one rank with all experts."""
+    from expertrail.experts import GroupedExperts, SwiGLUMLP
+    from expertrail.layer import MoELayer, router_loss
+    from expertrail.router import RouterConfig, TopKRouter
+    hidden, ffn, num_experts = 16, 8, 8
+    local = num_experts // world
+    torch.manual_seed(0)                                    # the same full model on every rank
+    router = TopKRouter(RouterConfig(hidden=hidden, num_experts=num_experts, topk=2, aux_loss_coeff=0.01))
+    full = GroupedExperts(num_experts, hidden, ffn)
+    shared_mlp = SwiGLUMLP(hidden, 12) if shared else None
+    mine = GroupedExperts(local, hidden, ffn)
+    with torch.no_grad():
+        mine.gate_up_proj.copy_(full.gate_up_proj[rank * local:(rank + 1) * local])
+        mine.down_proj.copy_(full.down_proj[rank * local:(rank + 1) * local])
+    d = er.make_dispatcher(backend, groups_for(None, 2), num_experts=num_experts)
+    layer = MoELayer(router, d, mine, shared_mlp, num_chunks=num_chunks)
+    layer.train()
+    n = [5, 0, 7, 3, 6, 2, 4, 9][rank]
+    x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(rank + 10)).to(dtype).requires_grad_()
+    y = layer(x)
+    (y.float().sin().sum() + router_loss(layer)).backward()
+    router_grad = router.weight.grad.clone()
+    router.weight.grad = None
+    # Reference: the whole MoE on this rank's tokens with all experts on one process.
+    xr = x.detach().clone().requires_grad_()
+    routing = router(xr)
+    order = routing.topk_idx.reshape(-1).argsort(stable=True)           # slots, expert-major
+    counts = torch.bincount(routing.topk_idx.reshape(-1), minlength=num_experts)
+    expert_out = full(xr.repeat_interleave(2, dim=0)[order], counts)
+    per_slot = torch.empty_like(expert_out).index_copy(0, order, expert_out)
+    yr = (per_slot.view(n, 2, hidden).float() * routing.topk_weights.unsqueeze(-1)).sum(1).to(dtype)
+    if shared:
+        yr = yr + shared_mlp(xr)
+    (yr.float().sin().sum() + sum(routing.losses.values())).backward()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y, yr, **tol)
+    torch.testing.assert_close(x.grad, xr.grad, **tol)
+    torch.testing.assert_close(router_grad, router.weight.grad, **tol)
+    # Each expert's gradient sums all ranks' tokens: the parent adds up the references.
+    return mine.gate_up_proj.grad.clone(), mine.down_proj.grad.clone(), full.gate_up_proj.grad.clone(), \
+        full.down_proj.grad.clone()

@@ -1,0 +1,59 @@
+"""MoELayer: router -> dispatch -> grouped experts -> combine (+ shared experts).
+
+``MoELayer(router, dispatcher, experts, shared_experts=None, num_chunks=1)`` maps
+``[..., H] -> [..., H]`` on every rank of the EP group. The router is replicated (same
+weights on every rank); each rank holds its ``E / ep_size`` experts. While the dispatch is in
+flight the shared experts run (overlap); with ``num_chunks > 1`` the routed part runs in
+overlapped chunks (`Dispatcher.moe`). The router's losses of the last forward are in
+``layer.router_losses``; `router_loss(model)` sums them over a model's MoE layers.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .dispatch import Dispatcher
+from .errors import ConfigError
+from .experts import GroupedExperts
+from .router import TopKRouter
+
+
+class MoELayer(nn.Module):
+    def __init__(self, router: TopKRouter, dispatcher: Dispatcher, experts: GroupedExperts,
+                 shared_experts: nn.Module | None = None, num_chunks: int = 1):
+        super().__init__()
+        if router.config.num_experts != dispatcher.num_experts:
+            raise ConfigError(f"router has {router.config.num_experts} experts, dispatcher {dispatcher.num_experts}")
+        if experts.num_local_experts != dispatcher.num_local_experts:
+            raise ConfigError(f"experts hold {experts.num_local_experts} experts, but this rank owns "
+                              f"{dispatcher.num_local_experts} (num_experts / ep_size)")
+        if num_chunks < 1:
+            raise ConfigError(f"num_chunks={num_chunks} must be >= 1")
+        self.router, self.experts, self.shared_experts = router, experts, shared_experts
+        self.dispatcher = dispatcher          # not a Module: holds process groups, no parameters
+        self.num_chunks = num_chunks
+        self.router_losses: dict = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        routing = self.router(x)
+        self.router_losses = routing.losses
+        flat = x.reshape(-1, shape[-1])
+        if self.num_chunks > 1:
+            y = self.dispatcher.moe(flat, routing.topk_idx, routing.topk_weights, self.experts, self.num_chunks)
+            if self.shared_experts is not None:
+                y = y + self.shared_experts(flat)
+            return y.view(shape)
+        pending = self.dispatcher.dispatch(flat, routing.topk_idx, routing.topk_weights, async_op=True)
+        shared = self.shared_experts(flat) if self.shared_experts is not None else None   # while rows travel
+        res = pending.wait()
+        y = self.dispatcher.combine(self.experts(res.tokens, res.tokens_per_expert), res)
+        if shared is not None:
+            y = y + shared
+        return y.view(shape)
+
+
+def router_loss(model: nn.Module) -> torch.Tensor | float:
+    """Sum of the router losses of every MoELayer of ``model`` from its last forward."""
+    losses = [v for m in model.modules() if isinstance(m, MoELayer) for v in m.router_losses.values()]
+    return sum(losses) if losses else 0.0
