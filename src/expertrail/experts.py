@@ -37,16 +37,19 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
 
 
 class GroupedExperts(nn.Module):
-    """E_local SwiGLU experts. ``forward(tokens [M, H], tokens_per_expert int64 [E_local]) -> [M, H]``.
+    """E_local gated-MLP experts (SwiGLU by default; ``activation`` replaces the SiLU).
+    ``forward(tokens [M, H], tokens_per_expert int64 [E_local]) -> [M, H]``.
 
     Rows are expert-major as a dispatcher returns them; padding rows (``expert_alignment``)
     belong to their expert's block and are computed like the others (the dispatcher never
     combines them).
     """
 
-    def __init__(self, num_local_experts: int, hidden: int, ffn_hidden: int, dtype=None, device=None):
+    def __init__(self, num_local_experts: int, hidden: int, ffn_hidden: int, dtype=None, device=None,
+                 activation=F.silu):
         super().__init__()
         self.num_local_experts, self.hidden, self.ffn_hidden = num_local_experts, hidden, ffn_hidden
+        self.activation = activation
         self.gate_up_proj = nn.Parameter(torch.empty(num_local_experts, 2 * ffn_hidden, hidden, dtype=dtype, device=device))
         self.down_proj = nn.Parameter(torch.empty(num_local_experts, hidden, ffn_hidden, dtype=dtype, device=device))
         nn.init.normal_(self.gate_up_proj, std=hidden ** -0.5)
@@ -63,7 +66,7 @@ class GroupedExperts(nn.Module):
         x = tokens.to(self.gate_up_proj.dtype)
         gate_up = grouped_linear(x, self.gate_up_proj, offsets, counts)
         gate, up = gate_up.split(self.ffn_hidden, dim=-1)
-        return grouped_linear(F.silu(gate) * up, self.down_proj, offsets, counts).to(tokens.dtype)
+        return grouped_linear(self.activation(gate) * up, self.down_proj, offsets, counts).to(tokens.dtype)
 
 
 class SwiGLUMLP(nn.Module):
