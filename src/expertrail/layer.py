@@ -54,6 +54,7 @@ class MoELayer(nn.Module):
 
 
 def router_loss(model: nn.Module) -> torch.Tensor | float:
-    """Sum of the router losses of every MoELayer of ``model`` from its last forward."""
-    losses = [v for m in model.modules() if isinstance(m, MoELayer) for v in m.router_losses.values()]
+    """Sum of the router losses of every MoE layer of ``model`` (any module with a
+    ``router_losses`` dict, as MoELayer has) from its last forward."""
+    losses = [v for m in model.modules() for v in getattr(m, "router_losses", {}).values()]
     return sum(losses) if losses else 0.0
