@@ -30,9 +30,10 @@ def test_hf_block_equals_original_fp32_ep2_and_ep4(world4, kind, backend):
         _check_expert_grads(results, ep_size)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
-def test_hf_block_equals_original_bf16(world4, kind):
-    world4.run(workers.hf_block_matches, kind, "dedup", 4, torch.bfloat16)
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("backend", sorted(er.BACKENDS))
+def test_hf_block_equals_original_bf16(world4, kind, backend):
+    world4.run(workers.hf_block_matches, kind, backend, 4, torch.bfloat16)
 
 
 def test_patch_model_replaces_every_moe_block(world4):

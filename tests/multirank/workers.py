@@ -311,7 +311,7 @@ def replaced_weights_are_used(rank, world, backend):
     torch.testing.assert_close(again, base, rtol=1e-6, atol=1e-6)
 
 
-def moe_layer_matches_reference(rank, world, backend, num_chunks, shared, dtype=torch.float32):
+def moe_layer_matches_reference(rank, world, backend, num_chunks, shared, alignment=1, dtype=torch.float32):
     """MoELayer on EP=world against the same MoE computed on one rank with all experts."""
     from expertrail.experts import GroupedExperts, SwiGLUMLP
     from expertrail.layer import MoELayer, router_loss
@@ -326,7 +326,7 @@ def moe_layer_matches_reference(rank, world, backend, num_chunks, shared, dtype=
     with torch.no_grad():
         mine.gate_up_proj.copy_(full.gate_up_proj[rank * local:(rank + 1) * local])
         mine.down_proj.copy_(full.down_proj[rank * local:(rank + 1) * local])
-    d = er.make_dispatcher(backend, groups_for(None, 2), num_experts=num_experts)
+    d = er.make_dispatcher(backend, groups_for(None, 2), num_experts=num_experts, expert_alignment=alignment)
     layer = MoELayer(router, d, mine, shared_mlp, num_chunks=num_chunks)
     layer.train()
     n = [5, 0, 7, 3, 6, 2, 4, 9][rank]
@@ -434,3 +434,20 @@ def patched_model_counts(rank, world):
     with torch.no_grad():
         torch.testing.assert_close(ep_model(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
     return replaced, sum(isinstance(m, ExpertParallelMoE) for m in ep_model.modules())
+
+
+def expert_bias_update_sums_loads(rank, world):
+    """update_expert_bias adds rate * sign(mean - load) with loads summed over the group."""
+    from expertrail.router import RouterConfig, TopKRouter
+    torch.manual_seed(0)
+    r = TopKRouter(RouterConfig(hidden=8, num_experts=8, topk=2, expert_bias=True, bias_update_rate=0.5),
+                   load_group=dist.group.WORLD)
+    r.train()
+    out = r(torch.randn(5 + rank, 8, generator=torch.Generator().manual_seed(rank)))
+    mine = torch.bincount(out.topk_idx.reshape(-1), minlength=8).float()
+    total = mine.clone()
+    dist.all_reduce(total)
+    used = r.update_expert_bias()
+    assert torch.equal(used, total)
+    torch.testing.assert_close(r.expert_bias, 0.5 * torch.sign(total.mean() - total))
+    return r.expert_bias
