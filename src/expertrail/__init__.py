@@ -1,15 +1,35 @@
-"""expertrail: expert-parallel dispatch and combine for Mixture-of-Experts on PyTorch."""
-from .dispatch import BACKENDS, DispatchResult, Dispatcher, TransferStats, make_dispatcher
-from .errors import ConfigError, ConfigMismatchError, ExpertrailError, InvalidInputError
-from .experts import GroupedExperts, SwiGLUMLP
-from .layer import MoELayer, router_loss
-from .router import RouterConfig, RouterOutput, TopKRouter
-from .routing import (Layout, apply_capacity, compute_layout, routing_map_to_topk, topk_to_routing_map)
-from .topology import EPGroups
+"""expertrail: expert-parallel dispatch and combine for Mixture-of-Experts on PyTorch.
+
+Names are loaded on first use, so that the torch-free parts (``expertrail.plan`` and the
+planner's commands) can be imported where PyTorch is not installed.
+"""
+from importlib import import_module
 
 __version__ = "0.1.0"
 
-__all__ = ["BACKENDS", "ConfigError", "ConfigMismatchError", "DispatchResult", "Dispatcher", "EPGroups",
-           "ExpertrailError", "GroupedExperts", "InvalidInputError", "Layout", "MoELayer", "RouterConfig",
-           "RouterOutput", "SwiGLUMLP", "TopKRouter", "TransferStats", "apply_capacity", "compute_layout",
-           "make_dispatcher", "router_loss", "routing_map_to_topk", "topk_to_routing_map"]
+_EXPORTS = {
+    "BACKENDS": "dispatch", "DispatchResult": "dispatch", "Dispatcher": "dispatch", "TransferStats": "dispatch",
+    "make_dispatcher": "dispatch",
+    "ConfigError": "errors", "ConfigMismatchError": "errors", "ExpertrailError": "errors",
+    "InvalidInputError": "errors",
+    "GroupedExperts": "experts", "SwiGLUMLP": "experts",
+    "MoELayer": "layer", "router_loss": "layer",
+    "RouterConfig": "router", "RouterOutput": "router", "TopKRouter": "router",
+    "Layout": "routing", "apply_capacity": "routing", "compute_layout": "routing",
+    "routing_map_to_topk": "routing", "topk_to_routing_map": "routing",
+    "EPGroups": "topology",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'expertrail' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
-from .dispatch import BACKENDS, make_dispatcher
+from .configs import BenchConfig
+from .dispatch import make_dispatcher
 from .dispatch.route import LINK_CLASSES
 from .errors import ExpertrailError
 from .reference import reference_dispatch, reference_moe
@@ -28,28 +29,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 class BenchCheckError(ExpertrailError):
     """A backend's output differs from the single-process reference."""
-
-
-@dataclass
-class BenchConfig:
-    """What `expertrail bench` runs. Sizes are per rank; defaults follow the Hybrid-EP test
-    (uniform top-8 routing, BF16 tokens) at a size a 2-core CPU finishes in about a minute."""
-
-    world: int = 4
-    domain_size: int = 2
-    hidden: int = 2048
-    tokens: int = 1024
-    experts: int = 16
-    topk: int = 8
-    backends: list = field(default_factory=lambda: sorted(BACKENDS))
-    dtype: str = "bf16"
-    routing: str = "uniform"
-    iters: int = 10
-    warmup: int = 2
-    seed: int = 0
-    chunks: int = 1
-    expert_ffn: int = 256
-    progress: bool = True
 
 
 def _stats(values: list) -> dict:

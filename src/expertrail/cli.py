@@ -5,13 +5,15 @@ import argparse
 import os
 import sys
 
-from .dispatch import BACKENDS
 from .errors import ExpertrailError
-from .workload import ROUTING_HELP
+from .names import BACKEND_NAMES as BACKENDS
+
+
+ROUTING_HELP = "uniform | zipf:<alpha> | balanced | <file with topk_idx [world, N, K] (.pt or .npy)>"
 
 
 def _bench_parser(sub) -> None:
-    from .bench import DTYPES, BenchConfig
+    from .configs import DTYPE_NAMES, BenchConfig
     d = BenchConfig()
     p = sub.add_parser("bench", help="every dispatcher side by side on real ranks, checked and timed",
                        description="Runs every backend on identical inputs on local CPU ranks (gloo), or on the "
@@ -24,7 +26,7 @@ def _bench_parser(sub) -> None:
     p.add_argument("--experts", type=int, default=d.experts, help="experts E (default %(default)s)")
     p.add_argument("--topk", type=int, default=d.topk, help="experts per token K (default %(default)s)")
     p.add_argument("--backends", default=",".join(d.backends), help="comma-separated (default: all)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=d.dtype)
     p.add_argument("--routing", default=d.routing, help=ROUTING_HELP)
     p.add_argument("--iters", type=int, default=d.iters)
     p.add_argument("--warmup", type=int, default=d.warmup)
@@ -39,7 +41,7 @@ def _bench_parser(sub) -> None:
 
 
 def _train_parser(sub) -> None:
-    from .train import TrainConfig
+    from .configs import TrainConfig
     d = TrainConfig()
     p = sub.add_parser("train", help="train a tiny MoE language model with expert parallelism on local ranks",
                        description="Trains a tiny MoE LM (random Markov-rule tokens made on the fly) with each "
@@ -58,11 +60,42 @@ def _train_parser(sub) -> None:
     p.add_argument("--json", metavar="PATH", help="write the losses as JSON")
 
 
+def _validate_parser(sub) -> None:
+    p = sub.add_parser("validate", help="check a Megatron-Core / Megatron-Bridge MoE config before launch",
+                       description="Checks a YAML/JSON config (Megatron-Core or Megatron-Bridge field names) and/or "
+                                   "key=value overrides against the EP-overlap and MoE rules; prints each violation "
+                                   "with its fields and fix; exits 1 when any rule is violated.")
+    p.add_argument("config", nargs="+", help="a YAML/JSON file and/or key=value overrides")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _run_validate(args) -> int:
+    import json
+
+    from .plan.validate import RULES, load_config, validate
+    files = [a for a in args.config if "=" not in a]
+    if len(files) > 1:
+        raise ExpertrailError(f"give at most one config file, got {files}")
+    values = load_config(files[0] if files else None, [a for a in args.config if "=" in a])
+    violations = validate(values)
+    if args.json:
+        print(json.dumps({"valid": not violations, "rules_checked": len(RULES),
+                          "violations": [v.__dict__ for v in violations]}, indent=2, default=str))
+    elif violations:
+        print(f"{len(violations)} rule(s) violated:")
+        for v in violations:
+            print(v.format())
+    else:
+        print(f"valid: {len(RULES)} rules checked, none violated")
+    return 1 if violations else 0
+
+
 def _run_train(args) -> int:
     import json
 
     from .launch import LocalRanks
-    from .train import TrainConfig, summarize, train_rank, train_reference
+    from .configs import TrainConfig
+    from .train import summarize, train_rank, train_reference
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
@@ -92,7 +125,8 @@ def _run_train(args) -> int:
 
 
 def _run_bench(args) -> int:
-    from .bench import BenchConfig, bench_rank
+    from .bench import bench_rank
+    from .configs import BenchConfig
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
@@ -143,18 +177,20 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)
     _train_parser(sub)
+    _validate_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "bench":
             return _run_bench(args)
         if args.command == "train":
             return _run_train(args)
+        if args.command == "validate":
+            return _run_validate(args)
     except ExpertrailError as err:
         print(f"expertrail {args.command}: {err}", file=sys.stderr)
         return 2
     except Exception as err:
-        from .launch import RankError
-        if isinstance(err, RankError):
+        if type(err).__name__ == "RankError":
             first = min(err.errors)
             exc = err.errors[first][2]
             if isinstance(exc, ExpertrailError):

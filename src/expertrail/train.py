@@ -13,35 +13,19 @@ tokens grouped by expert directly) as the reference: per-step losses must agree.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from .configs import TrainConfig
 from .dispatch import make_dispatcher
 from .experts import GroupedExperts, SwiGLUMLP
 from .layer import MoELayer, router_loss
 from .router import RouterConfig, TopKRouter
 from .topology import EPGroups
-
-
-@dataclass
-class TrainConfig:
-    vocab: int = 64
-    hidden: int = 32
-    layers: int = 2
-    heads: int = 4
-    experts: int = 8
-    topk: int = 2
-    ffn: int = 32
-    seq: int = 16
-    batch: int = 4            # sequences per rank per step
-    steps: int = 20
-    lr: float = 0.3
-    aux_loss_coeff: float = 1e-2
-    seed: int = 0
 
 
 class Attention(nn.Module):

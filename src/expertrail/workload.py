@@ -11,9 +11,6 @@ import torch
 
 from .errors import ConfigError
 
-ROUTING_HELP = "uniform | zipf:<alpha> | balanced | <file with topk_idx [world, N, K] (.pt or .npy)>"
-
-
 def make_routing(spec: str, num_tokens: int, num_experts: int, topk: int, rank: int, world: int,
                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_idx [N, K] int64, topk_weights [N, K] fp32) for one rank.

@@ -1,0 +1,48 @@
+"""Settings of the `expertrail bench` and `expertrail train` commands (no torch import, so
+the command line can be built without it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .names import BACKEND_NAMES
+
+DTYPE_NAMES = ("bf16", "fp16", "fp32")
+
+
+@dataclass
+class BenchConfig:
+    """What `expertrail bench` runs. Sizes are per rank; defaults follow the Hybrid-EP test
+    (uniform top-8 routing, BF16 tokens) at a size a 2-core CPU finishes in about a minute."""
+
+    world: int = 4
+    domain_size: int = 2
+    hidden: int = 2048
+    tokens: int = 1024
+    experts: int = 16
+    topk: int = 8
+    backends: list = field(default_factory=lambda: sorted(BACKEND_NAMES))
+    dtype: str = "bf16"
+    routing: str = "uniform"
+    iters: int = 10
+    warmup: int = 2
+    seed: int = 0
+    chunks: int = 1
+    expert_ffn: int = 256
+    progress: bool = True
+
+
+@dataclass
+class TrainConfig:
+    vocab: int = 64
+    hidden: int = 32
+    layers: int = 2
+    heads: int = 4
+    experts: int = 8
+    topk: int = 2
+    ffn: int = 32
+    seq: int = 16
+    batch: int = 4            # sequences per rank per step
+    steps: int = 20
+    lr: float = 0.3
+    aux_loss_coeff: float = 1e-2
+    seed: int = 0
