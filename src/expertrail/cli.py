@@ -69,6 +69,45 @@ def _validate_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
+def _simulate_parser(sub) -> None:
+    p = sub.add_parser("simulate", help="predict dispatch / combine of every algorithm at cluster scale",
+                       description="Cost model (docs/cost-model.md): bytes per link class counted from a sampled "
+                                   "routing, time from the links' SM-dependent bandwidth. No GPU, no torch.")
+    p.add_argument("--hardware", required=True, help="catalog name (h100, h200, h800, b200, b300, gb200-nvl72, "
+                                                     "gb300-nvl72, gb200-nvl36) or a YAML/JSON file")
+    p.add_argument("--model", required=True, help="catalog name, a YAML/JSON file, or a Hugging Face config.json")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default %(default)s)")
+    p.add_argument("--ep", default="8,16,32,64", help="EP sizes: 8,16,32 or 8..64:8 (default %(default)s)")
+    p.add_argument("--sms", default="20", help="SM counts for the SM-driven kernels: 20 or 8..32 (default %(default)s)")
+    p.add_argument("--backends", default=None, help="comma-separated algorithms (default: all)")
+    p.add_argument("--routing", default="uniform", help="uniform | zipf:<alpha> | grouped | <topk_idx .npy>")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp8"))
+    p.add_argument("--domain-size", type=int, default=None, help="ranks per NVLink domain (default: from the hardware)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--plot", metavar="PATH.png", help="plot time and inter-domain bytes against EP")
+
+
+def _run_simulate(args) -> int:
+    import json
+
+    from .plan.catalog import load_hardware, load_model
+    from .plan.cost import ALGORITHMS
+    from .plan.simulate import format_rows, parse_ints, plot_rows, simulate
+    hw, model = load_hardware(args.hardware), load_model(args.model)
+    algorithms = tuple(a.strip() for a in args.backends.split(",")) if args.backends else ALGORITHMS
+    rows = simulate(hw, model, args.tokens, parse_ints(args.ep), parse_ints(args.sms), algorithms, args.routing,
+                    args.precision, args.domain_size)
+    if args.json:
+        print(json.dumps({"hardware": hw.__dict__, "model": model.__dict__, "tokens": args.tokens,
+                          "routing": args.routing, "precision": args.precision, "rows": rows}, indent=2))
+    else:
+        print(format_rows(rows, hw, model, args.tokens, args.routing, args.precision))
+    if args.plot:
+        plot_rows(rows, args.plot, f"{model.name} on {hw.name}, {args.tokens} tokens/rank, {args.routing}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def _run_validate(args) -> int:
     import json
 
@@ -178,6 +217,7 @@ def main(argv=None) -> int:
     _bench_parser(sub)
     _train_parser(sub)
     _validate_parser(sub)
+    _simulate_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "bench":
@@ -186,6 +226,8 @@ def main(argv=None) -> int:
             return _run_train(args)
         if args.command == "validate":
             return _run_validate(args)
+        if args.command == "simulate":
+            return _run_simulate(args)
     except ExpertrailError as err:
         print(f"expertrail {args.command}: {err}", file=sys.stderr)
         return 2

@@ -1,0 +1,186 @@
+"""Cost model of dispatch and combine at cluster scale (NumPy only).
+
+Traffic is counted exactly from a sampled routing (one representative rank's tokens, the
+routing being the same distribution on every rank); time is, per stage, the slowest link's
+bytes over its effective bandwidth plus a fixed stage latency. Effective bandwidth saturates
+with the SMs a kernel uses: ``bw(sms) = peak x efficiency x (1 - exp(-sms / tau))``. The
+constants and their calibration are in docs/cost-model.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError
+from .catalog import Hardware, MoEModel
+
+ALGORITHMS = ("allgather", "alltoall", "dedup", "hierarchical", "deepep-ll")
+
+# Calibration (docs/cost-model.md): achievable fraction of the datasheet link bandwidth, the
+# SM count at which a link is ~95% saturated, per-stage latency, FP8 dispatch byte-rate penalty.
+NVLINK_EFFICIENCY = {"h800": 0.96}          # H800's catalog figure is already the achievable 160 GB/s
+NVLINK_EFFICIENCY_DEFAULT = 0.55            # Hybrid-EP B200 EP8: 536 GB/s algorithm bandwidth at 16 SMs
+NIC_EFFICIENCY = 0.90
+SATURATING_SMS = {"hopper": {"nvlink": 8, "nic": 4}, "blackwell": {"nvlink": 16, "nic": 4}}
+STAGE_LATENCY_S = {"normal": 15e-6, "deepep-ll": 5e-6, "nccl": 25e-6}
+FP8_ROW_OVERHEAD_S = 3.7e-9                  # per FP8 row handled (scales, quantized layout): Hybrid-EP B200
+
+
+@dataclass
+class Routing:
+    """How tokens pick experts: ``uniform``, ``zipf:<alpha>``, ``grouped`` (DeepSeek-V3 style:
+    ``group_topk`` of ``num_groups`` expert groups, then top-k inside them) or a ``.npy``
+    file of recorded ``topk_idx`` ([world, N, K] or [N, K])."""
+
+    spec: str = "uniform"
+
+    def sample(self, model: MoEModel, tokens: int, seed: int = 0) -> np.ndarray:
+        rng = np.random.default_rng(seed)
+        e, k = model.num_experts, model.topk
+        if self.spec == "uniform":
+            scores = rng.random((tokens, e))
+        elif self.spec.startswith("zipf:"):
+            alpha = float(self.spec.split(":", 1)[1])
+            scores = -alpha * np.log(np.arange(1, e + 1)) + rng.gumbel(size=(tokens, e))
+        elif self.spec == "grouped":
+            if not model.num_groups:
+                raise ConfigError(f"routing 'grouped' needs a model with expert groups ({model.name} has none)")
+            g = model.num_groups
+            chosen = np.argsort(rng.random((tokens, g)), axis=1)[:, :model.group_topk]
+            allowed = np.zeros((tokens, g), bool)
+            np.put_along_axis(allowed, chosen, True, axis=1)
+            scores = np.where(np.repeat(allowed, e // g, axis=1), rng.random((tokens, e)), -1.0)
+        else:
+            path = Path(self.spec)
+            if path.suffix != ".npy" or not path.exists():
+                raise ConfigError(f"routing {self.spec!r}: uniform, zipf:<alpha>, grouped, or a .npy topk_idx file")
+            idx = np.load(path)
+            return (idx[0] if idx.ndim == 3 else idx).astype(np.int64)
+        return np.argpartition(-scores, k - 1, axis=1)[:, :k]
+
+
+@dataclass
+class Layout:
+    ep: int
+    domain: int
+
+    @property
+    def domains(self) -> int:
+        return self.ep // self.domain
+
+
+@dataclass
+class Traffic:
+    """Rows one rank sends per link class, and the busiest receiver's rows, per stage."""
+
+    stages: list = field(default_factory=list)     # [{"link": "nvlink"|"nic"|"local", "send": rows, "recv": rows}]
+    rows: dict = field(default_factory=dict)       # send rows per class: self / intra / inter
+    logical_rows: int = 0                          # (token, destination rank) pairs, for algorithm bandwidth
+
+
+def count_traffic(topk_idx: np.ndarray, model: MoEModel, layout: Layout, algorithm: str) -> Traffic:
+    """Rows on each link for rank 0 sending ``topk_idx [T, K]`` (all ranks route alike)."""
+    p, d = layout.ep, layout.domain
+    local = model.num_experts // p
+    t = topk_idx.shape[0]
+    valid = topk_idx >= 0
+    rank = np.where(valid, topk_idx // local, -1)
+    member = np.zeros((t, p + 1), bool)
+    np.put_along_axis(member, np.where(valid, rank, p), True, axis=1)
+    member = member[:, :p]                                        # token has an expert on rank q
+    pairs = np.bincount(rank[valid], minlength=p)                 # (token, expert) pairs per rank
+    in_domain = member.reshape(t, p // d, d).any(2)
+    logical = int(member.sum())
+    same = np.arange(p) < d                                       # rank 0's domain
+    tr = Traffic(logical_rows=logical)
+    if algorithm in ("alltoall", "deepep-ll", "dedup"):
+        per_rank = pairs if algorithm != "dedup" else member.sum(0)
+        tr.rows = {"self": int(per_rank[0]), "intra": int(per_rank[1:d].sum()), "inter": int(per_rank[~same].sum())}
+        recv = int(per_rank.max()) * p                            # every sender alike: the hottest rank
+        tr.stages = [{"link": "nvlink", "send": tr.rows["intra"], "recv": recv * (d - 1) // p},
+                     {"link": "nic", "send": tr.rows["inter"], "recv": recv * (p - d) // p}]
+    elif algorithm == "hierarchical":
+        remote_domains = int(in_domain[:, 1:].sum())
+        # As rail peer in domain j, a rank forwards rows of p/d senders: to every rank of j
+        # holding an expert of the token, except itself.
+        per_domain = member.reshape(t, p // d, d)
+        forwarded = (per_domain.sum(2, keepdims=True) - per_domain).sum(0)        # [domains, d]
+        intra = int(forwarded.max()) * (p // d)
+        tr.rows = {"self": int(in_domain[:, 0].sum()), "intra": intra, "inter": remote_domains}
+        # The rail peer in domain j receives from the p/d - 1 senders of its rail in other domains.
+        tr.stages = [{"link": "nic", "send": remote_domains, "recv": int(in_domain.sum(0).max()) * (p // d - 1)},
+                     {"link": "nvlink", "send": intra, "recv": intra}]
+    elif algorithm == "allgather":
+        tr.rows = {"self": t, "intra": t * (d - 1), "inter": t * (p - d)}
+        tr.stages = [{"link": "nvlink", "send": tr.rows["intra"], "recv": tr.rows["intra"]},
+                     {"link": "nic", "send": tr.rows["inter"], "recv": tr.rows["inter"]}]
+    else:
+        raise ConfigError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    return tr
+
+
+def link_bandwidth(hw: Hardware, link: str, sms: int | None) -> float:
+    """Effective bytes/s of one GPU's link with ``sms`` SMs driving it (None: NCCL, not SM-bound)."""
+    if link == "nvlink":
+        peak = hw.nvlink_GBps * NVLINK_EFFICIENCY.get(hw.name, NVLINK_EFFICIENCY_DEFAULT)
+    else:
+        peak = hw.nic_GBps * NIC_EFFICIENCY
+    if sms is None:
+        return peak * 1e9
+    sat = SATURATING_SMS.get(hw.arch, SATURATING_SMS["hopper"])[link]
+    return peak * 1e9 * (1 - np.exp(-3.0 * sms / sat))
+
+
+def row_bytes(model: MoEModel, precision: str, direction: str) -> int:
+    """Bytes of one token row: BF16, or FP8 with one fp32 scale per 128 values (dispatch only;
+    combine is BF16 as in DeepEP and Hybrid-EP)."""
+    if precision == "fp8" and direction == "dispatch":
+        return model.hidden + 4 * (model.hidden // 128)
+    return 2 * model.hidden
+
+
+@dataclass
+class Prediction:
+    algorithm: str
+    dispatch_s: float
+    combine_s: float
+    rows: dict
+    bytes: dict
+    bottleneck: str
+    algo_bandwidth_GBps: float
+    sms: int | None
+
+
+def predict(hw: Hardware, model: MoEModel, layout: Layout, algorithm: str, topk_idx: np.ndarray,
+            sms: int | None = None, precision: str = "bf16") -> Prediction:
+    """Predicted dispatch and combine time of ``algorithm`` for rank 0's ``topk_idx``."""
+    if model.num_experts % layout.ep or layout.ep % layout.domain:
+        raise ConfigError(f"EP {layout.ep} must divide {model.num_experts} experts and be a multiple of the "
+                          f"domain size {layout.domain}")
+    tr = count_traffic(topk_idx, model, layout, algorithm)
+    kind = "deepep-ll" if algorithm == "deepep-ll" else ("nccl" if algorithm in ("alltoall", "allgather") else "normal")
+    driving = None if kind == "nccl" else sms
+
+    def phase(direction):
+        size = row_bytes(model, precision, direction)
+        times, rows = {}, 0
+        for st in tr.stages:
+            busiest = max(st["send"], st["recv"])
+            if busiest == 0:
+                continue
+            rows = max(rows, busiest)
+            times[st["link"]] = times.get(st["link"], 0.0) + busiest * size / link_bandwidth(hw, st["link"], driving)
+        if not times:
+            return 0.0, "none"
+        # Links work concurrently (pipelined chunks on the two-level path); each stage adds latency.
+        overhead = rows * FP8_ROW_OVERHEAD_S if size < 2 * model.hidden else 0.0
+        return max(times.values()) + overhead + STAGE_LATENCY_S[kind] * len(times), max(times, key=times.get)
+
+    dispatch, bottleneck = phase("dispatch")
+    combine, _ = phase("combine")
+    logical = tr.logical_rows * 2 * model.hidden
+    return Prediction(algorithm, dispatch, combine, tr.rows,
+                      {k: v * row_bytes(model, precision, "dispatch") for k, v in tr.rows.items()},
+                      bottleneck, logical / dispatch / 1e9, sms)

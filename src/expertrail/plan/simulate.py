@@ -1,0 +1,92 @@
+"""`expertrail simulate`: predicted dispatch / combine of every algorithm at cluster scale."""
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .catalog import Hardware, MoEModel
+from .cost import ALGORITHMS, Layout, Routing, predict
+
+NCCL_ALGORITHMS = ("allgather", "alltoall")      # NCCL collectives: the SM count is not theirs to set
+
+
+def parse_ints(text: str) -> list:
+    """``8,16,32`` or a range ``8..32`` (step 8, or ``8..32:4``)."""
+    out = []
+    for part in str(text).split(","):
+        if ".." in part:
+            span, _, step = part.partition(":")
+            lo, hi = (int(v) for v in span.split(".."))
+            out.extend(range(lo, hi + 1, int(step) if step else 8))
+        elif part.strip():
+            out.append(int(part))
+    if not out or min(out) < 1:
+        raise ConfigError(f"{text!r}: give positive integers, e.g. 8,16,32 or 8..32")
+    return out
+
+
+def domain_for(hw: Hardware, ep: int) -> int:
+    """The domain size matching the topology: the largest divisor of EP within one NVLink domain."""
+    return max(d for d in range(1, min(ep, hw.domain_size) + 1) if ep % d == 0)
+
+
+def simulate(hw: Hardware, model: MoEModel, tokens: int, eps: list, sms_list: list, algorithms=ALGORITHMS,
+             routing: str = "uniform", precision: str = "bf16", domain_size: int | None = None, seed: int = 0) -> list:
+    """One row per (EP, algorithm, SM count): predicted times, bytes per link class, bottleneck."""
+    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    if unknown:
+        raise ConfigError(f"unknown algorithms {unknown}; choose from {list(ALGORITHMS)}")
+    if precision not in ("bf16", "fp8"):
+        raise ConfigError(f"precision={precision!r}; choose bf16 or fp8")
+    topk_idx = Routing(routing).sample(model, tokens, seed)
+    rows = []
+    for ep in eps:
+        if model.num_experts % ep:
+            raise ConfigError(f"EP {ep} does not divide the {model.num_experts} experts of {model.name}")
+        domain = domain_size or domain_for(hw, ep)
+        if ep % domain:
+            raise ConfigError(f"domain size {domain} does not divide EP {ep}")
+        for algorithm in algorithms:
+            for sms in ([None] if algorithm in NCCL_ALGORITHMS else sms_list):
+                p = predict(hw, model, Layout(ep, domain), algorithm, topk_idx, sms, precision)
+                rows.append({"ep": ep, "domain": domain, "algorithm": algorithm, "sms": sms,
+                             "dispatch_us": p.dispatch_s * 1e6, "combine_us": p.combine_s * 1e6,
+                             "bytes": p.bytes, "rows": p.rows, "bottleneck": p.bottleneck,
+                             "algo_bandwidth_GBps": p.algo_bandwidth_GBps})
+    return rows
+
+
+def format_rows(rows: list, hw: Hardware, model: MoEModel, tokens: int, routing: str, precision: str) -> str:
+    head = (f"{model.name} on {hw.name}: {tokens} tokens/rank, hidden {model.hidden}, {model.num_experts} experts, "
+            f"top-{model.topk}, {routing} routing, {precision} dispatch; per rank, predicted")
+    cols = ["EP", "domain", "algorithm", "SMs", "dispatch us", "combine us", "intra MB", "inter MB", "bottleneck",
+            "algo GB/s"]
+    table = [[str(r["ep"]), str(r["domain"]), r["algorithm"], "-" if r["sms"] is None else str(r["sms"]),
+              f"{r['dispatch_us']:.1f}", f"{r['combine_us']:.1f}", f"{r['bytes']['intra'] / 1e6:.1f}",
+              f"{r['bytes']['inter'] / 1e6:.1f}", r["bottleneck"], f"{r['algo_bandwidth_GBps']:.0f}"] for r in rows]
+    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))
+    return "\n".join([head, line(cols), line(["-" * w for w in widths]), *map(line, table)])
+
+
+def plot_rows(rows: list, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for algorithm in dict.fromkeys(r["algorithm"] for r in rows):
+        mine = [r for r in rows if r["algorithm"] == algorithm]
+        best = {}
+        for r in mine:                       # the best SM count per EP
+            if r["ep"] not in best or r["dispatch_us"] < best[r["ep"]]["dispatch_us"]:
+                best[r["ep"]] = r
+        eps = sorted(best)
+        ax_t.plot(eps, [best[e]["dispatch_us"] + best[e]["combine_us"] for e in eps], marker="o", label=algorithm)
+        ax_b.plot(eps, [best[e]["bytes"]["inter"] / 1e6 for e in eps], marker="o", label=algorithm)
+    for ax, label in ((ax_t, "dispatch + combine, us"), (ax_b, "inter-domain MB per rank")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("EP size")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,139 @@
+"""The planner's cost model: calibration against published figures, byte counts against brute force."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from expertrail.plan.catalog import HARDWARE, MODELS, MoEModel, from_hf_config, load_model
+from expertrail.plan.cost import Layout, Routing, count_traffic, link_bandwidth, predict, row_bytes
+
+
+def within(pred, published, tol=0.2):
+    return abs(pred - published) <= tol * published
+
+
+def test_deepep_h800_intranode_normal_kernels():
+    """DeepEP normal kernels, H800 EP8, 4096 tokens, hidden 7168, top-4 groups, top-8 experts,
+    FP8 dispatch / BF16 combine, 20 SMs: 153 / 158 GB/s of NVLink (bytes received / time)."""
+    model = MODELS["deepseek-v3"]
+    idx = Routing("grouped").sample(model, 4096)
+    p = predict(HARDWARE["h800"], model, Layout(8, 8), "dedup", idx, sms=20, precision="fp8")
+    received = count_traffic(idx, model, Layout(8, 8), "dedup").stages[0]["recv"]
+    assert within(received * row_bytes(model, "fp8", "dispatch") / p.dispatch_s / 1e9, 153)
+    assert within(received * row_bytes(model, "bf16", "combine") / p.combine_s / 1e9, 158)
+
+
+def test_hybrid_ep_b200_ep8():
+    """Hybrid-EP, B200 EP8, 16 SMs, 4096 tokens, hidden 7168, top-8 uniform, 8 local experts:
+    algorithm bandwidth BF16 dispatch 535.94, FP8 dispatch 409.71, combine 530.86 GB/s."""
+    model = MoEModel("hybrid-ep-test", 7168, 64, 8, 2048, 1)
+    idx = Routing("uniform").sample(model, 4096)
+    logical = count_traffic(idx, model, Layout(8, 8), "hierarchical").logical_rows * 7168
+    bf16 = predict(HARDWARE["b200"], model, Layout(8, 8), "hierarchical", idx, sms=16)
+    fp8 = predict(HARDWARE["b200"], model, Layout(8, 8), "hierarchical", idx, sms=16, precision="fp8")
+    assert within(2 * logical / bf16.dispatch_s / 1e9, 535.94)
+    assert within(logical / fp8.dispatch_s / 1e9, 409.71)
+    assert within(2 * logical / bf16.combine_s / 1e9, 530.86)
+
+
+@pytest.mark.parametrize("hardware,link,sms", [("h100", "nvlink", 8), ("h100", "nic", 4), ("gb200-nvl36", "nvlink", 16)])
+def test_published_saturating_sm_counts(hardware, link, sms):
+    """8 SMs fill NVLink on DGX H100, ~4 SMs approach the 400 Gb/s NIC, 16 SMs fill GB200 NVL36."""
+    hw = HARDWARE[hardware]
+    assert link_bandwidth(hw, link, sms) >= 0.9 * link_bandwidth(hw, link, 132)
+    assert link_bandwidth(hw, link, sms // 4) < 0.7 * link_bandwidth(hw, link, 132)
+
+
+def brute_force_rows(idx, experts, ep, domain, algorithm):
+    """Rows rank 0 sends per link class, counted token by token."""
+    local = experts // ep
+    rows = {"self": 0, "intra": 0, "inter": 0}
+
+    def cls(q):
+        return "self" if q == 0 else ("intra" if q < domain else "inter")
+    for token in idx.tolist():
+        experts_of_token = [e for e in token if e >= 0]
+        ranks = sorted({e // local for e in experts_of_token})
+        if algorithm == "alltoall":
+            for e in experts_of_token:
+                rows[cls(e // local)] += 1
+        elif algorithm == "dedup":
+            for q in ranks:
+                rows[cls(q)] += 1
+        elif algorithm == "hierarchical":
+            domains = {q // domain for q in ranks}
+            rows["self"] += 0 in domains
+            rows["inter"] += len(domains - {0})
+        elif algorithm == "allgather":
+            rows["self"] += 1
+            rows["intra"] += domain - 1
+            rows["inter"] += ep - domain
+    return rows
+
+
+@pytest.mark.parametrize("algorithm", ["alltoall", "dedup", "hierarchical", "allgather"])
+@pytest.mark.parametrize("ep,domain", [(8, 4), (8, 2), (4, 4), (16, 1)])
+def test_byte_counts_match_brute_force(algorithm, ep, domain):
+    model = MoEModel("small", 64, 16, 3, 32, 1)
+    idx = Routing("zipf:0.8").sample(model, 200, seed=3)
+    idx[::7, 1] = -1
+    counted = count_traffic(idx, model, Layout(ep, domain), algorithm).rows
+    expected = brute_force_rows(idx, 16, ep, domain, algorithm)
+    if algorithm == "hierarchical":      # its intra-domain rows are forwarded ones, checked below
+        counted = {k: counted[k] for k in ("self", "inter")}
+        expected = {k: expected[k] for k in ("self", "inter")}
+    assert counted == expected
+
+
+def test_hierarchical_forwarding_rows_match_brute_force():
+    """Inside a domain, the rail peer forwards each arriving row to the other ranks holding its
+    experts; with every sender routing alike, the busiest forwarder's rows are counted."""
+    model = MoEModel("small", 64, 16, 3, 32, 1)
+    idx = Routing("uniform").sample(model, 120, seed=5)
+    ep, domain = 8, 4
+    local = 16 // ep
+    busiest = 0
+    for dom in range(ep // domain):
+        for lidx in range(domain):
+            me = dom * domain + lidx
+            per_sender = sum(len({e // local for e in t if e >= 0 and (e // local) // domain == dom} - {me})
+                             for t in idx.tolist())
+            busiest = max(busiest, per_sender * (ep // domain))
+    assert count_traffic(idx, model, Layout(ep, domain), "hierarchical").rows["intra"] == busiest
+
+
+def test_grouped_routing_limits_groups():
+    model = MODELS["deepseek-v3"]
+    idx = Routing("grouped").sample(model, 500)
+    groups = idx // (256 // 8)
+    assert max(len(set(row)) for row in groups.tolist()) <= 4
+
+
+def test_hf_config_and_files(tmp_path):
+    cfg = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_experts": 128, "num_experts_per_tok": 8,
+           "moe_intermediate_size": 768, "num_hidden_layers": 48}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    model = load_model(str(path))
+    assert (model.hidden, model.num_experts, model.topk, model.moe_ffn) == (2048, 128, 8, 768)
+    assert from_hf_config({**cfg, "n_routed_experts": 256, "first_k_dense_replace": 3}).layers == 45
+
+
+def test_simulate_cli_text_json_and_no_torch(tmp_path):
+    np.save(tmp_path / "route.npy", Routing("uniform").sample(MODELS["qwen3-30b-a3b"], 256))
+    code = ("import sys; from expertrail.cli import main; "
+            f"rc = main(['simulate', '--hardware', 'h100', '--model', 'qwen3-30b-a3b', '--ep', '8,16', "
+            f"'--sms', '8..24', '--routing', r'{tmp_path / 'route.npy'}', '--tokens', '256', "
+            f"'--plot', r'{tmp_path / 'sim.png'}']); "
+            "assert 'torch' not in sys.modules; sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "hierarchical" in out.stdout and "bottleneck" in out.stdout
+    assert (tmp_path / "sim.png").read_bytes()[:4] == b"\x89PNG"
+    js = subprocess.run([sys.executable, "-m", "expertrail", "simulate", "--hardware", "gb200-nvl72", "--model",
+                         "deepseek-v3", "--ep", "64", "--json"], capture_output=True, text=True, timeout=120)
+    rows = json.loads(js.stdout)["rows"]
+    assert {r["algorithm"] for r in rows} == {"allgather", "alltoall", "dedup", "hierarchical", "deepep-ll"}
+    assert all(r["domain"] == 64 and r["bytes"]["inter"] == 0 for r in rows)   # EP 64 fits one NVL72 rack
