@@ -108,6 +108,38 @@ def _run_simulate(args) -> int:
     return 0
 
 
+def _plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="recommend a dispatcher, EP size, SM counts and settings, with reasons",
+                       description="Recommends the dispatcher (with predicted times of all alternatives), SM counts, "
+                                   "the NVLink domain setting, EP size, EP-overlap / CUDA-graph / FP8 advice and "
+                                   "pitfalls for a hardware and model; --emit prints a ready configuration.")
+    p.add_argument("--hardware", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--ep", type=int, default=None, help="EP size (default: chosen from the EP table)")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default %(default)s)")
+    p.add_argument("--stage", choices=("bringup", "tune"), default="bringup")
+    p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
+    p.add_argument("--routing", default="uniform", help="uniform | zipf:<alpha> | grouped | <topk_idx .npy>")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--emit", choices=("megatron", "bridge"), help="print a ready configuration instead")
+
+
+def _run_plan(args) -> int:
+    import json
+
+    from .plan.advisor import emit, format_plan, plan
+    from .plan.catalog import load_hardware, load_model
+    hw, model = load_hardware(args.hardware), load_model(args.model)
+    result = plan(hw, model, args.tokens, args.ep, args.stage, args.precision, args.routing)
+    if args.emit:
+        print(emit(result, model, args.emit))
+    elif args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(format_plan(result))
+    return 0
+
+
 def _run_validate(args) -> int:
     import json
 
@@ -218,6 +250,7 @@ def main(argv=None) -> int:
     _train_parser(sub)
     _validate_parser(sub)
     _simulate_parser(sub)
+    _plan_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "bench":
@@ -228,6 +261,8 @@ def main(argv=None) -> int:
             return _run_validate(args)
         if args.command == "simulate":
             return _run_simulate(args)
+        if args.command == "plan":
+            return _run_plan(args)
     except ExpertrailError as err:
         print(f"expertrail {args.command}: {err}", file=sys.stderr)
         return 2
