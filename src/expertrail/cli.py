@@ -140,6 +140,24 @@ def _run_plan(args) -> int:
     return 0
 
 
+def _balance_parser(sub) -> None:
+    p = sub.add_parser("balance", help="balancedness before and after replicating hot experts",
+                       description="Plans replicas and placement for measured (--load) or Zipf expert loads and "
+                                   "prints balancedness (mean / max tokens per rank) for contiguous placement and "
+                                   "each policy. Torch-free.")
+    p.add_argument("--load", help="token counts [layers, experts] in .npy, .csv or .json")
+    p.add_argument("--zipf", type=float, help="Zipf exponent of synthetic loads")
+    p.add_argument("--experts", type=int)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--ranks", type=int, required=True)
+    p.add_argument("--redundant", type=int, default=0, help="extra physical slots for replicas")
+    p.add_argument("--domains", type=int, default=1)
+    p.add_argument("--groups", type=int, default=None, help="expert groups for the hierarchical policy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", metavar="PATH.png")
+
+
 def _run_validate(args) -> int:
     import json
 
@@ -251,6 +269,7 @@ def main(argv=None) -> int:
     _validate_parser(sub)
     _simulate_parser(sub)
     _plan_parser(sub)
+    _balance_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "bench":
@@ -263,6 +282,9 @@ def main(argv=None) -> int:
             return _run_simulate(args)
         if args.command == "plan":
             return _run_plan(args)
+        if args.command == "balance":
+            from .balance.report import run
+            return run(args)
     except ExpertrailError as err:
         print(f"expertrail {args.command}: {err}", file=sys.stderr)
         return 2

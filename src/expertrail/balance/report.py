@@ -1,0 +1,82 @@
+"""`expertrail balance`: balancedness before and after each rebalancing policy."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError
+from .planner import balancedness, contiguous_balancedness, plan_placement, rank_loads, zipf_load
+
+
+def load_loads(path: str) -> np.ndarray:
+    """Expert loads [layers, experts] (or [experts]) from a .npy, .csv or .json file."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"--load {path!r}: file not found")
+    if p.suffix == ".npy":
+        data = np.load(p)
+    elif p.suffix == ".csv":
+        data = np.loadtxt(p, delimiter=",", ndmin=2)
+    elif p.suffix == ".json":
+        import json
+        data = np.asarray(json.loads(p.read_text()), dtype=np.float64)
+    else:
+        raise ConfigError(f"--load {path!r}: use .npy, .csv or .json holding [layers, experts] token counts")
+    return np.atleast_2d(np.asarray(data, dtype=np.float64))
+
+
+def compare(load: np.ndarray, num_ranks: int, redundant: int, num_domains: int = 1,
+            num_groups: int | None = None) -> dict:
+    """Per policy: balancedness per layer (and mean, min), next to contiguous placement."""
+    experts = load.shape[1]
+    slots = experts + redundant
+    out = {"contiguous": contiguous_balancedness(load, num_ranks)}
+    out["global"] = balancedness(rank_loads(load, plan_placement(load, slots, num_ranks)))
+    if num_domains > 1 or num_groups:
+        placement = plan_placement(load, slots, num_ranks, "hierarchical", num_domains, num_groups)
+        out["hierarchical"] = balancedness(rank_loads(load, placement))
+    return {k: {"mean": float(v.mean()), "min": float(v.min()), "per_layer": v.tolist()} for k, v in out.items()}
+
+
+def run(args) -> int:
+    if args.load:
+        load = load_loads(args.load)
+    elif args.zipf is not None:
+        if not args.experts:
+            raise ConfigError("--zipf needs --experts")
+        load = zipf_load(args.layers, args.experts, args.zipf, seed=args.seed)
+    else:
+        raise ConfigError("give --load FILE or --zipf ALPHA --experts E")
+    if load.shape[1] % args.ranks:
+        raise ConfigError(f"{load.shape[1]} experts do not split over --ranks {args.ranks}")
+    result = compare(load, args.ranks, args.redundant, args.domains, args.groups)
+    if args.json:
+        import json
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"{load.shape[0]} layer(s) x {load.shape[1]} experts on {args.ranks} ranks, {args.redundant} redundant "
+              f"slots, {args.domains} domain(s); balancedness = mean / max tokens per rank")
+        print(f"{'placement':<14}{'mean':>8}{'min':>8}")
+        for name, r in result.items():
+            print(f"{name:<14}{r['mean']:>8.3f}{r['min']:>8.3f}")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for name, r in result.items():
+        ax.plot(range(len(r["per_layer"])), r["per_layer"], marker=".", label=f"{name} (mean {r['mean']:.2f})")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("balancedness (mean / max per rank)")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

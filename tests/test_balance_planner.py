@@ -1,0 +1,99 @@
+"""Rebalance planning: hand-checked cases, invariants, kept slots, the published bar."""
+import numpy as np
+import pytest
+
+from expertrail.balance.planner import (balancedness, contiguous_balancedness, plan_placement, rank_loads,
+                                        zipf_load)
+from expertrail.errors import ConfigError
+
+
+def check_invariants(p, experts, slots, ranks):
+    assert p.phys_to_log.shape[1] == slots
+    assert (p.replicas.sum(1) == slots).all()
+    for layer in range(p.phys_to_log.shape[0]):
+        assert set(p.phys_to_log[layer]) == set(range(experts))            # every expert has a slot
+        for r in range(ranks):
+            on_rank = p.phys_to_log[layer].reshape(ranks, -1)[r]
+            assert len(set(on_rank)) == len(on_rank)                       # no two replicas on one rank
+        for e in range(experts):                                           # log_to_phys is the inverse
+            where = p.log_to_phys[layer, e][p.log_to_phys[layer, e] >= 0]
+            assert sorted(where) == sorted(np.nonzero(p.phys_to_log[layer] == e)[0])
+
+
+def test_hand_checked_case():
+    # Loads 8, 1, 1, 2 on 6 slots of 2 ranks: expert 0 takes the first extra slot (8 -> 4 + 4);
+    # it cannot take a third (2 ranks), so expert 3 takes the second. Packing, heaviest first:
+    # 0 -> r0, 0 -> r1, 1 -> r0, 2 -> r1, 3 -> r0, 3 -> r1: both ranks carry 6 tokens.
+    load = np.array([8.0, 1.0, 1.0, 2.0])
+    p = plan_placement(load, num_slots=6, num_ranks=2)
+    assert p.replicas.tolist() == [[2, 1, 1, 2]]
+    assert p.phys_to_log.tolist() == [[0, 1, 3, 0, 2, 3]]
+    check_invariants(p, 4, 6, 2)
+    assert rank_loads(load, p).tolist() == [[6.0, 6.0]]
+    assert balancedness(rank_loads(load, p))[0] == 1.0
+
+
+def test_replicas_go_to_the_highest_load_per_replica():
+    p = plan_placement(np.array([[10.0, 6.0, 1.0, 1.0]]), num_slots=6, num_ranks=2)
+    # extra slot 1: expert 0 (10 -> 5/replica); extra slot 2: expert 1 (6 > 5).
+    assert p.replicas.tolist() == [[2, 2, 1, 1]]
+
+
+@pytest.mark.parametrize("policy,domains,groups", [("global", 1, None), ("hierarchical", 2, 4), ("hierarchical", 4, 8)])
+def test_invariants_on_random_loads(policy, domains, groups):
+    load = np.random.default_rng(0).gamma(0.5, 100.0, (3, 32))
+    p = plan_placement(load, num_slots=40, num_ranks=8, policy=policy, num_domains=domains, num_groups=groups)
+    check_invariants(p, 32, 40, 8)
+    if policy == "hierarchical":          # replicas stay inside their group's domain
+        slots_per_domain = 40 // domains
+        for layer in range(3):
+            for d in range(domains):
+                experts = set(p.phys_to_log[layer, d * slots_per_domain:(d + 1) * slots_per_domain])
+                groups_here = {e // (32 // groups) for e in experts}
+                assert len(groups_here) == groups // domains
+
+
+def test_unchanged_slots_stay_in_place():
+    load = zipf_load(4, 64, 1.0)
+    first = plan_placement(load, 72, 8)
+    again = plan_placement(load, 72, 8, current=first.phys_to_log)
+    assert np.array_equal(again.phys_to_log, first.phys_to_log)
+    # Shuffle the current placement's ranks and slots: the plan keeps experts where they are.
+    shuffled = first.phys_to_log.reshape(4, 8, 9)[:, ::-1, ::-1].reshape(4, 72)
+    kept = plan_placement(load, 72, 8, current=shuffled)
+    assert np.array_equal(kept.phys_to_log, shuffled)
+    check_invariants(kept, 64, 72, 8)
+
+
+def test_zipf_bar_global_policy():
+    load = zipf_load(1, 256, 1.0)
+    p = plan_placement(load, 288, 32)
+    assert balancedness(rank_loads(load, p))[0] >= 0.95
+    assert contiguous_balancedness(load, 32)[0] < 0.3
+
+
+def test_bad_arguments():
+    with pytest.raises(ConfigError, match="multiple of num_ranks"):
+        plan_placement(np.ones(8), 10, 4)
+    with pytest.raises(ConfigError, match="policy='random'"):
+        plan_placement(np.ones(8), 8, 4, policy="random")
+    with pytest.raises(ConfigError, match="cannot hold"):
+        plan_placement(np.ones(8), 4, 4)
+
+
+def test_balance_cli_text_json_without_torch(tmp_path):
+    import json
+    import subprocess
+    import sys
+    np.save(tmp_path / "load.npy", zipf_load(2, 64, 1.2))
+    code = ("import sys; from expertrail.cli import main; "
+            f"rc = main(['balance', '--load', r'{tmp_path / 'load.npy'}', '--ranks', '8', '--redundant', '8', "
+            f"'--domains', '2', '--groups', '4', '--plot', r'{tmp_path / 'b.png'}']); "
+            "assert 'torch' not in sys.modules; sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "contiguous" in out.stdout and "hierarchical" in out.stdout
+    js = subprocess.run([sys.executable, "-m", "expertrail", "balance", "--zipf", "1.0", "--experts", "256",
+                         "--ranks", "32", "--redundant", "32", "--json"], capture_output=True, text=True, timeout=60)
+    result = json.loads(js.stdout)
+    assert result["global"]["mean"] >= 0.95 and result["contiguous"]["mean"] < 0.3
