@@ -2,7 +2,9 @@
 
 ``MoELayer(router, dispatcher, experts, shared_experts=None, num_chunks=1)`` maps
 ``[..., H] -> [..., H]`` on every rank of the EP group. The router is replicated (same
-weights on every rank); each rank holds its ``E / ep_size`` experts. While the dispatch is in
+weights on every rank); each rank holds its ``E / ep_size`` experts, or, with a
+``balance.ReplicaRouter`` (hot experts replicated), its physical slots; a ``balance.LoadRecorder``
+given as ``recorder`` counts the router's loads in training. While the dispatch is in
 flight the shared experts run (overlap); with ``num_chunks > 1`` the routed part runs in
 overlapped chunks (`Dispatcher.moe`). The router's losses of the last forward are in
 ``layer.router_losses``; `router_loss(model)` sums them over a model's MoE layers.
@@ -20,10 +22,13 @@ from .router import TopKRouter
 
 class MoELayer(nn.Module):
     def __init__(self, router: TopKRouter, dispatcher: Dispatcher, experts: GroupedExperts,
-                 shared_experts: nn.Module | None = None, num_chunks: int = 1):
+                 shared_experts: nn.Module | None = None, num_chunks: int = 1, replicas=None,
+                 recorder=None, layer_index: int = 0):
         super().__init__()
-        if router.config.num_experts != dispatcher.num_experts:
-            raise ConfigError(f"router has {router.config.num_experts} experts, dispatcher {dispatcher.num_experts}")
+        slots = router.config.num_experts if replicas is None else replicas.num_slots
+        if slots != dispatcher.num_experts:
+            raise ConfigError(f"the dispatcher has {dispatcher.num_experts} experts but the router "
+                              f"{'and its replica map give' if replicas is not None else 'has'} {slots}")
         if experts.num_local_experts != dispatcher.num_local_experts:
             raise ConfigError(f"experts hold {experts.num_local_experts} experts, but this rank owns "
                               f"{dispatcher.num_local_experts} (num_experts / ep_size)")
@@ -32,19 +37,24 @@ class MoELayer(nn.Module):
         self.router, self.experts, self.shared_experts = router, experts, shared_experts
         self.dispatcher = dispatcher          # not a Module: holds process groups, no parameters
         self.num_chunks = num_chunks
+        self.replicas = replicas              # balance.ReplicaRouter: logical ids -> physical slots
+        self.recorder, self.layer_index = recorder, layer_index
         self.router_losses: dict = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         routing = self.router(x)
         self.router_losses = routing.losses
+        if self.recorder is not None and self.training:
+            self.recorder.record(self.layer_index, routing.tokens_per_expert)
+        topk_idx = routing.topk_idx if self.replicas is None else self.replicas(routing.topk_idx)
         flat = x.reshape(-1, shape[-1])
         if self.num_chunks > 1:
-            y = self.dispatcher.moe(flat, routing.topk_idx, routing.topk_weights, self.experts, self.num_chunks)
+            y = self.dispatcher.moe(flat, topk_idx, routing.topk_weights, self.experts, self.num_chunks)
             if self.shared_experts is not None:
                 y = y + self.shared_experts(flat)
             return y.view(shape)
-        pending = self.dispatcher.dispatch(flat, routing.topk_idx, routing.topk_weights, async_op=True)
+        pending = self.dispatcher.dispatch(flat, topk_idx, routing.topk_weights, async_op=True)
         shared = self.shared_experts(flat) if self.shared_experts is not None else None   # while rows travel
         res = pending.wait()
         y = self.dispatcher.combine(self.experts(res.tokens, res.tokens_per_expert), res)
