@@ -15,6 +15,8 @@ def test_replicated_layer_matches_and_relieves_the_busiest_rank(world4, backend)
     assert before == results[0][2]                       # the contiguous count is exact
     assert abs((before / after) / predicted - 1) <= 0.10, (before, after, predicted)
     assert predicted > 1.5                               # the skew was worth balancing
+    import torch
+    assert all(torch.equal(r[4], results[0][4]) for r in results)   # same token, same replica, every rank
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

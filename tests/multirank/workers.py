@@ -502,7 +502,8 @@ def replicated_layer(rank, world, backend):
     assert torch.equal(torch.where(physical >= 0, same_expert, physical), routing.topk_idx)
     predicted_after = rank_loads(load.numpy().astype(np.float64), placement).max()
     predicted_before = load.view(world, -1).sum(1).max().item()
-    return rows_before, rows_after, predicted_before, float(predicted_after)
+    shared = torch.randint(0, experts, (50, 2), generator=torch.Generator().manual_seed(99))   # same on every rank
+    return rows_before, rows_after, predicted_before, float(predicted_after), replicas(shared)
 
 
 def migration_is_exact(rank, world, seed):
