@@ -179,16 +179,22 @@ def _run_validate(args) -> int:
     return 1 if violations else 0
 
 
+def _backend_list(text: str) -> list:
+    """``--backends a,b`` -> names, each checked."""
+    backends = [b.strip() for b in text.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise ExpertrailError(f"--backends: unknown {unknown}; choose from {sorted(BACKENDS)}")
+    return backends
+
+
 def _run_train(args) -> int:
     import json
 
     from .launch import LocalRanks
     from .configs import TrainConfig
     from .train import summarize, train_rank, train_reference
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = [b for b in backends if b not in BACKENDS]
-    if unknown:
-        raise ExpertrailError(f"--backends: unknown {unknown}; choose from {sorted(BACKENDS)}")
+    backends = _backend_list(args.backends)
     cfg = TrainConfig(steps=args.steps, layers=args.layers, experts=args.experts, topk=args.topk,
                       hidden=args.hidden, lr=args.lr, seed=args.seed)
     reference = train_reference(cfg, args.world)
@@ -216,10 +222,7 @@ def _run_train(args) -> int:
 def _run_bench(args) -> int:
     from .bench import bench_rank
     from .configs import BenchConfig
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = [b for b in backends if b not in BACKENDS]
-    if unknown:
-        raise ExpertrailError(f"--backends: unknown {unknown}; choose from {sorted(BACKENDS)}")
+    backends = _backend_list(args.backends)
     cfg = BenchConfig(world=args.world, domain_size=args.domain_size, hidden=args.hidden, tokens=args.tokens,
                       experts=args.experts, topk=args.topk, backends=backends, dtype=args.dtype,
                       routing=args.routing, iters=args.iters, warmup=args.warmup, seed=args.seed,
