@@ -573,3 +573,28 @@ def rebalance_keeps_outputs(rank, world):
         after = layer(x)
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
     return int(load.sum()), second.replicas[0].tolist()
+
+
+def triton_path_matches_torch(rank, world, backend):
+    """The Triton kernels (interpreted on the CPU) inside dispatch and combine give the torch
+    path's rows bitwise and its combine within fp32 rounding, with alignment padding."""
+    import os
+    outs = {}
+    for mode in ("torch", "triton"):
+        os.environ["EXPERTRAIL_KERNELS"] = mode
+        try:
+            groups = groups_for(None, 2)
+            d = er.make_dispatcher(backend, groups, num_experts=8, expert_alignment=4)
+            xs, idxs, ws = make_inputs("random", world, 8, 8, 3, 2)
+            x = xs[rank].clone().requires_grad_()
+            res = d.dispatch(x, idxs[rank], ws[rank])
+            y = d.combine(expert_fn(res.tokens, row_experts(res, rank, 2)), res)
+            y.sum().backward()
+            outs[mode] = (res.tokens.detach(), y.detach(), x.grad)
+        finally:
+            os.environ["EXPERTRAIL_KERNELS"] = "auto"
+    (t0, y0, g0), (t1, y1, g1) = outs["torch"], outs["triton"]
+    assert torch.equal(t0, t1)
+    torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g1, g0, rtol=1e-6, atol=1e-6)
+    return t0.shape[0]

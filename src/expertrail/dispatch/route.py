@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .. import kernels
 from ..topology import all_gather_single
 
 LINK_CLASSES = ("self", "intra", "inter")
@@ -93,8 +94,34 @@ class Hop:
         if self.identity:
             return rows
         if self.local:
+            if kernels.use_triton(rows):
+                return kernels.permute_rows(rows, self.destinations(), self.out_rows or self.index.numel(),
+                                            self.padding_rows())
             return self.place(rows.index_select(0, self.index))
-        return self.exchange(rows if self.gathered else rows.index_select(0, self.index), async_op)
+        if self.gathered:
+            return self.exchange(rows, async_op)
+        if kernels.use_triton(rows):
+            return self.exchange(kernels.permute_rows(rows, self.destinations(), self.index.numel()), async_op)
+        return self.exchange(rows.index_select(0, self.index), async_op)
+
+    def destinations(self) -> torch.Tensor:
+        """int64 [num_src, num_slots]: output row of each copy of each source row (-1: none)."""
+        if getattr(self, "_destinations", None) is None:
+            dense = self.copies().dense()
+            if self.out_pos is not None:
+                dense = torch.where(dense >= 0, self.out_pos[dense.clamp(min=0)], dense)
+            self._destinations = dense
+        return self._destinations
+
+    def padding_rows(self):
+        """Output rows of the last hop that no copy fills (alignment / capacity padding)."""
+        if self.out_pos is None:
+            return None
+        if getattr(self, "_padding", None) is None:
+            filled = torch.zeros(self.out_rows, dtype=torch.bool, device=self.out_pos.device)
+            filled[self.out_pos] = True
+            self._padding = torch.nonzero(~filled).squeeze(1)
+        return self._padding
 
     def exchange(self, sent: torch.Tensor, async_op: bool = False):
         """Exchange rows already laid out as sent ([R, C], or [num_src, C] for an all-gather)."""
@@ -178,6 +205,14 @@ class CopyPositions:
     pos: list
     num_src: int
 
+    def dense(self) -> torch.Tensor:
+        """int64 [num_src, num_slots]: the row of each copy, -1 where there is none."""
+        device = self.pos[0].device if self.pos else None
+        out = torch.full((self.num_src, len(self.pos)), -1, dtype=torch.int64, device=device)
+        for s, (present, pos) in enumerate(zip(self.present, self.pos)):
+            out[present, s] = pos
+        return out
+
     @classmethod
     def build(cls, index: torch.Tensor, slot: torch.Tensor, num_src: int, num_slots: int) -> "CopyPositions":
         order = torch.argsort(slot * max(num_src, 1) + index)         # by slot, then source row
@@ -196,6 +231,8 @@ def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tens
     proportional to the number of copies, not to slots x rows.
     """
     num_src, width = copies.num_src, rows.shape[1]
+    if kernels.use_triton(rows):
+        return kernels.reduce_copies_dense(rows, copies.dense(), weights, out_dtype)
     if len(copies.pos) == 1 and weights is None:        # a permutation (with holes): no sum
         present, pos = copies.present[0], copies.pos[0]
         picked = rows.index_select(0, pos)

@@ -1,0 +1,60 @@
+"""Local data movement of dispatch and combine: torch reference and Triton fast path.
+
+``permute_rows`` (one read of each row, written to each of its destinations),
+``reduce_copies_dense`` (the weighted sum of each row's copies in fp32, fixed order, written
+once) and ``layout_counts``. The torch implementations are the reference and the CPU path; the
+Triton kernels run for CUDA tensors when Triton is installed (``EXPERTRAIL_KERNELS=torch``
+turns them off, ``=triton`` forces them, e.g. on the CPU with ``TRITON_INTERPRET=1`` in tests).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+
+_triton = None                         # the Triton module, imported on first need (it is optional)
+
+
+def _triton_kernels():
+    global _triton
+    if _triton is None:
+        try:
+            from . import triton_kernels
+            _triton = triton_kernels
+        except ImportError:            # pragma: no cover - depends on the install
+            _triton = False
+    return _triton
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    mode = os.environ.get("EXPERTRAIL_KERNELS", "auto")
+    if mode == "torch" or not (mode == "triton" or t.is_cuda):
+        return False
+    return bool(_triton_kernels())
+
+
+def permute_rows(rows: torch.Tensor, dest: torch.Tensor, out_rows: int, zero_rows: torch.Tensor | None = None):
+    """out[dest[i, s]] = rows[i] for every dest >= 0; ``zero_rows`` (padding) set to zero.
+
+    rows [R, C]; dest int64 [R, S] (-1: no copy) -> out [out_rows, C]; rows of ``out`` that no
+    copy and no ``zero_rows`` cover are undefined.
+    """
+    impl = _triton_kernels() if use_triton(rows) else reference
+    return impl.permute_rows(rows, dest, out_rows, zero_rows)
+
+
+def reduce_copies_dense(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """out[i] = sum over s ascending of weights[pos[i, s]] * rows[pos[i, s]] (pos -1: skip),
+    accumulated in fp32 (fp64 for fp64). rows [R, C], pos int64 [N, S] -> [N, C]."""
+    impl = _triton_kernels() if use_triton(rows) else reference
+    return impl.reduce_copies_dense(rows, pos, weights, out_dtype)
+
+
+def layout_counts(topk_idx: torch.Tensor, num_experts: int, ep_size: int, domain_size: int):
+    """(rows per expert [E], tokens per rank [P], tokens per domain [P / domain_size]) of
+    ``topk_idx [N, K]`` with contiguous placement."""
+    impl = _triton_kernels() if use_triton(topk_idx) else reference
+    return impl.layout_counts(topk_idx, num_experts, ep_size, domain_size)
