@@ -31,6 +31,9 @@ def reduce_copies_dense(rows, pos, weights, out_dtype):
 
 
 def layout_counts(topk_idx, num_experts, ep_size, domain_size):
-    from ..routing import compute_layout
-    lay = compute_layout(topk_idx, num_experts, ep_size, domain_size)
-    return lay.tokens_per_expert, lay.tokens_per_rank, lay.tokens_per_domain
+    n = topk_idx.shape[0]
+    valid = topk_idx >= 0
+    ranks = torch.where(valid, topk_idx.clamp(min=0) // (num_experts // ep_size), torch.full_like(topk_idx, ep_size))
+    member = torch.zeros(n, ep_size + 1, dtype=torch.bool, device=topk_idx.device).scatter_(1, ranks, True)[:, :ep_size]
+    per_domain = member.view(n, ep_size // domain_size, domain_size).any(2).sum(0)
+    return torch.bincount(topk_idx[valid], minlength=num_experts), member.sum(0), per_domain
