@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "BACKENDS": "dispatch", "DispatchResult": "dispatch", "Dispatcher": "dispatch", "TransferStats": "dispatch",
     "make_dispatcher": "dispatch",
-    "ConfigError": "errors", "ConfigMismatchError": "errors", "ExpertrailError": "errors",
+    "CollectiveError": "errors", "ConfigError": "errors", "ConfigMismatchError": "errors", "ExpertrailError": "errors",
     "InvalidInputError": "errors",
     "GroupedExperts": "experts", "SwiGLUMLP": "experts",
     "MoELayer": "layer", "router_loss": "layer",

@@ -20,3 +20,7 @@ class ConfigError(ExpertrailError, ValueError):
 
 class ConfigMismatchError(ConfigError):
     """Ranks of one group were constructed with different settings."""
+
+
+class CollectiveError(ExpertrailError, RuntimeError):
+    """A collective failed or timed out: a rank exited or stopped calling in."""

@@ -11,6 +11,7 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
 
 import torch
@@ -37,6 +38,10 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class RankDied(RuntimeError):
+    """A rank's process exited while a function was running."""
 
 
 class RankError(RuntimeError):
@@ -93,16 +98,26 @@ class LocalRanks:
         return self
 
     def run(self, fn, *args, **kwargs) -> list:
-        """``fn(rank, world, *args, **kwargs)`` on every rank; returns results by rank."""
+        """``fn(rank, world, *args, **kwargs)`` on every rank; returns results by rank.
+
+        A rank whose process died counts as an error (RankDied), so the call returns as soon
+        as every live rank has answered."""
         for q in self._tasks:
             q.put((fn, args, kwargs))
         out, errors = {}, {}
+        deadline = time.monotonic() + self.timeout
         while len(out) + len(errors) < self.world:
             try:
-                rank, ok, value = self._results.get(timeout=self.timeout)
+                rank, ok, value = self._results.get(timeout=0.5)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                raise TimeoutError(f"no answer from ranks within {self.timeout}s (dead ranks: {dead})") from None
+                for r, p in enumerate(self._procs):
+                    if r not in out and r not in errors and not p.is_alive():
+                        exc = RankDied(f"rank {r} exited with code {p.exitcode}")
+                        errors[r] = (repr(exc), str(exc), exc)
+                if time.monotonic() > deadline:
+                    waiting = [r for r in range(self.world) if r not in out and r not in errors]
+                    raise TimeoutError(f"no answer from ranks {waiting} within {self.timeout}s") from None
+                continue
             if ok:
                 out[rank] = value
             else:

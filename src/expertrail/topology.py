@@ -7,13 +7,15 @@ same local index in every domain of its EP group (they share a NIC rail).
 """
 from __future__ import annotations
 
+import datetime
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError, ConfigMismatchError
+from .errors import CollectiveError, ConfigError, ConfigMismatchError, ExpertrailError
 
 DOMAIN_SIZE_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
 # torch 2.13 renamed all_gather_into_tensor; keep working on older releases.
@@ -55,6 +57,20 @@ def all_gather_ints(values: list[int], group, device: torch.device) -> list[list
     return out.view(-1, len(values)).tolist()
 
 
+@contextmanager
+def guarded(op: str, group_label: str, timeout: float | None = None):
+    """Turn a backend failure inside a collective into a CollectiveError naming the
+    operation, the group and the likely cause."""
+    try:
+        yield
+    except ExpertrailError:
+        raise
+    except RuntimeError as err:           # gloo / NCCL: peer closed, timed out, group aborted
+        limit = f" within the {timeout:g} s timeout" if timeout else ""
+        raise CollectiveError(f"{op} on {group_label} failed{limit}: a rank of the group probably exited or "
+                              f"stopped calling {op} ({type(err).__name__}: {str(err).splitlines()[0][:300]})") from err
+
+
 def check_same_on_all_ranks(fields: dict[str, int], group, device: torch.device, what: str) -> None:
     """Raise ConfigMismatchError on every rank if any field differs between ranks of ``group``."""
     names = list(fields)
@@ -90,6 +106,11 @@ class EPGroups:
     domain_size: int
     rail_group: object
     device: torch.device
+    timeout: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"the EP group of global ranks {list(self.ep_ranks)}"
 
     @property
     def num_domains(self) -> int:
@@ -127,13 +148,14 @@ class EPGroups:
 
     @classmethod
     def from_default(cls, ep_size: int | None = None, domain_size: int | None = None,
-                     group=None) -> "EPGroups":
+                     group=None, timeout: float | None = None) -> "EPGroups":
         """Build the groups from the default process group or ``group``.
 
         Every rank of the default process group must call this with the same arguments (new
         groups are collective). ``ep_size`` defaults to the size of ``group``; an EP size
         smaller than it gives several EP groups side by side. ``domain_size`` defaults to
-        `default_domain_size`.
+        `default_domain_size`. ``timeout`` (seconds) bounds every collective on these groups
+        (dedicated groups are created for it); by default the process group's timeout applies.
         """
         if not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialized: call "
@@ -158,16 +180,17 @@ class EPGroups:
         domain_lists = [ranks[d * domain_size:(d + 1) * domain_size]
                         for ranks in ep_lists for d in range(ep_size // domain_size)]
         rail_lists = [ranks[l::domain_size] for ranks in ep_lists for l in range(domain_size)]
-        ep_group = group if len(ep_lists) == 1 else _subgroup(ep_lists)
-        domain_group = ep_group if domain_size == ep_size else _subgroup(domain_lists)
-        rail_group = ep_group if domain_size == 1 else _subgroup(rail_lists)
+        limit = None if timeout is None else datetime.timedelta(seconds=timeout)
+        ep_group = group if len(ep_lists) == 1 and limit is None else _subgroup(ep_lists, limit)
+        domain_group = ep_group if domain_size == ep_size else _subgroup(domain_lists, limit)
+        rail_group = ep_group if domain_size == 1 else _subgroup(rail_lists, limit)
         ep_ranks = tuple(ep_lists[rank // ep_size])
         return cls(ep_group=ep_group, ep_size=ep_size, ep_rank=rank % ep_size, ep_ranks=ep_ranks,
                    domain_group=domain_group, domain_size=domain_size, rail_group=rail_group,
-                   device=device)
+                   device=device, timeout=timeout)
 
 
-def _subgroup(rank_lists: list[list[int]]):
+def _subgroup(rank_lists: list[list[int]], timeout=None):
     """This rank's group among disjoint ``rank_lists`` (every rank must call it)."""
-    mine, _ = dist.new_subgroups_by_enumeration(rank_lists)
+    mine, _ = dist.new_subgroups_by_enumeration(rank_lists, timeout=timeout)
     return mine

@@ -659,3 +659,25 @@ def digest(rank, world, backend):
     for t in (res.tokens, y, x.grad, w.grad):
         h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def fault_during_dispatch(rank, world, mode, timeout):
+    """Rank 3 dies (``die``) or stops calling (``stall``) before a dispatch; the others must
+    raise a CollectiveError naming the operation within twice the timeout."""
+    import os
+    import time
+    groups = er.EPGroups.from_default(domain_size=2, timeout=timeout)
+    d = er.make_dispatcher("hierarchical", groups, num_experts=8)
+    xs, idxs, ws = make_inputs("random", world, 8, 8, 2, 0)
+    d.dispatch(xs[rank], idxs[rank], ws[rank])               # all healthy once
+    if rank == 3:
+        if mode == "die":
+            os._exit(17)
+        time.sleep(2.5 * timeout)
+        return "stalled"
+    start = time.monotonic()
+    try:
+        d.dispatch(xs[rank], idxs[rank], ws[rank])
+    except er.ExpertrailError as err:
+        raise type(err)(f"{err} [after {time.monotonic() - start:.2f} s]") from None
+    return "no error"

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import ConfigError, InvalidInputError
 from ..routing import DROP_POLICIES, apply_capacity, expert_capacity
-from ..topology import EPGroups, check_same_on_all_ranks
+from ..topology import EPGroups, check_same_on_all_ranks, guarded
 from .route import Hop, Route, Transfer, TransferStats, all_to_all_rows
 
 # Fields every rank sends with its counts in the first exchange of each dispatch, so that a
@@ -140,6 +140,10 @@ class Dispatcher:
         DispatchResult, or with ``async_op`` a handle whose ``wait()`` returns it: the routing
         metadata is exchanged before returning, the rows travel in the background.
         """
+        with guarded(f"{self.name} dispatch", self.groups.label, self.groups.timeout):
+            return self._dispatch(x, topk_idx, topk_weights, async_op)
+
+    def _dispatch(self, x, topk_idx, topk_weights, async_op):
         error, message = self._check_inputs(x, topk_idx, topk_weights)
         topk_idx = topk_idx.long() if error == 0 else topk_idx
         if error == 0 and self.capacity_factor is not None:
@@ -153,6 +157,7 @@ class Dispatcher:
         recv_counts, headers = self._exchange_control(counts, header, message)
         with torch.no_grad():
             route, row_weights = self._route(topk_weights.detach(), state, recv_counts, headers)
+            route.label, route.timeout = self.groups.label, self.groups.timeout
             transfer = route.forward(x.detach(), async_op=True)
         stats = route.stats(x.shape[1] * x.element_size(), self.groups.ep_rank, self.groups.domain_size)
         stats.control_bytes = recv_counts.numel() * 8 + headers.numel() * 8
@@ -169,6 +174,10 @@ class Dispatcher:
         Returns [N, H] in expert_out's dtype, summed in fp32 in a fixed order; with
         ``async_op`` a handle whose ``wait()`` returns it.
         """
+        with guarded(f"{self.name} combine", self.groups.label, self.groups.timeout):
+            return self._combine(expert_out, res, weighted, async_op)
+
+    def _combine(self, expert_out, res, weighted, async_op):
         if expert_out.dim() != 2 or expert_out.shape[0] != res.tokens.shape[0]:
             raise InvalidInputError(f"expert_out must be [{res.tokens.shape[0]}, H] (one row per res.tokens row), "
                                     f"got {tuple(expert_out.shape)}")
@@ -299,6 +308,12 @@ class PendingDispatch:
 
     def wait(self) -> DispatchResult:
         if self._result is None:
+            with guarded("dispatch (wait)", self._args[2].label, self._args[2].timeout):
+                self._finish()
+        return self._result
+
+    def _finish(self) -> None:
+        if self._result is None:
             x, topk_weights, route, transfer, row_weights, stats, attach_grad = self._args
             last = route.hops[-1]
             if isinstance(row_weights, Transfer):      # metadata still in flight (alltoall)
@@ -311,7 +326,6 @@ class PendingDispatch:
                                           real_tokens_per_expert=route.real_tokens_per_expert,
                                           weights=weights, stats=stats, route=route)
             self._args = None
-        return self._result
 
 
 class PendingCombine:
@@ -323,7 +337,9 @@ class PendingCombine:
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
-            self._result = _CombineFunction.apply(*self._args)
+            route = self._args[2]
+            with guarded("combine (wait)", route.label, route.timeout):
+                self._result = _CombineFunction.apply(*self._args)
             self._args = None
         return self._result
 
@@ -342,8 +358,9 @@ class _DispatchFunction(torch.autograd.Function):
         # needs_input_grad agrees across ranks (checked in dispatch), so all ranks run the same
         # collectives here.
         route = ctx.route
-        grad_x = route.transpose(grad_tokens, out_dtype=ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        grad_w = route.weights_transpose(grad_weights) if ctx.needs_input_grad[1] else None
+        with guarded("dispatch backward", route.label, route.timeout):
+            grad_x = route.transpose(grad_tokens, out_dtype=ctx.x_dtype) if ctx.needs_input_grad[0] else None
+            grad_w = route.weights_transpose(grad_weights) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None, None
 
 
@@ -360,7 +377,8 @@ class _CombineFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         expert_out, weights = ctx.saved_tensors
-        grad_rows = ctx.route.forward(grad_y.contiguous())
+        with guarded("combine backward", ctx.route.label, ctx.route.timeout):
+            grad_rows = ctx.route.forward(grad_y.contiguous())
         if weights is None:
             return grad_rows.to(expert_out.dtype), None, None, None
         acc = torch.promote_types(torch.float32, weights.dtype)

@@ -378,6 +378,8 @@ class Route:
     topk: int
     source_weights: torch.Tensor | None = None
     dispatched_weights: object = None     # weakref to res.weights and its version, see combine
+    label: str = "the EP group"           # for error messages
+    timeout: float | None = None
 
     def forward(self, rows: torch.Tensor, async_op: bool = False):
         """[N, C] -> expert rows [M, C] (dispatch). With ``async_op`` the first exchange is

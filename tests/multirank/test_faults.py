@@ -1,0 +1,32 @@
+"""A rank that dies or stops calling in: every other rank raises, naming the operation and the
+group, within twice the timeout; nothing hangs. Each case gets its own pool (it breaks it)."""
+import re
+
+import pytest
+
+import expertrail as er
+from expertrail.launch import LocalRanks, RankDied, RankError
+
+import workers
+
+TIMEOUT = 4.0
+
+
+@pytest.mark.parametrize("mode", ["die", "stall"])
+def test_other_ranks_raise_within_twice_the_timeout(mode):
+    with LocalRanks(4, timeout=60) as ranks:
+        with pytest.raises(RankError) as info:
+            ranks.run(workers.fault_during_dispatch, mode, TIMEOUT)
+    errors = info.value.errors
+    for rank in (0, 1, 2):
+        exc = errors[rank][2]
+        assert isinstance(exc, er.CollectiveError), errors[rank][1]
+        text = str(exc)
+        assert "hierarchical dispatch on the EP group of global ranks [0, 1, 2, 3] failed" in text
+        assert "a rank of the group probably exited or stopped calling" in text
+        elapsed = float(re.search(r"after ([0-9.]+) s", text).group(1))
+        assert elapsed <= 2 * TIMEOUT, text
+    if mode == "die":
+        assert isinstance(errors[3][2], RankDied) and "exited with code 17" in str(errors[3][2])
+    else:
+        assert 3 not in errors
