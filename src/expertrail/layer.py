@@ -37,9 +37,23 @@ class MoELayer(nn.Module):
         self.router, self.experts, self.shared_experts = router, experts, shared_experts
         self.dispatcher = dispatcher          # not a Module: holds process groups, no parameters
         self.num_chunks = num_chunks
-        self.replicas = replicas              # balance.ReplicaRouter: logical ids -> physical slots
+        self.replicas = None
+        if replicas is not None:
+            self.set_replicas(replicas)
         self.recorder, self.layer_index = recorder, layer_index
         self.router_losses: dict = {}
+
+    def set_replicas(self, replicas) -> None:
+        """Route through ``replicas`` (a balance.ReplicaRouter) from now on, after checking that
+        every rank of the EP group uses the same placement (collective)."""
+        import zlib
+
+        from .topology import check_same_on_all_ranks
+        digest = zlib.crc32(replicas.log_to_phys.cpu().numpy().tobytes()) & 0x7FFFFFFF
+        groups = self.dispatcher.groups
+        check_same_on_all_ranks({"placement_crc32": digest, "slots": replicas.num_slots}, groups.ep_group,
+                                groups.device, "MoELayer expert placement")
+        self.replicas = replicas
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

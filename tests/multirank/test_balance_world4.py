@@ -30,3 +30,8 @@ def test_rebalance_from_recorded_loads_keeps_outputs(world4):
     total, replicas = results[0]
     assert total == 4 * 2 * 64 * 2                       # 4 ranks x 2 steps x 64 tokens x top-2
     assert all(r == results[0] for r in results) and max(replicas) > 1
+
+
+def test_placements_that_differ_between_ranks_raise_everywhere(world4):
+    errors = world4.run_expect_error(workers.placement_mismatch)
+    assert all(isinstance(e, er.ConfigMismatchError) and "placement_crc32" in str(e) for e in errors.values())

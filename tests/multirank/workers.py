@@ -569,7 +569,7 @@ def rebalance_keeps_outputs(rank, world):
         moved = migrate([local.gate_up_proj.data, local.down_proj.data], first.phys_to_log[0], second.phys_to_log[0],
                         rank, list(range(world)))
         local.gate_up_proj.data, local.down_proj.data = moved
-        layer.replicas = ReplicaRouter.from_placement(second)
+        layer.set_replicas(ReplicaRouter.from_placement(second))
         after = layer(x)
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
     return int(load.sum()), second.replicas[0].tolist()
@@ -681,3 +681,17 @@ def fault_during_dispatch(rank, world, mode, timeout):
     except er.ExpertrailError as err:
         raise type(err)(f"{err} [after {time.monotonic() - start:.2f} s]") from None
     return "no error"
+
+
+def placement_mismatch(rank, world):
+    """Ranks holding different placements: set_replicas raises on every rank."""
+    import numpy as np
+
+    from expertrail.balance import ReplicaRouter, plan_placement
+    from expertrail.experts import GroupedExperts
+    from expertrail.layer import MoELayer
+    from expertrail.router import RouterConfig, TopKRouter
+    router = TopKRouter(RouterConfig(hidden=8, num_experts=8, topk=2))
+    d = er.make_dispatcher("alltoall", groups_for(None, 2), num_experts=12)
+    load = np.arange(1, 9, dtype=np.float64) if rank != 2 else np.arange(8, 0, -1, dtype=np.float64)
+    MoELayer(router, d, GroupedExperts(3, 8, 4), replicas=ReplicaRouter.from_placement(plan_placement(load, 12, world)))
