@@ -69,19 +69,24 @@ def _validate_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-def _simulate_parser(sub) -> None:
-    p = sub.add_parser("simulate", help="predict dispatch / combine of every algorithm at cluster scale",
-                       description="Cost model (docs/cost-model.md): bytes per link class counted from a sampled "
-                                   "routing, time from the links' SM-dependent bandwidth. No GPU, no torch.")
+def _workload_args(p) -> None:
+    """The hardware / model / traffic options shared by `simulate` and `plan`."""
     p.add_argument("--hardware", required=True, help="catalog name (h100, h200, h800, b200, b300, gb200-nvl72, "
                                                      "gb300-nvl72, gb200-nvl36) or a YAML/JSON file")
     p.add_argument("--model", required=True, help="catalog name, a YAML/JSON file, or a Hugging Face config.json")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default %(default)s)")
+    p.add_argument("--routing", default="uniform", help="uniform | zipf:<alpha> | grouped | <topk_idx .npy>")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp8"))
+
+
+def _simulate_parser(sub) -> None:
+    p = sub.add_parser("simulate", help="predict dispatch / combine of every algorithm at cluster scale",
+                       description="Cost model (docs/cost-model.md): bytes per link class counted from a sampled "
+                                   "routing, time from the links' SM-dependent bandwidth. No GPU, no torch.")
+    _workload_args(p)
     p.add_argument("--ep", default="8,16,32,64", help="EP sizes: 8,16,32 or 8..64:8 (default %(default)s)")
     p.add_argument("--sms", default="20", help="SM counts for the SM-driven kernels: 20 or 8..32 (default %(default)s)")
     p.add_argument("--backends", default=None, help="comma-separated algorithms (default: all)")
-    p.add_argument("--routing", default="uniform", help="uniform | zipf:<alpha> | grouped | <topk_idx .npy>")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp8"))
     p.add_argument("--domain-size", type=int, default=None, help="ranks per NVLink domain (default: from the hardware)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot time and inter-domain bytes against EP")
@@ -113,13 +118,9 @@ def _plan_parser(sub) -> None:
                        description="Recommends the dispatcher (with predicted times of all alternatives), SM counts, "
                                    "the NVLink domain setting, EP size, EP-overlap / CUDA-graph / FP8 advice and "
                                    "pitfalls for a hardware and model; --emit prints a ready configuration.")
-    p.add_argument("--hardware", required=True)
-    p.add_argument("--model", required=True)
+    _workload_args(p)
     p.add_argument("--ep", type=int, default=None, help="EP size (default: chosen from the EP table)")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default %(default)s)")
     p.add_argument("--stage", choices=("bringup", "tune"), default="bringup")
-    p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
-    p.add_argument("--routing", default="uniform", help="uniform | zipf:<alpha> | grouped | <topk_idx .npy>")
     p.add_argument("--json", action="store_true")
     p.add_argument("--emit", choices=("megatron", "bridge"), help="print a ready configuration instead")
 
