@@ -45,7 +45,7 @@ def main():
     slow_plan = plan_loop(load, 288, 32)
     slow = time.perf_counter() - t0
     same = np.array_equal(np.sort(slow_plan, axis=1), np.sort(p.phys_to_log, axis=1))
-    print(f"61 layers x 256 experts -> 288 slots on 32 ranks (zipf 1.0)")
+    print("61 layers x 256 experts -> 288 slots on 32 ranks (zipf 1.0)")
     print(f"vectorized planner: {fast * 1e3:.1f} ms; per-expert Python loop: {slow * 1e3:.1f} ms; "
           f"ratio {slow / fast:.1f}x; same replica counts: {same}")
     print(f"balancedness: {balancedness(rank_loads(load, p)).mean():.3f} (global policy, mean over layers)")

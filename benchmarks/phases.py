@@ -9,7 +9,6 @@ phases are those of `Dispatcher.dispatch` / `combine` run step by step.
 import argparse
 import time
 
-import torch
 import torch.distributed as dist
 
 import expertrail as er
