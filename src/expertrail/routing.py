@@ -85,9 +85,8 @@ def compute_layout(topk_idx: torch.Tensor, num_experts: int, ep_size: int,
     if topk_idx.is_cuda and rank_of_expert is None:       # the Triton kernel (contiguous placement)
         from . import kernels
         if kernels.use_triton(topk_idx):
-            per_expert, per_rank, per_domain = kernels.layout_counts(topk_idx, num_experts, ep_size, domain_size)
-            member = token_membership(topk_idx, torch.arange(num_experts, device=topk_idx.device)
-                                      // (num_experts // ep_size), ep_size)
+            per_expert, per_rank, per_domain, member = kernels.layout_counts(topk_idx, num_experts, ep_size,
+                                                                             domain_size)
             return Layout(per_expert, per_rank, per_domain, member,
                           member.view(-1, ep_size // domain_size, domain_size).any(2))
     if rank_of_expert is None:

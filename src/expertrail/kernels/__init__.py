@@ -54,7 +54,7 @@ def reduce_copies_dense(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Te
 
 
 def layout_counts(topk_idx: torch.Tensor, num_experts: int, ep_size: int, domain_size: int):
-    """(rows per expert [E], tokens per rank [P], tokens per domain [P / domain_size]) of
-    ``topk_idx [N, K]`` with contiguous placement."""
+    """(rows per expert [E], tokens per rank [P], tokens per domain [P / domain_size],
+    token-has-an-expert-on-rank bool [N, P]) of ``topk_idx [N, K]`` with contiguous placement."""
     impl = _triton_kernels() if use_triton(topk_idx) else reference
     return impl.layout_counts(topk_idx, num_experts, ep_size, domain_size)

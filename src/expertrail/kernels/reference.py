@@ -36,4 +36,4 @@ def layout_counts(topk_idx, num_experts, ep_size, domain_size):
     ranks = torch.where(valid, topk_idx.clamp(min=0) // (num_experts // ep_size), torch.full_like(topk_idx, ep_size))
     member = torch.zeros(n, ep_size + 1, dtype=torch.bool, device=topk_idx.device).scatter_(1, ranks, True)[:, :ep_size]
     per_domain = member.view(n, ep_size // domain_size, domain_size).any(2).sum(0)
-    return torch.bincount(topk_idx[valid], minlength=num_experts), member.sum(0), per_domain
+    return torch.bincount(topk_idx[valid], minlength=num_experts), member.sum(0), per_domain, member

@@ -93,4 +93,4 @@ def layout_counts(topk_idx, num_experts, ep_size, domain_size):
         _layout_kernel[(n,)](idx, experts, member, k, ep_size, num_experts // ep_size)
     per_rank = member.sum(0)
     per_domain = member.view(n, ep_size // domain_size, domain_size).amax(2).sum(0)
-    return experts.long(), per_rank.long(), per_domain.long()
+    return experts.long(), per_rank.long(), per_domain.long(), member.bool()
