@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Dispatcher, bits_weight, copy_slots, weight_bits
+from .base import Dispatcher, bits_weight, copy_slots, padded_positions, weight_bits
 from .route import Hop, LandingRuns, Route, Transfer
 
 
@@ -53,8 +53,7 @@ class AllToAllDispatcher(Dispatcher):
         meta = hop.exchange(torch.stack([slots % topk, weight_bits(topk_weights.reshape(-1)[slots])], 1),
                             async_op=True)
         expert = torch.repeat_interleave(torch.arange(self.num_local_experts, device=real.device), real)
-        position = torch.arange(int(real.sum()), device=real.device) - (torch.cumsum(real, 0) - real)[expert]
-        real_pos = (torch.cumsum(padded, 0) - padded)[expert] + position
+        real_pos = padded_positions(expert, real, padded)
         last = Hop(index=real_pos, slot=torch.zeros_like(real_pos), num_src=runs.out_rows, num_slots=1,
                    out_pos=real_pos, out_rows=runs.out_rows, identity=True)
         route = Route(hops=[hop, last], row_k=None, row_expert=expert, tokens_per_expert=padded,

@@ -59,6 +59,16 @@ def expand_local(local_ids: torch.Tensor, src_key: torch.Tensor | None = None, b
     return row[order], k[order], expert[order]
 
 
+def padded_positions(expert: torch.Tensor, real: torch.Tensor, padded: torch.Tensor) -> torch.Tensor:
+    """Row of each real output row in the padded expert-major output.
+
+    expert: int64 [M_real] local expert of each row, in output order; real / padded: int64
+    [E_local] rows per expert without / with padding.
+    """
+    position = torch.arange(expert.numel(), device=expert.device) - (torch.cumsum(real, 0) - real)[expert]
+    return (torch.cumsum(padded, 0) - padded)[expert] + position
+
+
 @dataclass
 class DispatchResult:
     """Rows for this rank's local experts.
@@ -285,10 +295,7 @@ class Dispatcher:
         padded = self._padded_counts(real, headers)
         last = Hop(index=row, slot=copy_slots(row, num_src), num_src=num_src, num_slots=max(1, num_slots))
         if not torch.equal(padded, real):
-            real_start = torch.cumsum(real, 0) - real
-            pad_start = torch.cumsum(padded, 0) - padded
-            position = torch.arange(row.numel(), device=row.device) - real_start[expert]
-            last.out_pos = pad_start[expert] + position
+            last.out_pos = padded_positions(expert, real, padded)
             last.out_rows = int(padded.sum())
         return Route(hops=[*hops, last], row_k=k, row_expert=expert, tokens_per_expert=padded,
                      real_tokens_per_expert=real, topk=int(headers[0, H_TOPK]))

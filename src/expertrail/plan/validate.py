@@ -15,6 +15,7 @@ from typing import Callable
 
 from ..errors import ConfigError
 from .catalog import HARDWARE, load_hardware
+from .simulate import domain_for
 
 FLEX_BACKENDS = ("deepep", "hybridep")
 DOMAIN_FIELD = "num_of_hybrid_ep_ranks_per_nvlink_domain"
@@ -153,8 +154,7 @@ def _graph_scope(c) -> str:
 
 
 def _expected_domain(c) -> int:
-    hw_domain = c.hardware.domain_size
-    return max(d for d in range(1, c.ep + 1) if c.ep % d == 0 and d <= hw_domain)
+    return domain_for(c.hardware, c.ep)
 
 
 RULES = [
