@@ -17,7 +17,7 @@ from expertrail.dispatch.base import DTYPE_CODES
 from expertrail.launch import LocalRanks
 from expertrail.workload import make_routing, make_tokens
 
-PHASES = ["barrier", "check+plan", "control exchange", "route planning", "gather+post rows",
+PHASES = ["barrier", "check+plan", "gather rows", "control exchange", "route planning", "post rows",
           "rows arrive", "metadata arrives", "combine: expert side + post", "combine: arrive + reduce"]
 
 
@@ -34,9 +34,11 @@ def phases(rank, world, args):
         d._check_inputs(x, idx, w)
         counts, state = d._plan_source(idx); marks.append(time.perf_counter())
         header = [x.shape[0], x.shape[1], args.topk, DTYPE_CODES[dtype], 0, 0, 0]
-        recv_counts, headers = d._exchange_control(counts, header, None); marks.append(time.perf_counter())
+        control = d._start_control(counts, header)
+        sent = d._gather_first(x, state); marks.append(time.perf_counter())
+        recv_counts, headers = d._finish_control(control, None); marks.append(time.perf_counter())
         route, row_weights = d._route(w, state, recv_counts, headers); marks.append(time.perf_counter())
-        transfer = route.forward(x, async_op=True); marks.append(time.perf_counter())
+        transfer = route.forward(x, async_op=True, sent=sent); marks.append(time.perf_counter())
         tokens = transfer.wait(); marks.append(time.perf_counter())
         if hasattr(row_weights, "wait"):
             row_weights = row_weights.wait()

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Dispatcher, bits_weight, copy_slots, padded_positions, weight_bits
-from .route import Hop, LandingRuns, Route, Transfer
+from .base import Dispatcher, bits_weight, padded_positions, weight_bits
+from .route import Hop, LandingRuns, Route, Transfer, all_to_all_rows
 
 
 class AllToAllDispatcher(Dispatcher):
@@ -30,13 +30,18 @@ class AllToAllDispatcher(Dispatcher):
         order = torch.sort(experts, stable=True).indices          # expert, then n, then k
         slots, experts = slots[order], experts[order]
         counts = torch.bincount(experts, minlength=self.num_experts).view(self.groups.ep_size, -1)
-        return counts, (slots, experts, counts, k)
+        return counts, (slots, slots // max(k, 1), counts, k)
+
+    def _first_index(self, state):
+        _, token, send_counts, _ = state
+        per_peer = send_counts.sum(1).tolist()
+        start = sum(per_peer[:self.groups.ep_rank])
+        return token, (start, start + per_peer[self.groups.ep_rank])
 
     def _route(self, topk_weights, state, recv_counts, headers):
-        slots, experts, send_counts, topk = state
+        slots, token, send_counts, topk = state
         g = self.groups
         n = topk_weights.shape[0]
-        token = slots // topk
         real = recv_counts.sum(0)                                 # [E_local] rows per local expert
         padded = self._padded_counts(real, headers)
         # Rows from source s for expert e land after those of sources < s, inside e's block.
@@ -45,23 +50,32 @@ class AllToAllDispatcher(Dispatcher):
         runs = LandingRuns(send=_runs(send_start, send_counts), recv=_runs(land, recv_counts),
                            peer_ranks=list(g.ep_ranks), me=g.ep_rank, group=g.ep_group,
                            out_rows=int(padded.sum()), zero_fill=not torch.equal(padded, real))
-        hop = Hop(index=token, slot=copy_slots(token, n), num_src=n, num_slots=max(topk, 1),
-                  group=g.ep_group, send_splits=send_counts.sum(1).tolist(), recv_splits=recv_counts.sum(1).tolist(),
+        send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        k = slots % topk
+        hop = Hop(index=token, slot=k, num_src=n, num_slots=max(topk, 1),         # copies summed in k order
+                  group=g.ep_group, send_splits=send_splits, recv_splits=recv_splits,
                   peers=list(range(g.ep_size)), meta_bytes=16, runs=runs)
-        # A row carries its k and its weight; its expert follows from where it lands.
-        # Nothing in the plan depends on it, so it travels while the rows do.
-        meta = hop.exchange(torch.stack([slots % topk, weight_bits(topk_weights.reshape(-1)[slots])], 1),
-                            async_op=True)
+        # A row carries its k and its weight (its expert follows from where it lands), in one
+        # message per peer that travels while the rows do; nothing in the plan depends on it.
+        meta = all_to_all_rows(torch.stack([k, weight_bits(topk_weights.reshape(-1)[slots])], 1),
+                               send_splits, recv_splits, g.ep_group)
         expert = torch.repeat_interleave(torch.arange(self.num_local_experts, device=real.device), real)
         real_pos = padded_positions(expert, real, padded)
         last = Hop(index=real_pos, slot=torch.zeros_like(real_pos), num_src=runs.out_rows, num_slots=1,
                    out_pos=real_pos, out_rows=runs.out_rows, identity=True)
         route = Route(hops=[hop, last], row_k=None, row_expert=expert, tokens_per_expert=padded,
                       real_tokens_per_expert=real, topk=topk, source_weights=topk_weights.reshape(-1)[slots])
+        # Metadata arrives by (source, expert); the real rows are ordered by (expert, source).
+        run_counts = recv_counts.reshape(-1)
+        real_start = ((torch.cumsum(real, 0) - real).unsqueeze(0) + torch.cumsum(recv_counts, 0) - recv_counts)
+        to_real = torch.repeat_interleave(real_start.reshape(-1) - (torch.cumsum(run_counts, 0) - run_counts),
+                                          run_counts) + torch.arange(int(run_counts.sum()), device=real.device)
 
         def arrived(received):
-            route.row_k = received[real_pos, 0]
-            return bits_weight(received[real_pos, 1], topk_weights.dtype)
+            ordered = torch.empty_like(received)
+            ordered[to_real] = received
+            route.row_k = ordered[:, 0]
+            return bits_weight(ordered[:, 1], topk_weights.dtype)
         return route, Transfer(meta, None, lambda t: arrived(t.wait()))
 
 

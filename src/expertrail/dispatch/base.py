@@ -14,7 +14,7 @@ import torch
 from ..errors import ConfigError, InvalidInputError
 from ..routing import DROP_POLICIES, apply_capacity, expert_capacity
 from ..topology import EPGroups, check_same_on_all_ranks, guarded
-from .route import Hop, Route, Transfer, TransferStats, all_to_all_rows
+from .route import Hop, Route, Transfer, TransferStats, all_to_all_rows, gather_rows
 
 # Fields every rank sends with its counts in the first exchange of each dispatch, so that a
 # bad input or a mismatched call on one rank raises everywhere before any data moves.
@@ -164,11 +164,15 @@ class Dispatcher:
         header = [x.shape[0] if x.dim() == 2 else 0, x.shape[-1] if x.dim() == 2 else 0,
                   topk_idx.shape[-1] if topk_idx.dim() == 2 else 0, DTYPE_CODES.get(x.dtype, 0),
                   int(grad and x.requires_grad), int(grad and topk_weights.requires_grad), error]
-        recv_counts, headers = self._exchange_control(counts, header, message)
+        control = self._start_control(counts, header)
+        # While the counts travel, gather the rows the first hop will send (local work only:
+        # nothing is sent before every rank's input is known to be valid).
+        sent = self._gather_first(x.detach(), state) if error == 0 else None
+        recv_counts, headers = self._finish_control(control, message)
         with torch.no_grad():
             route, row_weights = self._route(topk_weights.detach(), state, recv_counts, headers)
             route.label, route.timeout = self.groups.label, self.groups.timeout
-            transfer = route.forward(x.detach(), async_op=True)
+            transfer = route.forward(x.detach(), async_op=True, sent=sent)
         stats = route.stats(x.shape[1] * x.element_size(), self.groups.ep_rank, self.groups.domain_size)
         stats.control_bytes = recv_counts.numel() * 8 + headers.numel() * 8
         pending = PendingDispatch(x, topk_weights, route, transfer, row_weights, stats,
@@ -219,6 +223,18 @@ class Dispatcher:
         the route. The Route comes from `_finish_route`."""
         raise NotImplementedError
 
+    def _first_index(self, state):
+        """When known before the counts are exchanged: (rows of x the route's first hop sends,
+        in order, int64 [R]; the (start, end) range of them that stays on this rank, or None).
+        They are then gathered while the counts travel (see `_gather_first`)."""
+        return None
+
+    def _gather_first(self, x: torch.Tensor, state) -> torch.Tensor | None:
+        """The first hop's sent rows [R, H] (None when `_first_index` is not known early); rows
+        that stay on this rank are left unfilled, the hop puts them in place directly."""
+        first = self._first_index(state)
+        return None if first is None else gather_rows(x, *first)
+
     count_columns = 1
 
     # ---------------------------------------------------------------- shared machinery
@@ -227,10 +243,19 @@ class Dispatcher:
 
     def _exchange_control(self, counts: torch.Tensor, header: list, message: str | None):
         """All-to-all of counts plus header; raise on every rank if any rank is in error."""
+        return self._finish_control(self._start_control(counts, header), message)
+
+    def _start_control(self, counts: torch.Tensor, header: list) -> Transfer:
+        """Start the all-to-all of counts [P, C] plus the header (the same to every peer)."""
         p = self.groups.ep_size
         head = torch.tensor(header, dtype=torch.int64, device=counts.device).expand(p, -1)
-        recv = all_to_all_rows(torch.cat([counts, head], 1), [1] * p, [1] * p, self.groups.ep_group).wait()
-        recv_counts, headers = recv[:, :counts.shape[1]], recv[:, counts.shape[1]:]
+        return all_to_all_rows(torch.cat([counts, head], 1), [1] * p, [1] * p, self.groups.ep_group)
+
+    def _finish_control(self, transfer: Transfer, message: str | None):
+        """Wait for the control exchange -> (recv_counts [P, C], headers [P, len(HEADER)]);
+        raise on every rank if any rank is in error or the calls do not match."""
+        recv = transfer.wait()
+        recv_counts, headers = recv[:, :-len(HEADER)], recv[:, -len(HEADER):]
         errors = headers[:, H_ERROR].tolist()
         if any(errors):
             if message:

@@ -90,9 +90,21 @@ class Hop:
     def local(self) -> bool:
         return self.group is None
 
-    def forward(self, rows: torch.Tensor, async_op: bool = False):
+    def forward(self, rows: torch.Tensor, async_op: bool = False, sent: torch.Tensor | None = None):
         """[num_src, C] -> rows received (or, for the last hop, the padded output).
-        With ``async_op`` a communicating hop returns a `Transfer` to wait on."""
+        With ``async_op`` a communicating hop returns a `Transfer` to wait on. ``sent``: the
+        rows this hop sends, ``rows[index]``, when the caller gathered them already."""
+        if self.runs is not None:
+            if sent is None and kernels.use_triton(rows):
+                transfer = self.runs.exchange(kernels.permute_rows(rows, self.destinations(), self.index.numel()),
+                                              forward=True)
+            else:
+                if sent is None:
+                    sent = gather_rows(rows, self.index, self.runs.local_block())
+                transfer = self.runs.exchange(sent, forward=True, source=rows, index=self.index)
+            return transfer if async_op else transfer.wait()
+        if sent is not None and not (self.local or self.gathered):
+            return self.exchange(sent, async_op)
         if self.identity:
             return rows
         if self.local:
@@ -244,26 +256,49 @@ class LandingRuns:
     out_rows: int
     zero_fill: bool
 
-    def exchange(self, rows: torch.Tensor, forward: bool) -> "Transfer":
-        """Forward: rows [sum send counts, C] -> landing [out_rows, C]; backward the reverse."""
+    def local_block(self) -> tuple:
+        """(start, end) of the sent rows that stay on this rank."""
+        runs = self.send[self.me]
+        return (runs[0][0], runs[-1][0] + runs[-1][1]) if runs else (0, 0)
+
+    def exchange(self, rows: torch.Tensor, forward: bool, source: torch.Tensor | None = None,
+                 index: torch.Tensor | None = None) -> "Transfer":
+        """Forward: rows [sum send counts, C] -> landing [out_rows, C]; backward the reverse.
+        With ``source`` and ``index`` (forward), the rows that stay on this rank are gathered
+        from ``source[index]`` straight into place (their block of ``rows`` is not read)."""
         send, recv = (self.send, self.recv) if forward else (self.recv, self.send)
         rows_out = self.out_rows if forward else sum(c for runs in self.send for _, c in runs)
         out = rows.new_zeros(rows_out, *rows.shape[1:]) if forward and self.zero_fill else \
             rows.new_empty(rows_out, *rows.shape[1:])
-        ops = []
+        sends, recvs = [], []
         for p, peer in enumerate(self.peer_ranks):
             if p == self.me:
                 for (src, count), (dst, _) in zip(send[p], recv[p]):
-                    out[dst:dst + count] = rows[src:src + count]
+                    if source is not None:
+                        torch.index_select(source, 0, index[src:src + count], out=out[dst:dst + count])
+                    else:
+                        out[dst:dst + count] = rows[src:src + count]
                 continue
-            for tag, (src, count) in enumerate(send[p]):
-                if count:
-                    ops.append(dist.P2POp(dist.isend, rows[src:src + count], peer, self.group, tag))
-            for tag, (dst, count) in enumerate(recv[p]):
-                if count:
-                    ops.append(dist.P2POp(dist.irecv, out[dst:dst + count], peer, self.group, tag))
-        works = dist.batch_isend_irecv(ops) if ops else []
-        return Transfer(out, _AllWorks(works))
+            sends += [(rows[src:src + count], p, tag) for tag, (src, count) in enumerate(send[p]) if count]
+            recvs += [(out[dst:dst + count], p, tag) for tag, (dst, count) in enumerate(recv[p]) if count]
+        return Transfer(out, _AllWorks(post_point_to_point(sends, recvs, self.group, self.peer_ranks)))
+
+
+def post_point_to_point(sends: list, recvs: list, group, peer_ranks: list) -> list:
+    """Start point-to-point transfers: ``sends`` / ``recvs`` hold (tensor, group rank, tag).
+
+    On gloo the process group is called directly (receives first): the Python wrappers of
+    ``batch_isend_irecv`` cost ~50 us per transfer, as much as a small transfer itself. Other
+    backends (NCCL) need the batch, which groups the transfers so their order cannot deadlock.
+    """
+    if not sends and not recvs:
+        return []
+    pg = group if group is not None else dist.group.WORLD
+    if dist.get_backend(pg) == "gloo":
+        return [pg.recv([t], peer, tag) for t, peer, tag in recvs] + [pg.send([t], peer, tag) for t, peer, tag in sends]
+    ops = [dist.P2POp(dist.irecv, t, peer_ranks[p], group, tag) for t, p, tag in recvs]
+    ops += [dist.P2POp(dist.isend, t, peer_ranks[p], group, tag) for t, p, tag in sends]
+    return dist.batch_isend_irecv(ops)
 
 
 class _AllWorks:
@@ -273,6 +308,18 @@ class _AllWorks:
     def wait(self):
         for w in self.works:
             w.wait()
+
+
+def gather_rows(rows: torch.Tensor, index: torch.Tensor, skip: tuple | None = None) -> torch.Tensor:
+    """rows[index] -> [len(index), C]; the output rows in the range ``skip = (start, end)`` are
+    left unfilled (rows that stay on this rank and are put in place by the hop itself)."""
+    if skip is None or skip[0] == skip[1]:
+        return rows.index_select(0, index)
+    out = rows.new_empty(index.numel(), *rows.shape[1:])
+    start, end = skip
+    torch.index_select(rows, 0, index[:start], out=out[:start])
+    torch.index_select(rows, 0, index[end:], out=out[end:])
+    return out
 
 
 def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, group) -> Transfer:
@@ -325,17 +372,18 @@ class Route:
     label: str = "the EP group"           # for error messages
     timeout: float | None = None
 
-    def forward(self, rows: torch.Tensor, async_op: bool = False):
+    def forward(self, rows: torch.Tensor, async_op: bool = False, sent: torch.Tensor | None = None):
         """[N, C] -> expert rows [M, C] (dispatch). With ``async_op`` the first exchange is
-        left in flight and a `Transfer` is returned; its wait() runs the remaining hops."""
+        left in flight and a `Transfer` is returned; its wait() runs the remaining hops.
+        ``sent``: the first hop's sent rows, already gathered (see `Hop.forward`)."""
         if not async_op:
-            for hop in self.hops:
-                rows = hop.forward(rows)
+            for i, hop in enumerate(self.hops):
+                rows = hop.forward(rows, sent=None if i else sent)
             return rows
         first = self.hops[0]
         if first.local:
             return Transfer(self.forward(rows))
-        transfer = first.forward(rows, async_op=True)
+        transfer = first.forward(rows, async_op=True, sent=sent)
         rest = self.hops[1:]
 
         def finish(received):

@@ -13,68 +13,98 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class CopyPositions:
-    """Per slot s: the source rows that have a copy s (``present``, ascending) and the row
-    holding it (``pos``)."""
+    """The copies of each source row as bags: ``pos[offsets[i]:offsets[i + 1]]`` are the rows
+    holding source row i's copies, in ascending slot order (``slot``), and ``source`` repeats i
+    for each of them. All int64 [copies] except ``offsets`` [num_src + 1]."""
 
-    present: list
-    pos: list
+    pos: torch.Tensor
+    slot: torch.Tensor
+    source: torch.Tensor
+    offsets: torch.Tensor
     num_src: int
+    num_slots: int
 
     def dense(self) -> torch.Tensor:
         """int64 [num_src, num_slots]: the row of each copy, -1 where there is none."""
-        device = self.pos[0].device if self.pos else None
-        out = torch.full((self.num_src, len(self.pos)), -1, dtype=torch.int64, device=device)
-        for s, (present, pos) in enumerate(zip(self.present, self.pos)):
-            out[present, s] = pos
+        out = torch.full((self.num_src, self.num_slots), -1, dtype=torch.int64, device=self.pos.device)
+        out[self.source, self.slot] = self.pos
         return out
 
     @classmethod
     def from_dense(cls, pos: torch.Tensor) -> "CopyPositions":
         """From int64 [num_src, num_slots] rows of copies (-1: none)."""
-        present = [torch.nonzero(p >= 0).squeeze(1) for p in pos.t()]
-        return cls(present=present, pos=[p[i] for p, i in zip(pos.t(), present)], num_src=pos.shape[0])
+        present = pos >= 0
+        source, slot = torch.nonzero(present, as_tuple=True)      # row-major: by source, then slot
+        return cls._of(pos[source, slot], slot, source, present.sum(1), pos.shape[0], pos.shape[1])
 
     @classmethod
     def build(cls, index: torch.Tensor, slot: torch.Tensor, num_src: int, num_slots: int) -> "CopyPositions":
-        order = torch.argsort(slot * max(num_src, 1) + index)         # by slot, then source row
-        counts = torch.bincount(slot, minlength=num_slots).tolist()
-        present, pos = index[order].split(counts), order.split(counts)
-        return cls(present=list(present), pos=list(pos), num_src=num_src)
+        """From the source row ``index [R]`` and ``slot [R]`` of each of R rows."""
+        key = index * max(num_slots, 1) + slot                      # unique per copy
+        if num_src * num_slots <= 4 * key.numel() + 4096:           # sort by key with a scatter
+            at = torch.full((num_src * num_slots,), -1, dtype=torch.int64, device=key.device)
+            at[key] = torch.arange(key.numel(), device=key.device)
+            order = at[at >= 0]
+        else:
+            order = torch.argsort(key)                               # by source row, then slot
+        counts = torch.bincount(index, minlength=num_src)
+        return cls._of(order, slot[order], index[order], counts, num_src, num_slots)
+
+    @classmethod
+    def _of(cls, pos, slot, source, counts, num_src, num_slots) -> "CopyPositions":
+        offsets = torch.zeros(num_src + 1, dtype=torch.int64, device=pos.device)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        return cls(pos=pos, slot=slot, source=source, offsets=offsets, num_src=num_src, num_slots=num_slots)
+
+
+# Payload dtypes whose copies are summed as they are (fp32 accumulation inside the kernel);
+# others are widened to fp32 first.
+_NATIVE = (torch.float32, torch.float64, torch.bfloat16)
+_WEIGHT_PARTS = 3        # a fp32 weight as a sum of 3 bf16 numbers: 24 bits, products exact
 
 
 def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tensor | None,
                   out_dtype: torch.dtype) -> torch.Tensor:
     """out[i] = sum over slots s, ascending, of weights * rows[copy s of i].
 
-    rows [R, C], weights [R] or None -> [num_src, C] in ``out_dtype``. Slot by slot, the copies
-    are gathered and added in fp32 (fp64 for fp64); each slot adds at most once to a row, so
-    the order is fixed without atomics and the result is bitwise reproducible. The work is
-    proportional to the number of copies, not to slots x rows.
+    rows [R, C], weights [R] or None -> [num_src, C] in ``out_dtype``. One fused pass
+    (``embedding_bag``): each row is read once, the sum of a source row's copies is formed in
+    fp32 (fp64 for fp64) in slot order by one thread and written once, so the result is
+    bitwise reproducible. bf16 rows keep their dtype in the pass: a fp32 weight is split into
+    three bf16 parts whose products with a bf16 row are exact in fp32, so the result matches
+    fp32 arithmetic on widened rows (tests compare it with an fp64 sum).
     """
     num_src, width = copies.num_src, rows.shape[1]
-    if len(copies.pos) == 1 and weights is None:        # a permutation (with holes): no sum
-        present, pos = copies.present[0], copies.pos[0]
-        picked = rows.index_select(0, pos)
-        if present.numel() == num_src:
-            return picked.to(out_dtype)
-        return picked.new_zeros(num_src, width).index_copy_(0, present, picked).to(out_dtype)
-    acc_dtype = accumulation_dtype(rows.dtype)
-    acc = None
-    for present, pos in zip(copies.present, copies.pos):
-        if present.numel() == 0:
-            continue
-        plane = rows.index_select(0, pos).to(acc_dtype)   # same-dtype kernels: mixed bf16/fp32 is slow on CPU
-        if weights is not None:   # w * row rounded once, then added: the same bits on both paths below
-            plane.mul_(weights.index_select(0, pos).to(acc_dtype).unsqueeze(1))
-        if present.numel() == num_src:                     # every row has this copy: present == arange
-            acc = plane if acc is None else acc.add_(plane)
-            continue
-        if acc is None:
-            acc = torch.zeros(num_src, width, dtype=acc_dtype, device=rows.device)
-        acc.index_add_(0, present, plane)
-    if acc is None:
+    if copies.pos.numel() == 0:
         return rows.new_zeros(num_src, width, dtype=out_dtype)
-    return acc.to(out_dtype)
+    if copies.num_slots == 1 and weights is None:       # a permutation (with holes): no sum
+        picked = rows.index_select(0, copies.pos)
+        if copies.pos.numel() == num_src:
+            return picked.to(out_dtype)
+        return picked.new_zeros(num_src, width).index_copy_(0, copies.source, picked).to(out_dtype)
+    native = rows.dtype in _NATIVE and (rows.dtype == out_dtype or rows.dtype != torch.bfloat16)
+    table = rows if native else rows.to(accumulation_dtype(rows.dtype))
+    index, offsets, per_copy = copies.pos, copies.offsets, None
+    if weights is not None:
+        per_copy = weights.index_select(0, copies.pos).to(accumulation_dtype(table.dtype))
+        if table.dtype == torch.bfloat16:
+            per_copy = _split(per_copy, torch.bfloat16, _WEIGHT_PARTS).reshape(-1)
+            index, offsets = index.repeat_interleave(_WEIGHT_PARTS), offsets * _WEIGHT_PARTS
+        else:
+            per_copy = per_copy.to(table.dtype)
+    out = torch.nn.functional.embedding_bag(index, table, offsets, mode="sum", per_sample_weights=per_copy,
+                                            include_last_offset=True)
+    return out.to(out_dtype)
+
+
+def _split(values: torch.Tensor, dtype: torch.dtype, parts: int) -> torch.Tensor:
+    """[n] fp32 -> [n, parts] in ``dtype`` whose row sums are ``values`` (each part rounds the
+    remainder of the previous ones)."""
+    out, rest = [], values
+    for _ in range(parts):
+        out.append(rest.to(dtype))
+        rest = rest - out[-1].to(values.dtype)
+    return torch.stack(out, 1)
 
 
 def permute_rows(rows, dest, out_rows, zero_rows=None):
