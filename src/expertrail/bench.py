@@ -35,18 +35,25 @@ def _stats(values: list) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else {}
 
 
-def _slowest_rank(times: list, group) -> list:
-    """Per-iteration max over ranks of this rank's times [iters] (seconds)."""
-    t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+def _reduce_over_ranks(values: list, op=dist.ReduceOp.SUM) -> list:
+    """All-reduce a list of floats over the default group (on the device its backend uses:
+    NCCL reduces CUDA tensors only)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
     return t.tolist()
 
 
-def _agree_ok(ok: bool, group) -> bool:
-    return _max_over_ranks(0.0 if ok else 1.0) == 0.0
+def _slowest_rank(times: list) -> list:
+    """Per-iteration max over ranks of this rank's times [iters] (seconds)."""
+    return _reduce_over_ranks(times, dist.ReduceOp.MAX)
 
 
-def bare_collectives(res, x_bytes_per_row: int):
+def _agree_ok(ok: bool) -> bool:
+    return _reduce_over_ranks([0.0 if ok else 1.0], dist.ReduceOp.MAX)[0] == 0.0
+
+
+def bare_collectives(res, x_bytes_per_row: int, device):
     """A function replaying ``res``'s exchanges (same peers, same byte counts, one collective
     per hop and direction) on preallocated buffers with no local work."""
     plans = []
@@ -54,13 +61,13 @@ def bare_collectives(res, x_bytes_per_row: int):
         row = x_bytes_per_row + hop.meta_bytes
         if hop.gathered:
             most = max(hop.recv_splits)
-            send = torch.empty(most * row, dtype=torch.uint8)
-            recv = torch.empty(len(hop.recv_splits) * most * row, dtype=torch.uint8)
+            send = torch.empty(most * row, dtype=torch.uint8, device=device)
+            recv = torch.empty(len(hop.recv_splits) * most * row, dtype=torch.uint8, device=device)
         else:
-            send = torch.empty(sum(hop.send_splits) * row, dtype=torch.uint8)
-            recv = torch.empty(sum(hop.recv_splits) * row, dtype=torch.uint8)
-        back_send = torch.empty(sum(hop.recv_splits) * x_bytes_per_row, dtype=torch.uint8)
-        back_recv = torch.empty(sum(hop.send_splits) * x_bytes_per_row, dtype=torch.uint8)
+            send = torch.empty(sum(hop.send_splits) * row, dtype=torch.uint8, device=device)
+            recv = torch.empty(sum(hop.recv_splits) * row, dtype=torch.uint8, device=device)
+        back_send = torch.empty(sum(hop.recv_splits) * x_bytes_per_row, dtype=torch.uint8, device=device)
+        back_recv = torch.empty(sum(hop.send_splits) * x_bytes_per_row, dtype=torch.uint8, device=device)
         plans.append((hop, row, send, recv, back_send, back_recv))
 
     def run():
@@ -124,7 +131,7 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
                 disp.append(t1 - t0)
                 comb.append(t2 - t1)
             progress.advance()
-        replay = bare_collectives(res, cfg.hidden * x.element_size())
+        replay = bare_collectives(res, cfg.hidden * x.element_size(), dev)
         bare_d, bare_c = [], []
         for _ in range(cfg.iters):
             dist.barrier()
@@ -134,18 +141,18 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
             bare_d.append(t1 - t0)
             bare_c.append(t2 - t1)
             progress.advance()
-        disp, comb = _slowest_rank(disp, None), _slowest_rank(comb, None)
-        bare_d, bare_c = _slowest_rank(bare_d, None), _slowest_rank(bare_c, None)
+        disp, comb = _slowest_rank(disp), _slowest_rank(comb)
+        bare_d, bare_c = _slowest_rank(bare_d), _slowest_rank(bare_c)
         total = [a + b for a, b in zip(disp, comb)]
         bare = [a + b for a, b in zip(bare_d, bare_c)]
-        logical = _logical_bytes(res, cfg, x.element_size(), groups)
+        logical = _logical_bytes(res, cfg, x.element_size())
         results[backend] = {
             "dispatch_s": _stats(disp), "combine_s": _stats(comb), "total_s": _stats(total),
             "bare_dispatch_s": _stats(bare_d), "bare_combine_s": _stats(bare_c), "bare_total_s": _stats(bare),
             "ratio_to_bare": statistics.median(total) / statistics.median(bare) if statistics.median(bare) else None,
-            "dispatch_bytes": _sum_over_ranks(res.stats.bytes, groups),
-            "dispatch_rows": _sum_over_ranks(res.stats.rows, groups),
-            "combine_bytes": _sum_over_ranks(res.combine_stats.bytes, groups),
+            "dispatch_bytes": _sum_over_ranks(res.stats.bytes),
+            "dispatch_rows": _sum_over_ranks(res.stats.rows),
+            "combine_bytes": _sum_over_ranks(res.combine_stats.bytes),
             "algorithm_bandwidth_GBps": logical / statistics.median(total) / 1e9,
             "check": "passed",
         }
@@ -175,31 +182,22 @@ def _bench_overlap(d, x, idx, w, cfg, groups, progress) -> dict:
             y = d.moe(x, idx, w, experts, num_chunks=chunks)
             times.append(_clock(x.device) - t0)
             progress.advance()
-        out[chunks] = (statistics.median(_slowest_rank(times[1:], None)), y)
+        out[chunks] = (statistics.median(_slowest_rank(times[1:])), y)
     (t1, y1), (tc, yc) = out[1], out[cfg.chunks]
     diff = (y1.float() - yc.float()).abs().max().item() if y1.numel() else 0.0
-    diff = _max_over_ranks(diff)
+    diff = _reduce_over_ranks([diff], dist.ReduceOp.MAX)[0]
     return {"chunks": cfg.chunks, "expert_ffn": cfg.expert_ffn, "unchunked_s": t1, "chunked_s": tc,
             "speedup": t1 / tc, "max_abs_diff": diff, "identical": diff == 0.0}
 
 
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def _logical_bytes(res, cfg, element_size, groups) -> int:
+def _logical_bytes(res, cfg, element_size) -> int:
     """Rows x hidden x element size summed over ranks, each (token, destination rank) once, out and back."""
-    rows = torch.tensor([sum(res.stats.rows.values())], dtype=torch.float64)
-    dist.all_reduce(rows)
-    return int(rows.item()) * cfg.hidden * element_size * 2
+    rows = _reduce_over_ranks([sum(res.stats.rows.values())])[0]
+    return int(rows) * cfg.hidden * element_size * 2
 
 
-def _sum_over_ranks(per_class: dict, groups) -> dict:
-    t = torch.tensor([per_class[c] for c in LINK_CLASSES], dtype=torch.float64)
-    dist.all_reduce(t)
-    return dict(zip(LINK_CLASSES, (int(v) for v in t.tolist())))
+def _sum_over_ranks(per_class: dict) -> dict:
+    return dict(zip(LINK_CLASSES, (int(v) for v in _reduce_over_ranks([per_class[c] for c in LINK_CLASSES]))))
 
 
 def _check(backend, res, y, ref_tokens, ref_y, dtype, rank) -> None:
@@ -212,7 +210,7 @@ def _check(backend, res, y, ref_tokens, ref_y, dtype, rank) -> None:
         err = (y.double() - ref_y.double()).abs().max().item() if y.numel() else 0.0
         if err > tol * max(1.0, ref_y.double().abs().max().item() if y.numel() else 1.0):
             problem = f"combine differs from the reference by {err:.3g}"
-    if not _agree_ok(problem is None, None):
+    if not _agree_ok(problem is None):
         raise BenchCheckError(f"backend {backend!r} failed its correctness check"
                               + (f" on rank {rank}: {problem}" if problem else " on another rank"))
 
