@@ -18,7 +18,7 @@ from expertrail.launch import LocalRanks
 from expertrail.workload import make_routing, make_tokens
 
 PHASES = ["barrier", "check+plan", "gather rows", "control exchange", "route planning", "post rows",
-          "rows arrive", "metadata arrives", "combine: expert side + post", "combine: arrive + reduce"]
+          "rows arrive (+ later hops)", "combine: expert side + post", "combine: arrive + reduce"]
 
 
 def phases(rank, world, args):
@@ -37,13 +37,10 @@ def phases(rank, world, args):
         control = d._start_control(counts, header)
         sent = d._gather_first(x, state); marks.append(time.perf_counter())
         recv_counts, headers = d._finish_control(control, None); marks.append(time.perf_counter())
-        route, row_weights = d._route(w, state, recv_counts, headers); marks.append(time.perf_counter())
+        route = d._route(w, state, recv_counts, headers); marks.append(time.perf_counter())
         transfer = route.forward(x, async_op=True, sent=sent); marks.append(time.perf_counter())
         tokens = transfer.wait(); marks.append(time.perf_counter())
-        if hasattr(row_weights, "wait"):
-            row_weights = row_weights.wait()
-        marks.append(time.perf_counter())
-        weights = route.hops[-1].place(row_weights)
+        weights = route.hops[-1].place(route.row_weights)
         route.remember_weights(weights)                 # as dispatch does for res.weights
         back = route.transpose_async(tokens, weights); marks.append(time.perf_counter())
         back.wait(); marks.append(time.perf_counter())

@@ -9,7 +9,7 @@ import torch
 
 from .base import H_TOKENS, Dispatcher, bits_weight, expand_local, weight_bits
 from .dedup import local_ids_for
-from .route import Hop
+from .route import Hop, Route, all_gather_rows
 
 
 class AllGatherDispatcher(Dispatcher):
@@ -29,8 +29,14 @@ class AllGatherDispatcher(Dispatcher):
                   num_src=n, num_slots=g.ep_size, group=g.ep_group, send_splits=[n] * g.ep_size,
                   recv_splits=counts, peers=list(range(g.ep_size)), gathered=True,
                   meta_bytes=16 * topk)
-        meta = hop.exchange(torch.cat([topk_idx, weight_bits(topk_weights)], 1))
-        me = torch.full((meta.shape[0],), g.ep_rank, device=dev)
-        row, k, expert = expand_local(local_ids_for(meta[:, :topk], me, self.rank_of_expert, self.local_of_expert))
-        route = self._finish_route([hop], row, k, expert, meta.shape[0], min(topk, self.num_local_experts), headers)
-        return route, bits_weight(meta[:, topk:][row, k], topk_weights.dtype)
+        route = Route(hops=[hop], topk=topk)
+
+        def expand(meta):
+            me = torch.full((meta.shape[0],), g.ep_rank, device=dev)
+            row, k, expert = expand_local(local_ids_for(meta[:, :topk], me, self.rank_of_expert,
+                                                        self.local_of_expert))
+            self._finish_route(route, row, k, expert, meta.shape[0], min(topk, self.num_local_experts), headers,
+                               bits_weight(meta[:, topk:][row, k], topk_weights.dtype))
+        hop.meta = all_gather_rows(torch.cat([topk_idx, weight_bits(topk_weights)], 1), counts, g.ep_group)
+        hop.then = expand
+        return route

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .base import Dispatcher, bits_weight, padded_positions, weight_bits
-from .route import Hop, LandingRuns, Route, Transfer, all_to_all_rows
+from .route import Hop, LandingRuns, Route
 
 
 class AllToAllDispatcher(Dispatcher):
@@ -55,16 +55,12 @@ class AllToAllDispatcher(Dispatcher):
         hop = Hop(index=token, slot=k, num_src=n, num_slots=max(topk, 1),         # copies summed in k order
                   group=g.ep_group, send_splits=send_splits, recv_splits=recv_splits,
                   peers=list(range(g.ep_size)), meta_bytes=16, runs=runs)
-        # A row carries its k and its weight (its expert follows from where it lands), in one
-        # message per peer that travels while the rows do; nothing in the plan depends on it.
-        meta = all_to_all_rows(torch.stack([k, weight_bits(topk_weights.reshape(-1)[slots])], 1),
-                               send_splits, recv_splits, g.ep_group)
         expert = torch.repeat_interleave(torch.arange(self.num_local_experts, device=real.device), real)
         real_pos = padded_positions(expert, real, padded)
         last = Hop(index=real_pos, slot=torch.zeros_like(real_pos), num_src=runs.out_rows, num_slots=1,
                    out_pos=real_pos, out_rows=runs.out_rows, identity=True)
-        route = Route(hops=[hop, last], row_k=None, row_expert=expert, tokens_per_expert=padded,
-                      real_tokens_per_expert=real, topk=topk, source_weights=topk_weights.reshape(-1)[slots])
+        route = Route(hops=[hop, last], topk=topk, row_expert=expert, tokens_per_expert=padded,
+                      real_tokens_per_expert=real, source_weights=topk_weights.reshape(-1)[slots])
         # Metadata arrives by (source, expert); the real rows are ordered by (expert, source).
         run_counts = recv_counts.reshape(-1)
         real_start = ((torch.cumsum(real, 0) - real).unsqueeze(0) + torch.cumsum(recv_counts, 0) - recv_counts)
@@ -74,9 +70,11 @@ class AllToAllDispatcher(Dispatcher):
         def arrived(received):
             ordered = torch.empty_like(received)
             ordered[to_real] = received
-            route.row_k = ordered[:, 0]
-            return bits_weight(ordered[:, 1], topk_weights.dtype)
-        return route, Transfer(meta, None, lambda t: arrived(t.wait()))
+            route.row_k, route.row_weights = ordered[:, 0], bits_weight(ordered[:, 1], topk_weights.dtype)
+        # A row carries its k and its weight (its expert follows from where it lands); nothing in
+        # the plan depends on them.
+        self._send_meta(hop, torch.stack([k, weight_bits(topk_weights.reshape(-1)[slots])], 1), arrived)
+        return route
 
 
 def _runs(start: torch.Tensor, counts: torch.Tensor) -> list:

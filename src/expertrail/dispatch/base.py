@@ -170,12 +170,12 @@ class Dispatcher:
         sent = self._gather_first(x.detach(), state) if error == 0 else None
         recv_counts, headers = self._finish_control(control, message)
         with torch.no_grad():
-            route, row_weights = self._route(topk_weights.detach(), state, recv_counts, headers)
+            route = self._route(topk_weights.detach(), state, recv_counts, headers)
             route.label, route.timeout = self.groups.label, self.groups.timeout
             transfer = route.forward(x.detach(), async_op=True, sent=sent)
-        stats = route.stats(x.shape[1] * x.element_size(), self.groups.ep_rank, self.groups.domain_size)
-        stats.control_bytes = recv_counts.numel() * 8 + headers.numel() * 8
-        pending = PendingDispatch(x, topk_weights, route, transfer, row_weights, stats,
+        stats_args = (x.shape[1] * x.element_size(), self.groups.ep_rank, self.groups.domain_size,
+                      recv_counts.numel() * 8 + headers.numel() * 8)
+        pending = PendingDispatch(x, topk_weights, route, transfer, stats_args,
                                   bool(headers[0, H_XGRAD] or headers[0, H_WGRAD]))   # agreed by every rank
         return pending if async_op else pending.wait()
 
@@ -217,10 +217,11 @@ class Dispatcher:
         """Local work before any exchange: (counts [P, C] int64 to send each peer, state)."""
         raise NotImplementedError
 
-    def _route(self, topk_weights, state, recv_counts, headers):
-        """Exchange the routing metadata hop by hop and plan the whole route; return (Route,
-        weight of each real output row, or a Transfer yielding them). Rows move later, along
-        the route. The Route comes from `_finish_route`."""
+    def _route(self, topk_weights, state, recv_counts, headers) -> Route:
+        """Plan the route from the counts. Hops whose plan depends on metadata (ids, weights,
+        sources of the rows a rank receives) are planned when it arrives: the hop before them
+        sends it beside its rows (``Hop.meta``, ``Hop.then``, see `Route`). The last stage ends
+        with `_finish_route`, or sets the route's row fields itself."""
         raise NotImplementedError
 
     def _first_index(self, state):
@@ -313,17 +314,27 @@ class Dispatcher:
         a = self.expert_alignment
         return (rows + a - 1) // a * a
 
-    def _finish_route(self, hops: list, row, k, expert, num_src: int, num_slots: int, headers) -> Route:
+    def _finish_route(self, route: Route, row, k, expert, num_src: int, num_slots: int, headers,
+                      row_weights) -> None:
         """Append the local hop that expands the ``num_src`` received rows into padded,
-        expert-major output rows. row, k, expert: int64 [M_real] in output order."""
+        expert-major output rows. row, k, expert: int64 [M_real] in output order;
+        row_weights [M_real]: the routing weight of each."""
         real = torch.bincount(expert, minlength=self.num_local_experts)
         padded = self._padded_counts(real, headers)
         last = Hop(index=row, slot=copy_slots(row, num_src), num_src=num_src, num_slots=max(1, num_slots))
         if not torch.equal(padded, real):
             last.out_pos = padded_positions(expert, real, padded)
             last.out_rows = int(padded.sum())
-        return Route(hops=[*hops, last], row_k=k, row_expert=expert, tokens_per_expert=padded,
-                     real_tokens_per_expert=real, topk=int(headers[0, H_TOPK]))
+        route.hops.append(last)
+        route.row_k, route.row_expert, route.row_weights = k, expert, row_weights
+        route.tokens_per_expert, route.real_tokens_per_expert = padded, real
+
+    @staticmethod
+    def _send_meta(hop: Hop, meta: torch.Tensor, then) -> None:
+        """Start sending ``meta [R, m]`` int64 (one row per row ``hop`` sends) to the hop's
+        peers; ``then(received meta)`` plans what follows once it arrives (see `Route`)."""
+        hop.meta = all_to_all_rows(meta, hop.send_splits, hop.recv_splits, hop.group)
+        hop.then = then
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(ep_size={self.groups.ep_size}, domain_size={self.groups.domain_size}, "
@@ -334,8 +345,8 @@ class Dispatcher:
 class PendingDispatch:
     """A dispatch whose rows are in flight; ``wait()`` returns the DispatchResult."""
 
-    def __init__(self, x, topk_weights, route, transfer, row_weights, stats, attach_grad):
-        self._args = (x, topk_weights, route, transfer, row_weights, stats, attach_grad)
+    def __init__(self, x, topk_weights, route, transfer, stats_args, attach_grad):
+        self._args = (x, topk_weights, route, transfer, stats_args, attach_grad)
         self._result = None
 
     def wait(self) -> DispatchResult:
@@ -346,11 +357,11 @@ class PendingDispatch:
 
     def _finish(self) -> None:
         if self._result is None:
-            x, topk_weights, route, transfer, row_weights, stats, attach_grad = self._args
-            last = route.hops[-1]
-            if isinstance(row_weights, Transfer):      # metadata still in flight (alltoall)
-                row_weights = row_weights.wait()
-            tokens, weights = transfer.wait(), last.place(row_weights)
+            x, topk_weights, route, transfer, (row_bytes, rank, domain_size, control_bytes), attach_grad = self._args
+            tokens = transfer.wait()                   # the route is complete from here on
+            weights = route.hops[-1].place(route.row_weights)
+            stats = route.stats(row_bytes, rank, domain_size)
+            stats.control_bytes = control_bytes
             if attach_grad:
                 tokens, weights = _DispatchFunction.apply(x, topk_weights, route, tokens, weights)
             route.remember_weights(weights)

@@ -9,7 +9,7 @@ import torch
 
 from ..routing import token_membership
 from .base import Dispatcher, bits_weight, copy_slots, expand_local, weight_bits
-from .route import Hop
+from .route import Hop, Route
 
 
 def local_ids_for(topk_idx, dest_rank, rank_of_expert, local_of_expert):
@@ -25,19 +25,26 @@ class DedupDispatcher(Dispatcher):
 
     def _plan_source(self, topk_idx):
         member = token_membership(topk_idx, self.rank_of_expert, self.groups.ep_size)   # [N, P]
-        return member.sum(0).unsqueeze(1), (topk_idx, member)
+        dest, token = torch.nonzero(member.t()).unbind(1)                    # (rank, token) order
+        return member.sum(0).unsqueeze(1), (topk_idx, member, dest, token)
+
+    def _first_index(self, state):
+        return state[3], None
 
     def _route(self, topk_weights, state, recv_counts, headers):
-        topk_idx, member = state
+        topk_idx, member, dest, token = state
         g = self.groups
         n, topk = topk_idx.shape
-        dest, token = torch.nonzero(member.t()).unbind(1)                    # (rank, token) order
         hop = Hop(index=token, slot=copy_slots(token, n), num_src=n, num_slots=max(1, min(topk, g.ep_size)),
                   group=g.ep_group, send_splits=member.sum(0).tolist(), recv_splits=recv_counts[:, 0].tolist(),
                   peers=list(range(g.ep_size)), meta_bytes=16 * topk)
+        route = Route(hops=[hop], topk=topk)
+
+        def expand(meta):                      # rows arrive in (source, token) order
+            row, k, expert = expand_local(meta[:, :topk])
+            self._finish_route(route, row, k, expert, meta.shape[0], min(topk, self.num_local_experts), headers,
+                               bits_weight(meta[:, topk:][row, k], topk_weights.dtype))
+        # Each row carries the local expert ids (on its destination) and weights of its slots.
         local = local_ids_for(topk_idx[token], dest, self.rank_of_expert, self.local_of_expert)
-        meta = torch.cat([local, weight_bits(topk_weights[token])], 1)
-        meta = hop.exchange(meta)
-        row, k, expert = expand_local(meta[:, :topk])                         # rows came (source, token)
-        route = self._finish_route([hop], row, k, expert, meta.shape[0], min(topk, self.num_local_experts), headers)
-        return route, bits_weight(meta[:, topk:][row, k], topk_weights.dtype)
+        self._send_meta(hop, torch.cat([local, weight_bits(topk_weights[token])], 1), expand)
+        return route

@@ -12,7 +12,7 @@ import torch
 from ..routing import token_membership
 from .base import H_TOKENS, Dispatcher, bits_weight, copy_slots, expand_local, weight_bits
 from .dedup import local_ids_for
-from .route import Hop
+from .route import Hop, Route
 
 
 class HierarchicalDispatcher(Dispatcher):
@@ -28,42 +28,51 @@ class HierarchicalDispatcher(Dispatcher):
         # rank of its domain on my rail). Column 1, to my rail peer in each domain: my rows of hop 1.
         to_rail_peer = torch.zeros(g.ep_size, dtype=torch.int64, device=topk_idx.device)
         to_rail_peer[g.domain_rank::g.domain_size] = in_domain.sum(0)
-        return torch.stack([member.sum(0), to_rail_peer], 1), (topk_idx, in_domain)
+        domain, token = torch.nonzero(in_domain.t()).unbind(1)                         # hop 1 rows
+        return torch.stack([member.sum(0), to_rail_peer], 1), (topk_idx, in_domain, domain, token)
+
+    def _first_index(self, state):
+        return state[3], None
 
     def _route(self, topk_weights, state, recv_counts, headers):
-        topk_idx, in_domain = state
+        topk_idx, in_domain, domain, token = state
         g = self.groups
         n, topk = topk_idx.shape
         dev = topk_idx.device
-        size, me = g.domain_size, g.ep_rank
+        size, me, first = g.domain_size, g.ep_rank, g.domain_index * g.domain_size
         # Hop 1: over the rail group, one row per (token, domain).
-        domain, token = torch.nonzero(in_domain.t()).unbind(1)
         hop1 = Hop(index=token, slot=copy_slots(token, n), num_src=n, num_slots=max(1, min(topk, g.num_domains)),
                    group=g.rail_group, send_splits=in_domain.sum(0).tolist(),
                    recv_splits=recv_counts[g.domain_rank::size, 1].tolist(),
                    peers=[d * size + g.domain_rank for d in range(g.num_domains)], meta_bytes=8 * (2 + 2 * topk))
+        route = Route(hops=[hop1], topk=topk)
+
+        def plan_hop2(meta):
+            # Hop 2: inside the domain, one row per (token, rank).
+            ids = meta[:, 2:2 + topk]
+            member = token_membership(ids, self.rank_of_expert - first, size) if ids.numel() else \
+                torch.zeros(0, size, dtype=torch.bool, device=dev)
+            local_rank, row1 = torch.nonzero(member.t()).unbind(1)
+            hop2 = Hop(index=row1, slot=copy_slots(row1, meta.shape[0]), num_src=meta.shape[0],
+                       num_slots=max(1, min(topk, size)), group=g.domain_group, send_splits=member.sum(0).tolist(),
+                       recv_splits=recv_counts[:, 0].view(g.num_domains, size).sum(0).tolist(),
+                       peers=[first + r for r in range(size)], meta_bytes=8 * (2 + 2 * topk))
+            route.hops.append(hop2)
+            local = local_ids_for(ids[row1], first + local_rank, self.rank_of_expert, self.local_of_expert)
+            self._send_meta(hop2, torch.cat([meta[row1, :2], local, meta[row1, 2 + topk:]], 1), expand)
+
+        def expand(meta2):
+            # Rows arrive grouped by forwarding rank; sort each expert's rows by (source, token).
+            most = max(1, int(headers[:, H_TOKENS].max()))
+            src_key = meta2[:, 0] * most + meta2[:, 1]
+            row, k, expert = expand_local(meta2[:, 2:2 + topk], src_key, g.ep_size * most)
+            self._finish_route(route, row, k, expert, meta2.shape[0], min(topk, self.num_local_experts), headers,
+                               bits_weight(meta2[:, 2 + topk:][row, k], topk_weights.dtype))
+        # A hop-1 row carries its source (rank, token), the ids of its experts in the destination
+        # domain and its weights.
         ids = topk_idx[token]
         mask = (ids >= 0) & (self.rank_of_expert[ids.clamp(min=0)] // size == domain.unsqueeze(1))
         meta = torch.cat([torch.full_like(token, me).unsqueeze(1), token.unsqueeze(1),
                           torch.where(mask, ids, torch.full_like(ids, -1)), weight_bits(topk_weights[token])], 1)
-        meta = hop1.exchange(meta)
-        # Hop 2: inside the domain, one row per (token, rank).
-        ids = meta[:, 2:2 + topk]
-        first = g.domain_index * size
-        member = token_membership(ids, self.rank_of_expert - first, size) if ids.numel() else \
-            torch.zeros(0, size, dtype=torch.bool, device=dev)
-        local_rank, row1 = torch.nonzero(member.t()).unbind(1)
-        hop2 = Hop(index=row1, slot=copy_slots(row1, meta.shape[0]), num_src=meta.shape[0],
-                   num_slots=max(1, min(topk, size)), group=g.domain_group, send_splits=member.sum(0).tolist(),
-                   recv_splits=recv_counts[:, 0].view(g.num_domains, size).sum(0).tolist(),
-                   peers=[first + r for r in range(size)], meta_bytes=8 * (2 + 2 * topk))
-        local = local_ids_for(ids[row1], first + local_rank, self.rank_of_expert, self.local_of_expert)
-        meta2 = torch.cat([meta[row1, :2], local, meta[row1, 2 + topk:]], 1)
-        meta2 = hop2.exchange(meta2)
-        # Rows arrive grouped by forwarding rank; sort each expert's rows by (source, token).
-        most = max(1, int(headers[:, H_TOKENS].max()))
-        src_key = meta2[:, 0] * most + meta2[:, 1]
-        row, k, expert = expand_local(meta2[:, 2:2 + topk], src_key, g.ep_size * most)
-        route = self._finish_route([hop1, hop2], row, k, expert, meta2.shape[0],
-                                   min(topk, self.num_local_experts), headers)
-        return route, bits_weight(meta2[:, 2 + topk:][row, k], topk_weights.dtype)
+        self._send_meta(hop1, meta, plan_hop2)
+        return route

@@ -69,6 +69,9 @@ class Hop:
     runs: for a hop whose received rows land directly in their final places (no local
         permutation after it), `LandingRuns`; its last hop is then an ``identity`` hop
     identity: a local hop that leaves the rows where they are (``out_pos`` marks the real ones)
+    meta / then: on the first forward only, for a route planned in stages: ``meta`` is the
+        metadata of the rows this hop receives, in flight beside them (a `Transfer`), and
+        ``then(meta)`` plans the hops after this one (see `Route.forward`)
     """
 
     index: torch.Tensor
@@ -85,6 +88,8 @@ class Hop:
     meta_bytes: int = 0
     runs: "LandingRuns | None" = None
     identity: bool = False
+    meta: "Transfer | None" = None
+    then: object = None
 
     @property
     def local(self) -> bool:
@@ -322,14 +327,43 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor, skip: tuple | None = No
     return out
 
 
+ROWS_TAG = 1 << 20     # p2p tags of `all_to_all_rows` start here (landing runs use tags below it)
+_calls_on_group: dict = {}
+
+
 def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, group) -> Transfer:
     """Start sending ``rows [sum(send_splits), C]`` in per-peer blocks; the Transfer yields
-    [sum(recv_splits), C]."""
+    [sum(recv_splits), C].
+
+    On gloo the blocks go as point-to-point transfers, all posted at once: gloo's all-to-all
+    runs its peers in lockstep steps, so with more ranks than cores one descheduled peer stalls
+    every step (measured: the same bytes took 1.3x longer inside a dispatch). Every rank posts
+    its transfers on a group in the same order, so a count of the calls on the group gives each
+    call a tag of its own on every rank (exchanges in flight together, such as rows and their
+    metadata, must not share a tag: gloo then serialises them).
+    """
     if len(send_splits) == 1:       # a group of one: nothing to exchange
         return Transfer(rows)
     out = rows.new_empty(sum(recv_splits), *rows.shape[1:])
-    work = dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group, async_op=True)
-    return Transfer(out, work)
+    rows = rows.contiguous()
+    pg = group if group is not None else dist.group.WORLD
+    if dist.get_backend(pg) != "gloo":
+        return Transfer(out, dist.all_to_all_single(out, rows, recv_splits, send_splits, group=group, async_op=True))
+    me = dist.get_rank(pg)
+    calls = _calls_on_group[pg] = (_calls_on_group.get(pg, -1) + 1) % ROWS_TAG
+    tag = ROWS_TAG + calls
+    send_at, recv_at = _offsets(send_splits), _offsets(recv_splits)
+    out[recv_at[me]:recv_at[me + 1]] = rows[send_at[me]:send_at[me + 1]]
+    recvs = [(out[recv_at[p]:recv_at[p + 1]], p, tag) for p, c in enumerate(recv_splits) if c and p != me]
+    sends = [(rows[send_at[p]:send_at[p + 1]], p, tag) for p, c in enumerate(send_splits) if c and p != me]
+    return Transfer(out, _AllWorks(post_point_to_point(sends, recvs, group, None)))
+
+
+def _offsets(counts: list) -> list:
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
 
 
 def all_gather_rows(rows: torch.Tensor, counts: list, group) -> Transfer:
@@ -353,20 +387,28 @@ class Route:
     """The hops of one dispatch plus what the last level's rows carry.
 
     hops: communicating hops then the last (local, expanding) hop
-    row_k / row_expert: int64 [M_real] top-k slot and local expert of each real expert row
-    tokens_per_expert / real_tokens_per_expert: int64 [E_local] rows with and without padding
     topk: K
+    row_k / row_expert: int64 [M_real] top-k slot and local expert of each real expert row
+    row_weights: [M_real] routing weight of each real expert row
+    tokens_per_expert / real_tokens_per_expert: int64 [E_local] rows with and without padding
     source_weights: for routes whose first hop sends one row per (token, expert) pair, the
         weight of each sent row: combine then weights the exact expert outputs where they are
         summed, on the source rank, instead of rounding weighted rows before they travel
+
+    A route may be planned in stages: a backend plans the hops it can from the counts, and a
+    hop whose receivers need metadata to plan the rest sends it beside its rows (``Hop.meta``)
+    with a ``Hop.then`` that appends the next hops (the last one sets the row fields above).
+    The first `forward` (dispatch) runs them as the metadata arrives, so no exchange waits for
+    a separate metadata round; afterwards the route is complete and reused as is.
     """
 
     hops: list
-    row_k: torch.Tensor
-    row_expert: torch.Tensor
-    tokens_per_expert: torch.Tensor
-    real_tokens_per_expert: torch.Tensor
     topk: int
+    row_k: torch.Tensor | None = None
+    row_expert: torch.Tensor | None = None
+    row_weights: torch.Tensor | None = None
+    tokens_per_expert: torch.Tensor | None = None
+    real_tokens_per_expert: torch.Tensor | None = None
     source_weights: torch.Tensor | None = None
     dispatched_weights: object = None     # weakref to res.weights and its version, see combine
     label: str = "the EP group"           # for error messages
@@ -374,23 +416,39 @@ class Route:
 
     def forward(self, rows: torch.Tensor, async_op: bool = False, sent: torch.Tensor | None = None):
         """[N, C] -> expert rows [M, C] (dispatch). With ``async_op`` the first exchange is
-        left in flight and a `Transfer` is returned; its wait() runs the remaining hops.
-        ``sent``: the first hop's sent rows, already gathered (see `Hop.forward`)."""
-        if not async_op:
-            for i, hop in enumerate(self.hops):
-                rows = hop.forward(rows, sent=None if i else sent)
-            return rows
+        left in flight and a `Transfer` is returned; its wait() plans and runs the remaining
+        hops. ``sent``: the first hop's sent rows, already gathered (see `Hop.forward`)."""
         first = self.hops[0]
         if first.local:
-            return Transfer(self.forward(rows))
+            out = self._run(first.forward(rows, sent=sent), 1)
+            return Transfer(out) if async_op else out
         transfer = first.forward(rows, async_op=True, sent=sent)
-        rest = self.hops[1:]
 
-        def finish(received):
-            for hop in rest:
-                received = hop.forward(received)
-            return received
-        return Transfer(transfer, None, lambda t: finish(t.wait()))
+        def finish(t):
+            self._plan_after(first)          # the metadata travels ahead of the rows
+            return self._run(t.wait(), 1)
+        pending = Transfer(transfer, None, finish)
+        return pending if async_op else pending.wait()
+
+    def _run(self, rows: torch.Tensor, start: int) -> torch.Tensor:
+        i = start
+        while i < len(self.hops):             # hops may be appended on the way
+            hop = self.hops[i]
+            if hop.local:
+                rows = hop.forward(rows)
+            else:
+                transfer = hop.forward(rows, async_op=True)
+                self._plan_after(hop)
+                rows = transfer.wait()
+            i += 1
+        return rows
+
+    @staticmethod
+    def _plan_after(hop: Hop) -> None:
+        if hop.then is not None:
+            then, meta = hop.then, hop.meta
+            hop.then = hop.meta = None
+            then(meta.wait())
 
     def remember_weights(self, weights: torch.Tensor) -> None:
         """Record the row weights handed out by dispatch, so combine can tell them apart from

@@ -1,8 +1,6 @@
 """The torch reference of the local kernels (and the CPU path)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 
@@ -11,50 +9,81 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@dataclass
 class CopyPositions:
-    """The copies of each source row as bags: ``pos[offsets[i]:offsets[i + 1]]`` are the rows
-    holding source row i's copies, in ascending slot order (``slot``), and ``source`` repeats i
-    for each of them. All int64 [copies] except ``offsets`` [num_src + 1]."""
+    """Where the copies of each of ``num_src`` source rows sit, in the form a kernel asks for
+    (each built on first use, so a path pays only for its own):
 
-    pos: torch.Tensor
-    slot: torch.Tensor
-    source: torch.Tensor
-    offsets: torch.Tensor
-    num_src: int
-    num_slots: int
+    - bags (the torch path, ``embedding_bag``): ``pos[offsets[i]:offsets[i + 1]]`` are the rows
+      holding source row i's copies, in ascending slot order (``slot``), and ``source`` repeats
+      i for each of them; all int64 [copies] except ``offsets`` [num_src + 1];
+    - ``dense()`` (the Triton path): int64 [num_src, num_slots], the row of each copy or -1. It
+      is one scatter: no sort and no host sync (the bags need both).
+    """
 
-    def dense(self) -> torch.Tensor:
-        """int64 [num_src, num_slots]: the row of each copy, -1 where there is none."""
-        out = torch.full((self.num_src, self.num_slots), -1, dtype=torch.int64, device=self.pos.device)
-        out[self.source, self.slot] = self.pos
-        return out
+    def __init__(self, num_src: int, num_slots: int, index: torch.Tensor | None = None,
+                 slot: torch.Tensor | None = None, dense: torch.Tensor | None = None):
+        self.num_src, self.num_slots = num_src, num_slots
+        self._index, self._slot, self._dense, self._bags = index, slot, dense, None
+
+    @classmethod
+    def build(cls, index: torch.Tensor, slot: torch.Tensor, num_src: int, num_slots: int) -> "CopyPositions":
+        """From the source row ``index [R]`` and ``slot [R]`` of each of R rows (no two rows
+        share both)."""
+        return cls(num_src, num_slots, index=index, slot=slot)
 
     @classmethod
     def from_dense(cls, pos: torch.Tensor) -> "CopyPositions":
         """From int64 [num_src, num_slots] rows of copies (-1: none)."""
-        present = pos >= 0
-        source, slot = torch.nonzero(present, as_tuple=True)      # row-major: by source, then slot
-        return cls._of(pos[source, slot], slot, source, present.sum(1), pos.shape[0], pos.shape[1])
+        return cls(pos.shape[0], pos.shape[1], dense=pos)
 
-    @classmethod
-    def build(cls, index: torch.Tensor, slot: torch.Tensor, num_src: int, num_slots: int) -> "CopyPositions":
-        """From the source row ``index [R]`` and ``slot [R]`` of each of R rows."""
-        key = index * max(num_slots, 1) + slot                      # unique per copy
-        if num_src * num_slots <= 4 * key.numel() + 4096:           # sort by key with a scatter
-            at = torch.full((num_src * num_slots,), -1, dtype=torch.int64, device=key.device)
-            at[key] = torch.arange(key.numel(), device=key.device)
-            order = at[at >= 0]
-        else:
-            order = torch.argsort(key)                               # by source row, then slot
-        counts = torch.bincount(index, minlength=num_src)
-        return cls._of(order, slot[order], index[order], counts, num_src, num_slots)
+    def dense(self) -> torch.Tensor:
+        """int64 [num_src, num_slots]: the row of each copy, -1 where there is none (cached)."""
+        if self._dense is None:
+            out = torch.full((self.num_src, self.num_slots), -1, dtype=torch.int64, device=self._index.device)
+            out[self._index, self._slot] = torch.arange(self._index.numel(), device=out.device)
+            self._dense = out
+        return self._dense
 
-    @classmethod
-    def _of(cls, pos, slot, source, counts, num_src, num_slots) -> "CopyPositions":
-        offsets = torch.zeros(num_src + 1, dtype=torch.int64, device=pos.device)
+    @property
+    def pos(self) -> torch.Tensor:
+        return self._bag_form()[0]
+
+    @property
+    def slot(self) -> torch.Tensor:
+        return self._bag_form()[1]
+
+    @property
+    def source(self) -> torch.Tensor:
+        return self._bag_form()[2]
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        return self._bag_form()[3]
+
+    def _bag_form(self) -> tuple:
+        """(pos, slot, source, offsets), see the class docstring (cached)."""
+        if self._bags is None:
+            if self._index is None:                                     # from the dense form
+                present = self._dense >= 0
+                source, slot = torch.nonzero(present, as_tuple=True)    # row-major: by source, then slot
+                self._bags = (self._dense[source, slot], slot, source, self._offsets(present.sum(1)))
+            else:
+                index, slot = self._index, self._slot
+                key = index * max(self.num_slots, 1) + slot                 # unique per copy
+                if self.num_src * self.num_slots <= 4 * key.numel() + 4096:  # sort by key with a scatter
+                    at = torch.full((self.num_src * self.num_slots,), -1, dtype=torch.int64, device=key.device)
+                    at[key] = torch.arange(key.numel(), device=key.device)
+                    order = at[at >= 0]
+                else:
+                    order = torch.argsort(key)                               # by source row, then slot
+                counts = torch.bincount(index, minlength=self.num_src)
+                self._bags = (order, slot[order], index[order], self._offsets(counts))
+        return self._bags
+
+    def _offsets(self, counts: torch.Tensor) -> torch.Tensor:
+        offsets = torch.zeros(self.num_src + 1, dtype=torch.int64, device=counts.device)
         torch.cumsum(counts, 0, out=offsets[1:])
-        return cls(pos=pos, slot=slot, source=source, offsets=offsets, num_src=num_src, num_slots=num_slots)
+        return offsets
 
 
 # Payload dtypes whose copies are summed as they are (fp32 accumulation inside the kernel);
