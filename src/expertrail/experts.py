@@ -23,19 +23,16 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list | None = None) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list) -> torch.Tensor:
     """Rows of expert e (``x[offsets[e-1]:offsets[e]]``) times ``weight[e].T``.
 
     x: [M, in]; weight: [E, out, in]; offsets: int32 [E] cumulative row counts; counts: the
-    same as a list of ints for the fallback (read from ``offsets`` when None: a host sync).
-    Returns [M, out].
+    same as a list of ints (for the fallback). Returns [M, out].
     """
     aligned = all(d * x.element_size() % 16 == 0 for d in weight.shape[1:])   # the kernel needs 16-byte strides
     if aligned and grouped_mm_supported(x.device, x.dtype):
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
     # Fallback: one GEMM per expert (E_local is small; tokens are never looped over).
-    if counts is None:
-        counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
     return torch.cat([rows @ w.T for rows, w in zip(x.split(counts), weight)]) if counts else x.new_zeros(0, weight.shape[1])
 
 
@@ -62,18 +59,10 @@ class GroupedExperts(nn.Module):
         if tokens_per_expert.numel() != self.num_local_experts:
             raise InvalidInputError(f"tokens_per_expert has {tokens_per_expert.numel()} entries, "
                                     f"expected one per local expert ({self.num_local_experts})")
+        counts = tokens_per_expert.tolist()
+        if sum(counts) != tokens.shape[0]:
+            raise InvalidInputError(f"tokens_per_expert sums to {sum(counts)} but tokens has {tokens.shape[0]} rows")
         offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
-        counts = None
-        if tokens.is_cuda:
-            # Checked on the device: a host sync here would leave the GPU idle until the CPU
-            # has queued the expert GEMMs (and keep it from running ahead into combine and
-            # backward).
-            torch._assert_async(offsets[-1] == tokens.shape[0],
-                                "GroupedExperts: tokens_per_expert must sum to the number of token rows")
-        else:
-            counts = tokens_per_expert.tolist()
-            if sum(counts) != tokens.shape[0]:
-                raise InvalidInputError(f"tokens_per_expert sums to {sum(counts)} but tokens has {tokens.shape[0]} rows")
         x = tokens.to(self.gate_up_proj.dtype)
         gate_up = grouped_linear(x, self.gate_up_proj, offsets, counts)
         gate, up = gate_up.split(self.ffn_hidden, dim=-1)
