@@ -276,6 +276,7 @@ class LandingRuns:
         out = rows.new_zeros(rows_out, *rows.shape[1:]) if forward and self.zero_fill else \
             rows.new_empty(rows_out, *rows.shape[1:])
         sends, recvs = [], []
+        first_tag = reserve_tags(self.group, max(len(runs) for runs in send))
         for p, peer in enumerate(self.peer_ranks):
             if p == self.me:
                 for (src, count), (dst, _) in zip(send[p], recv[p]):
@@ -284,22 +285,26 @@ class LandingRuns:
                     else:
                         out[dst:dst + count] = rows[src:src + count]
                 continue
-            sends += [(rows[src:src + count], p, tag) for tag, (src, count) in enumerate(send[p]) if count]
-            recvs += [(out[dst:dst + count], p, tag) for tag, (dst, count) in enumerate(recv[p]) if count]
+            sends += [(rows[src:src + count], p, first_tag + j) for j, (src, count) in enumerate(send[p]) if count]
+            recvs += [(out[dst:dst + count], p, first_tag + j) for j, (dst, count) in enumerate(recv[p]) if count]
         return Transfer(out, _AllWorks(post_point_to_point(sends, recvs, self.group, self.peer_ranks)))
 
 
 def post_point_to_point(sends: list, recvs: list, group, peer_ranks: list) -> list:
     """Start point-to-point transfers: ``sends`` / ``recvs`` hold (tensor, group rank, tag).
 
-    On gloo the process group is called directly (receives first): the Python wrappers of
+    On gloo the process group is called directly, receives first, then sends starting with the
+    next rank (so that peers do not all send to the same rank first): the Python wrappers of
     ``batch_isend_irecv`` cost ~50 us per transfer, as much as a small transfer itself. Other
     backends (NCCL) need the batch, which groups the transfers so their order cannot deadlock.
+    Transfers in flight together need distinct tags (`reserve_tags`).
     """
     if not sends and not recvs:
         return []
     pg = group if group is not None else dist.group.WORLD
     if dist.get_backend(pg) == "gloo":
+        me, size = pg.rank(), pg.size()
+        sends = sorted(sends, key=lambda s: (s[1] - me) % size)
         return [pg.recv([t], peer, tag) for t, peer, tag in recvs] + [pg.send([t], peer, tag) for t, peer, tag in sends]
     ops = [dist.P2POp(dist.irecv, t, peer_ranks[p], group, tag) for t, p, tag in recvs]
     ops += [dist.P2POp(dist.isend, t, peer_ranks[p], group, tag) for t, p, tag in sends]
@@ -327,8 +332,22 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor, skip: tuple | None = No
     return out
 
 
-ROWS_TAG = 1 << 20     # p2p tags of `all_to_all_rows` start here (landing runs use tags below it)
-_calls_on_group: dict = {}
+_TAGS = 1 << 30
+_next_tag: dict = {}
+
+
+def reserve_tags(group, count: int) -> int:
+    """The first of ``count`` point-to-point tags for one exchange on ``group``.
+
+    Every member of a group starts the same exchanges on it in the same order, so counting them
+    gives every rank the same tags, and exchanges in flight together (rows and their metadata,
+    the chunks of an overlapped MoE) distinct ones: gloo serialises transfers that share a
+    (peer, tag) pair.
+    """
+    key = group if group is not None else dist.group.WORLD
+    first = _next_tag.get(key, 0)
+    _next_tag[key] = (first + count) % _TAGS
+    return first if first + count <= _TAGS else reserve_tags(group, count)
 
 
 def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, group) -> Transfer:
@@ -337,10 +356,8 @@ def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, gr
 
     On gloo the blocks go as point-to-point transfers, all posted at once: gloo's all-to-all
     runs its peers in lockstep steps, so with more ranks than cores one descheduled peer stalls
-    every step (measured: the same bytes took 1.3x longer inside a dispatch). Every rank posts
-    its transfers on a group in the same order, so a count of the calls on the group gives each
-    call a tag of its own on every rank (exchanges in flight together, such as rows and their
-    metadata, must not share a tag: gloo then serialises them).
+    every step (measured: the same bytes took 1.3x longer inside a dispatch). Each exchange
+    has a tag of its own (`reserve_tags`).
     """
     if len(send_splits) == 1:       # a group of one: nothing to exchange
         return Transfer(rows)
@@ -350,8 +367,7 @@ def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, gr
     if dist.get_backend(pg) != "gloo":
         return Transfer(out, dist.all_to_all_single(out, rows, recv_splits, send_splits, group=group, async_op=True))
     me = dist.get_rank(pg)
-    calls = _calls_on_group[pg] = (_calls_on_group.get(pg, -1) + 1) % ROWS_TAG
-    tag = ROWS_TAG + calls
+    tag = reserve_tags(pg, 1)
     send_at, recv_at = _offsets(send_splits), _offsets(recv_splits)
     out[recv_at[me]:recv_at[me + 1]] = rows[send_at[me]:send_at[me + 1]]
     recvs = [(out[recv_at[p]:recv_at[p + 1]], p, tag) for p, c in enumerate(recv_splits) if c and p != me]
