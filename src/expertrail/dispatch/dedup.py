@@ -29,7 +29,9 @@ class DedupDispatcher(Dispatcher):
         return member.sum(0).unsqueeze(1), (topk_idx, member, dest, token)
 
     def _first_index(self, state):
-        return state[3], None
+        _, member, dest, token = state
+        start = int(member[:, :self.groups.ep_rank].sum())                   # rows are in rank order
+        return token, (start, start + int(member[:, self.groups.ep_rank].sum()))
 
     def _route(self, topk_weights, state, recv_counts, headers):
         topk_idx, member, dest, token = state
@@ -37,7 +39,7 @@ class DedupDispatcher(Dispatcher):
         n, topk = topk_idx.shape
         hop = Hop(index=token, slot=copy_slots(token, n), num_src=n, num_slots=max(1, min(topk, g.ep_size)),
                   group=g.ep_group, send_splits=member.sum(0).tolist(), recv_splits=recv_counts[:, 0].tolist(),
-                  peers=list(range(g.ep_size)), meta_bytes=16 * topk)
+                  peers=list(range(g.ep_size)), meta_bytes=16 * topk, me=g.ep_rank)
         route = Route(hops=[hop], topk=topk)
 
         def expand(meta):                      # rows arrive in (source, token) order

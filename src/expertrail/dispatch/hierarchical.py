@@ -32,7 +32,10 @@ class HierarchicalDispatcher(Dispatcher):
         return torch.stack([member.sum(0), to_rail_peer], 1), (topk_idx, in_domain, domain, token)
 
     def _first_index(self, state):
-        return state[3], None
+        _, in_domain, _, token = state
+        mine = self.groups.domain_index                                       # rows are in domain order
+        start = int(in_domain[:, :mine].sum())
+        return token, (start, start + int(in_domain[:, mine].sum()))
 
     def _route(self, topk_weights, state, recv_counts, headers):
         topk_idx, in_domain, domain, token = state
@@ -44,7 +47,8 @@ class HierarchicalDispatcher(Dispatcher):
         hop1 = Hop(index=token, slot=copy_slots(token, n), num_src=n, num_slots=max(1, min(topk, g.num_domains)),
                    group=g.rail_group, send_splits=in_domain.sum(0).tolist(),
                    recv_splits=recv_counts[g.domain_rank::size, 1].tolist(),
-                   peers=[d * size + g.domain_rank for d in range(g.num_domains)], meta_bytes=8 * (2 + 2 * topk))
+                   peers=[d * size + g.domain_rank for d in range(g.num_domains)], meta_bytes=8 * (2 + 2 * topk),
+                   me=g.domain_index)
         route = Route(hops=[hop1], topk=topk)
 
         def plan_hop2(meta):
@@ -56,7 +60,7 @@ class HierarchicalDispatcher(Dispatcher):
             hop2 = Hop(index=row1, slot=copy_slots(row1, meta.shape[0]), num_src=meta.shape[0],
                        num_slots=max(1, min(topk, size)), group=g.domain_group, send_splits=member.sum(0).tolist(),
                        recv_splits=recv_counts[:, 0].view(g.num_domains, size).sum(0).tolist(),
-                       peers=[first + r for r in range(size)], meta_bytes=8 * (2 + 2 * topk))
+                       peers=[first + r for r in range(size)], meta_bytes=8 * (2 + 2 * topk), me=g.domain_rank)
             route.hops.append(hop2)
             local = local_ids_for(ids[row1], first + local_rank, self.rank_of_expert, self.local_of_expert)
             self._send_meta(hop2, torch.cat([meta[row1, :2], local, meta[row1, 2 + topk:]], 1), expand)

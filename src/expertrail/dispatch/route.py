@@ -69,6 +69,8 @@ class Hop:
     runs: for a hop whose received rows land directly in their final places (no local
         permutation after it), `LandingRuns`; its last hop is then an ``identity`` hop
     identity: a local hop that leaves the rows where they are (``out_pos`` marks the real ones)
+    me: for an all-to-all hop, this rank's index in ``group``: the rows it sends itself are
+        gathered straight into place instead of through the send buffer
     meta / then: on the first forward only, for a route planned in stages: ``meta`` is the
         metadata of the rows this hop receives, in flight beside them (a `Transfer`), and
         ``then(meta)`` plans the hops after this one (see `Route.forward`)
@@ -88,6 +90,7 @@ class Hop:
     meta_bytes: int = 0
     runs: "LandingRuns | None" = None
     identity: bool = False
+    me: int | None = None
     meta: "Transfer | None" = None
     then: object = None
 
@@ -108,8 +111,6 @@ class Hop:
                     sent = gather_rows(rows, self.index, self.runs.local_block())
                 transfer = self.runs.exchange(sent, forward=True, source=rows, index=self.index)
             return transfer if async_op else transfer.wait()
-        if sent is not None and not (self.local or self.gathered):
-            return self.exchange(sent, async_op)
         if self.identity:
             return rows
         if self.local:
@@ -119,9 +120,23 @@ class Hop:
             return self.place(rows.index_select(0, self.index))
         if self.gathered:
             return self.exchange(rows, async_op)
-        if kernels.use_triton(rows):
+        if sent is None and kernels.use_triton(rows):
             return self.exchange(kernels.permute_rows(rows, self.destinations(), self.index.numel()), async_op)
-        return self.exchange(rows.index_select(0, self.index), async_op)
+        own = None if self.me is None else (rows, self.index)
+        if sent is None:
+            sent = gather_rows(rows, self.index, self.own_block())
+        transfer = all_to_all_rows(sent, self.send_splits, self.recv_splits, self.group, own)
+        return transfer if async_op else transfer.wait()
+
+    def own_block(self) -> tuple | None:
+        """(start, end) of the sent rows that stay on this rank, when they are gathered straight
+        into place (see ``me``), else None."""
+        if self.runs is not None:
+            return self.runs.local_block()
+        if self.me is None:
+            return None
+        start = sum(self.send_splits[:self.me])
+        return start, start + self.send_splits[self.me]
 
     def destinations(self) -> torch.Tensor:
         """int64 [num_src, num_slots]: output row of each copy of each source row (-1: none)."""
@@ -350,9 +365,12 @@ def reserve_tags(group, count: int) -> int:
     return first if first + count <= _TAGS else reserve_tags(group, count)
 
 
-def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, group) -> Transfer:
+def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, group,
+                    own: tuple | None = None) -> Transfer:
     """Start sending ``rows [sum(send_splits), C]`` in per-peer blocks; the Transfer yields
-    [sum(recv_splits), C].
+    [sum(recv_splits), C]. ``own = (source, index)``: the block this rank sends itself is
+    ``source[index[block]]``, gathered straight into the output (that block of ``rows`` is
+    not read).
 
     On gloo the blocks go as point-to-point transfers, all posted at once: gloo's all-to-all
     runs its peers in lockstep steps, so with more ranks than cores one descheduled peer stalls
@@ -360,16 +378,22 @@ def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, gr
     has a tag of its own (`reserve_tags`).
     """
     if len(send_splits) == 1:       # a group of one: nothing to exchange
-        return Transfer(rows)
+        return Transfer(rows if own is None else own[0].index_select(0, own[1]))
     out = rows.new_empty(sum(recv_splits), *rows.shape[1:])
     rows = rows.contiguous()
     pg = group if group is not None else dist.group.WORLD
-    if dist.get_backend(pg) != "gloo":
-        return Transfer(out, dist.all_to_all_single(out, rows, recv_splits, send_splits, group=group, async_op=True))
     me = dist.get_rank(pg)
-    tag = reserve_tags(pg, 1)
     send_at, recv_at = _offsets(send_splits), _offsets(recv_splits)
-    out[recv_at[me]:recv_at[me + 1]] = rows[send_at[me]:send_at[me + 1]]
+    gloo = dist.get_backend(pg) == "gloo"
+    mine = out[recv_at[me]:recv_at[me + 1]] if gloo else rows[send_at[me]:send_at[me + 1]]
+    if own is not None:
+        source, index = own
+        torch.index_select(source, 0, index[send_at[me]:send_at[me + 1]], out=mine)
+    elif gloo:
+        mine.copy_(rows[send_at[me]:send_at[me + 1]])
+    if not gloo:
+        return Transfer(out, dist.all_to_all_single(out, rows, recv_splits, send_splits, group=group, async_op=True))
+    tag = reserve_tags(pg, 1)
     recvs = [(out[recv_at[p]:recv_at[p + 1]], p, tag) for p, c in enumerate(recv_splits) if c and p != me]
     sends = [(rows[send_at[p]:send_at[p + 1]], p, tag) for p, c in enumerate(send_splits) if c and p != me]
     return Transfer(out, _AllWorks(post_point_to_point(sends, recvs, group, None)))
