@@ -1,10 +1,12 @@
 """`expertrail bench`: every dispatcher on identical inputs on real ranks, checked and timed.
 
 Each backend first has its rows and combine output checked against the single-process
-reference, then dispatch and combine are timed over ``iters`` iterations (the time of an
-iteration is the slowest rank's). Next to them the bench times the *bare collectives*: the
-same exchanges with the same per-peer byte counts on preallocated buffers, with no local work,
-which is the transport limit of this machine for that backend's traffic.
+reference (first warm-up iteration), then dispatch and combine are timed over ``iters``
+rounds (the time of an iteration is the slowest rank's). Next to them the bench times the
+*bare collectives*: the same exchanges with the same per-peer byte counts on preallocated
+buffers, with no local work, which is the transport limit of this machine for that backend's
+traffic. Each round runs every backend and then its bare collectives, so every figure and
+ratio comes from the same moments of a shared machine.
 """
 from __future__ import annotations
 
@@ -112,37 +114,46 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
     x, idx, w = (t.to(dev) for t in inputs[rank])
     del inputs, xs, idxs, ws
 
-    steps = 2 * cfg.iters + cfg.warmup + (2 * (cfg.iters + 1) if cfg.chunks > 1 else 0)
+    warmup = max(1, cfg.warmup)                     # the first iteration is the correctness check
+    steps = warmup + 2 * cfg.iters + (2 * (cfg.iters + 1) if cfg.chunks > 1 else 0)
     progress = _progress(rank == 0 and cfg.progress, len(cfg.backends) * steps)
-    results = {}
-    for backend in cfg.backends:
-        d = make_dispatcher(backend, groups, num_experts=cfg.experts, hidden=cfg.hidden)
-        disp, comb = [], []
-        for it in range(cfg.warmup + cfg.iters):
+    dispatchers = {b: make_dispatcher(b, groups, num_experts=cfg.experts, hidden=cfg.hidden) for b in cfg.backends}
+    last, replays = {}, {}
+    for backend, d in dispatchers.items():           # check, warm up, and record each backend's exchanges
+        for it in range(warmup):
+            res = d.dispatch(x, idx, w)
+            y = d.combine(res.tokens, res)
+            if it == 0:
+                _check(backend, res, y, ref_tokens, ref_y, dtype, rank)
+            progress.advance()
+        last[backend] = res
+        replays[backend] = bare_collectives(res, cfg.hidden * x.element_size(), dev)
+    # Timed rounds: each round runs every backend once, then its bare collectives, so that all
+    # of them see the same moments of a shared, noisy machine.
+    times = {b: ([], [], [], []) for b in cfg.backends}
+    for _ in range(cfg.iters):
+        for backend, d in dispatchers.items():
+            disp, comb, bare_d, bare_c = times[backend]
             dist.barrier()
             t0 = _clock(dev)
             res = d.dispatch(x, idx, w)
             t1 = _clock(dev)
-            y = d.combine(res.tokens, res)
+            d.combine(res.tokens, res)
             t2 = _clock(dev)
-            if it == 0:
-                _check(backend, res, y, ref_tokens, ref_y, dtype, rank)
-            if it >= cfg.warmup:
-                disp.append(t1 - t0)
-                comb.append(t2 - t1)
+            disp.append(t1 - t0)
+            comb.append(t2 - t1)
             progress.advance()
-        replay = bare_collectives(res, cfg.hidden * x.element_size(), dev)
-        bare_d, bare_c = [], []
-        for _ in range(cfg.iters):
             dist.barrier()
             t0 = _clock(dev)
-            t1 = replay()
+            t1 = replays[backend]()
             t2 = _clock(dev)
             bare_d.append(t1 - t0)
             bare_c.append(t2 - t1)
             progress.advance()
-        disp, comb = _slowest_rank(disp), _slowest_rank(comb)
-        bare_d, bare_c = _slowest_rank(bare_d), _slowest_rank(bare_c)
+    results = {}
+    for backend, d in dispatchers.items():
+        res = last[backend]
+        disp, comb, bare_d, bare_c = (_slowest_rank(t) for t in times[backend])
         total = [a + b for a, b in zip(disp, comb)]
         bare = [a + b for a, b in zip(bare_d, bare_c)]
         logical = _logical_bytes(res, cfg, x.element_size())

@@ -28,8 +28,10 @@ def _bench_parser(sub) -> None:
     p.add_argument("--backends", default=",".join(d.backends), help="comma-separated (default: all)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default=d.dtype)
     p.add_argument("--routing", default=d.routing, help=ROUTING_HELP)
-    p.add_argument("--iters", type=int, default=d.iters)
-    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--iters", type=int, default=d.iters,
+                   help="timed rounds; each runs every backend, then its bare collectives")
+    p.add_argument("--warmup", type=int, default=d.warmup,
+                   help="untimed iterations per backend (at least 1: the first is checked against the reference)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--chunks", type=int, default=d.chunks,
                    help="also time dispatch -> expert MLP -> combine unchunked vs in this many overlapped chunks")
