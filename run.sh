@@ -11,10 +11,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check torch==2.13.0   # CPU build, before anything asks for torch
   "$venv/bin/pip" install -q --disable-pip-version-check -e ".[test]"
-  # The compiled CPU reduction, built once here rather than inside the first run's ranks;
-  # without a compiler load() returns None and the torch path is used.
-  echo "expertrail: building the CPU kernel (once, about a minute)" >&2
-  "$venv/bin/python" -c "from expertrail.kernels import cpu_kernels; cpu_kernels.load()" || true
   touch "$stamp"
 fi
 cmd=${1:-}

@@ -2,10 +2,9 @@
 
 ``permute_rows`` (one read of each row, written to each of its destinations),
 ``reduce_copies_dense`` (the weighted sum of each row's copies in fp32, fixed order, written
-once) and ``layout_counts``. The torch implementations are the reference and the CPU path (the
-copy reduction runs as the compiled kernel of ``cpu_kernels`` on the CPU when it builds); the
+once) and ``layout_counts``. The torch implementations are the reference and the CPU path; the
 Triton kernels run for CUDA tensors when Triton is installed (``EXPERTRAIL_KERNELS=torch``
-turns both off, ``=triton`` forces Triton, e.g. on the CPU with ``TRITON_INTERPRET=1`` in tests).
+turns them off, ``=triton`` forces them, e.g. on the CPU with ``TRITON_INTERPRET=1`` in tests).
 """
 from __future__ import annotations
 

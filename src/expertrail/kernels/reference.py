@@ -1,10 +1,7 @@
-"""The torch reference of the local kernels (and the CPU path, with the compiled reduction of
-``cpu_kernels`` when it builds)."""
+"""The torch reference of the local kernels (and the CPU path)."""
 from __future__ import annotations
 
 import torch
-
-from . import cpu_kernels
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -98,24 +95,6 @@ _WEIGHT_PARTS = 3        # a fp32 weight as a sum of 3 bf16 numbers: 24 bits, pr
 def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tensor | None,
                   out_dtype: torch.dtype) -> torch.Tensor:
     """out[i] = sum over slots s, ascending, of weights * rows[copy s of i].
-
-    rows [R, C], weights [R] or None -> [num_src, C] in ``out_dtype``. On the CPU the compiled
-    kernel of ``cpu_kernels`` when it could be built (one pass, each product rounded to fp32 or
-    fp64 and summed in slot order, so bitwise reproducible), else ``reduce_copies_torch``.
-    """
-    num_src, width = copies.num_src, rows.shape[1]
-    if copies.pos.numel() == 0:
-        return rows.new_zeros(num_src, width, dtype=out_dtype)
-    if copies.num_slots == 1 and weights is None:       # a permutation: index_select copies it as fast
-        return reduce_copies_torch(rows, copies, weights, out_dtype)
-    if cpu_kernels.supports(rows, weights, out_dtype) and cpu_kernels.load() is not None:
-        return cpu_kernels.reduce_copies(rows, copies.pos, copies.offsets, weights, out_dtype)
-    return reduce_copies_torch(rows, copies, weights, out_dtype)
-
-
-def reduce_copies_torch(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tensor | None,
-                        out_dtype: torch.dtype) -> torch.Tensor:
-    """``reduce_copies`` in torch ops: the reference, and the path off the CPU fast path.
 
     rows [R, C], weights [R] or None -> [num_src, C] in ``out_dtype``. One fused pass
     (``embedding_bag``): each row is read once, the sum of a source row's copies is formed in
