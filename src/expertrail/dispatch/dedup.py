@@ -9,7 +9,7 @@ import torch
 
 from ..routing import token_membership
 from .base import Dispatcher, bits_weight, copy_slots, expand_local, weight_bits
-from .route import Hop, Route
+from .route import Hop, Route, own_block
 
 
 def local_ids_for(topk_idx, dest_rank, rank_of_expert, local_of_expert):
@@ -26,19 +26,19 @@ class DedupDispatcher(Dispatcher):
     def _plan_source(self, topk_idx):
         member = token_membership(topk_idx, self.rank_of_expert, self.groups.ep_size)   # [N, P]
         dest, token = torch.nonzero(member.t()).unbind(1)                    # (rank, token) order
-        return member.sum(0).unsqueeze(1), (topk_idx, member, dest, token)
+        counts = member.sum(0)
+        return counts.unsqueeze(1), (topk_idx, dest, token, counts.tolist())
 
     def _first_index(self, state):
-        _, member, dest, token = state
-        start = int(member[:, :self.groups.ep_rank].sum())                   # rows are in rank order
-        return token, (start, start + int(member[:, self.groups.ep_rank].sum()))
+        _, _, token, send_splits = state
+        return token, own_block(send_splits, self.groups.ep_rank)
 
     def _route(self, topk_weights, state, recv_counts, headers):
-        topk_idx, member, dest, token = state
+        topk_idx, dest, token, send_splits = state
         g = self.groups
         n, topk = topk_idx.shape
         hop = Hop(index=token, slot=copy_slots(token, n), num_src=n, num_slots=max(1, min(topk, g.ep_size)),
-                  group=g.ep_group, send_splits=member.sum(0).tolist(), recv_splits=recv_counts[:, 0].tolist(),
+                  group=g.ep_group, send_splits=send_splits, recv_splits=recv_counts[:, 0].tolist(),
                   peers=list(range(g.ep_size)), meta_bytes=16 * topk, me=g.ep_rank)
         route = Route(hops=[hop], topk=topk)
 

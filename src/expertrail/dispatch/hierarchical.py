@@ -12,7 +12,7 @@ import torch
 from ..routing import token_membership
 from .base import H_TOKENS, Dispatcher, bits_weight, copy_slots, expand_local, weight_bits
 from .dedup import local_ids_for
-from .route import Hop, Route
+from .route import Hop, Route, own_block
 
 
 class HierarchicalDispatcher(Dispatcher):
@@ -26,26 +26,25 @@ class HierarchicalDispatcher(Dispatcher):
         in_domain = member.view(n, g.num_domains, g.domain_size).any(2)               # [N, D_count]
         # Column 0, to every rank q: my tokens bound for q (q receives them in hop 2, via the
         # rank of its domain on my rail). Column 1, to my rail peer in each domain: my rows of hop 1.
+        per_domain = in_domain.sum(0)
         to_rail_peer = torch.zeros(g.ep_size, dtype=torch.int64, device=topk_idx.device)
-        to_rail_peer[g.domain_rank::g.domain_size] = in_domain.sum(0)
+        to_rail_peer[g.domain_rank::g.domain_size] = per_domain
         domain, token = torch.nonzero(in_domain.t()).unbind(1)                         # hop 1 rows
-        return torch.stack([member.sum(0), to_rail_peer], 1), (topk_idx, in_domain, domain, token)
+        return torch.stack([member.sum(0), to_rail_peer], 1), (topk_idx, domain, token, per_domain.tolist())
 
     def _first_index(self, state):
-        _, in_domain, _, token = state
-        mine = self.groups.domain_index                                       # rows are in domain order
-        start = int(in_domain[:, :mine].sum())
-        return token, (start, start + int(in_domain[:, mine].sum()))
+        _, _, token, send_splits = state
+        return token, own_block(send_splits, self.groups.domain_index)
 
     def _route(self, topk_weights, state, recv_counts, headers):
-        topk_idx, in_domain, domain, token = state
+        topk_idx, domain, token, send_splits = state
         g = self.groups
         n, topk = topk_idx.shape
         dev = topk_idx.device
         size, me, first = g.domain_size, g.ep_rank, g.domain_index * g.domain_size
         # Hop 1: over the rail group, one row per (token, domain).
         hop1 = Hop(index=token, slot=copy_slots(token, n), num_src=n, num_slots=max(1, min(topk, g.num_domains)),
-                   group=g.rail_group, send_splits=in_domain.sum(0).tolist(),
+                   group=g.rail_group, send_splits=send_splits,
                    recv_splits=recv_counts[g.domain_rank::size, 1].tolist(),
                    peers=[d * size + g.domain_rank for d in range(g.num_domains)], meta_bytes=8 * (2 + 2 * topk),
                    me=g.domain_index)

@@ -131,12 +131,7 @@ class Hop:
     def own_block(self) -> tuple | None:
         """(start, end) of the sent rows that stay on this rank, when they are gathered straight
         into place (see ``me``), else None."""
-        if self.runs is not None:
-            return self.runs.local_block()
-        if self.me is None:
-            return None
-        start = sum(self.send_splits[:self.me])
-        return start, start + self.send_splits[self.me]
+        return None if self.me is None else own_block(self.send_splits, self.me)
 
     def destinations(self) -> torch.Tensor:
         """int64 [num_src, num_slots]: output row of each copy of each source row (-1: none)."""
@@ -217,6 +212,12 @@ class Hop:
             splits = [max(self.recv_splits)] * len(self.peers)   # all-gather sends padded rows
         for peer, count in zip(self.peers, splits):
             stats.add(link_class(my_rank, peer, domain_size), count, row_bytes)
+
+
+def own_block(send_splits: list, me: int) -> tuple:
+    """(start, end) of the block sent to peer ``me`` among rows laid out peer by peer."""
+    start = sum(send_splits[:me])
+    return start, start + send_splits[me]
 
 
 def link_class(me: int, peer: int, domain_size: int) -> str:
