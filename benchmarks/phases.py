@@ -4,7 +4,9 @@
 
 Each rank times the phases of its own dispatch and combine (after a barrier, no overlap
 between iterations) and the table shows the mean per rank over the timed iterations. The
-phases are those of `Dispatcher.dispatch` / `combine` run step by step.
+phases are those of `Dispatcher.dispatch` / `combine` run step by step. ``--clock wall``
+(default) includes waiting for peers and for a core; ``--clock thread`` counts only the CPU
+time of the calling thread (the work this rank does itself, not gloo's transport threads).
 """
 import argparse
 import time
@@ -22,6 +24,7 @@ PHASES = ["barrier", "check+plan", "gather rows", "control exchange", "route pla
 
 
 def phases(rank, world, args):
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     dtype = DTYPES[args.dtype]
     groups = er.EPGroups.from_default(domain_size=args.domain_size)
     x = make_tokens(args.tokens, args.hidden, dtype, rank)
@@ -29,21 +32,21 @@ def phases(rank, world, args):
     d = er.make_dispatcher(args.backend, groups, num_experts=args.experts)
     totals = dict.fromkeys(PHASES, 0.0)
     for it in range(args.warmup + args.iters):
-        marks = [time.perf_counter()]
-        dist.barrier(); marks.append(time.perf_counter())
+        marks = [clock()]
+        dist.barrier(); marks.append(clock())
         d._check_inputs(x, idx, w)
-        counts, state = d._plan_source(idx); marks.append(time.perf_counter())
+        counts, state = d._plan_source(idx); marks.append(clock())
         header = [x.shape[0], x.shape[1], args.topk, DTYPE_CODES[dtype], 0, 0, 0]
         control = d._start_control(counts, header)
-        sent = d._gather_first(x, state); marks.append(time.perf_counter())
-        recv_counts, headers = d._finish_control(control, None); marks.append(time.perf_counter())
-        route = d._route(w, state, recv_counts, headers); marks.append(time.perf_counter())
-        transfer = route.forward(x, async_op=True, sent=sent); marks.append(time.perf_counter())
-        tokens = transfer.wait(); marks.append(time.perf_counter())
+        sent = d._gather_first(x, state); marks.append(clock())
+        recv_counts, headers = d._finish_control(control, None); marks.append(clock())
+        route = d._route(w, state, recv_counts, headers); marks.append(clock())
+        transfer = route.forward(x, async_op=True, sent=sent); marks.append(clock())
+        tokens = transfer.wait(); marks.append(clock())
         weights = route.hops[-1].place(route.row_weights)
         route.remember_weights(weights)                 # as dispatch does for res.weights
-        back = route.transpose_async(tokens, weights); marks.append(time.perf_counter())
-        back.wait(); marks.append(time.perf_counter())
+        back = route.transpose_async(tokens, weights); marks.append(clock())
+        back.wait(); marks.append(clock())
         if it >= args.warmup:
             for name, a, b in zip(PHASES, marks, marks[1:]):
                 totals[name] += (b - a) * 1e3 / args.iters
@@ -62,11 +65,12 @@ def main():
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--clock", choices=["wall", "thread"], default="wall")
     args = p.parse_args()
     with LocalRanks(args.world) as ranks:
         rows = ranks.run(phases, args)
     print(f"{args.backend} {args.dtype}: {args.world} ranks, {args.tokens} tokens/rank, H {args.hidden}, "
-          f"E {args.experts}, top-{args.topk}; ms per iteration")
+          f"E {args.experts}, top-{args.topk}; ms per iteration ({args.clock} clock)")
     print(f"{'phase':<30}" + "".join(f"{'rank ' + str(r):>9}" for r in range(args.world)))
     for name in PHASES:
         print(f"{name:<30}" + "".join(f"{row[name]:>9.2f}" for row in rows))

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..kernels import reference
-from ..kernels.reference import CopyPositions
+from ..kernels.reference import CopyPositions, take_rows
 from ..topology import all_gather_single
 
 LINK_CLASSES = ("self", "intra", "inter")
@@ -68,7 +68,10 @@ class Hop:
     meta_bytes: metadata bytes sent with each row on the way out (ids, weights, sources)
     runs: for a hop whose received rows land directly in their final places (no local
         permutation after it), `LandingRuns`; its last hop is then an ``identity`` hop
-    identity: a local hop that leaves the rows where they are (``out_pos`` marks the real ones)
+    identity: a local hop that leaves the rows where they are (``out_pos``, when set, marks
+        the real ones among padding)
+    positions: the `CopyPositions` of ``index`` / ``slot`` when the planner has them at hand
+        (built from ``index`` and ``slot`` on first use otherwise)
     me: for an all-to-all hop, this rank's index in ``group``: the rows it sends itself are
         gathered straight into place instead of through the send buffer
     meta / then: on the first forward only, for a route planned in stages: ``meta`` is the
@@ -93,6 +96,7 @@ class Hop:
     me: int | None = None
     meta: "Transfer | None" = None
     then: object = None
+    positions: CopyPositions | None = None
 
     @property
     def local(self) -> bool:
@@ -117,7 +121,7 @@ class Hop:
             if kernels.use_triton(rows):
                 return kernels.permute_rows(rows, self.destinations(), self.out_rows or self.index.numel(),
                                             self.padding_rows())
-            return self.place(rows.index_select(0, self.index))
+            return self.place(take_rows(rows, self.index))
         if self.gathered:
             return self.exchange(rows, async_op)
         if sent is None and kernels.use_triton(rows):
@@ -197,9 +201,9 @@ class Hop:
 
     def copies(self) -> "CopyPositions":
         """Where each source row's copies sit among the rows of this hop (cached)."""
-        if getattr(self, "_copies", None) is None:
-            self._copies = CopyPositions.build(self.index, self.slot, self.num_src, self.num_slots)
-        return self._copies
+        if self.positions is None:
+            self.positions = CopyPositions.build(self.index, self.slot, self.num_src, self.num_slots)
+        return self.positions
 
     def add_stats(self, stats: TransferStats, payload_bytes: int, my_rank: int, domain_size: int,
                   backward: bool = False) -> None:
@@ -263,12 +267,16 @@ class Transfer:
 class LandingRuns:
     """An all-to-all whose received rows land straight in their final places.
 
-    send[p] / recv[p]: (offset, count) runs exchanged with peer p of the group, matched in
-    order (run j sent to p is run j received from us); ``out_rows``: rows of the landing
-    buffer; ``zero_fill``: it has padding rows that must read as zeros. The exchange is a
-    batch of point-to-point transfers, one per non-empty run (the run to this rank is a copy).
+    The sent rows and the landing buffer are each cut into consecutive pieces: ``send_sizes``
+    / ``recv_sizes`` rows each (gaps, e.g. padding, are pieces too). ``send[p]`` / ``recv[p]``
+    number the pieces exchanged with peer p of the group, matched in order (piece j sent to p
+    is piece j received from us). ``out_rows``: rows of the landing buffer; ``zero_fill``: it
+    has padding rows that must read as zeros. The exchange is a batch of point-to-point
+    transfers, one per non-empty piece (the pieces to this rank are copies).
     """
 
+    send_sizes: list
+    recv_sizes: list
     send: list
     recv: list
     peer_ranks: list
@@ -278,31 +286,36 @@ class LandingRuns:
     zero_fill: bool
 
     def local_block(self) -> tuple:
-        """(start, end) of the sent rows that stay on this rank."""
-        runs = self.send[self.me]
-        return (runs[0][0], runs[-1][0] + runs[-1][1]) if runs else (0, 0)
+        """(start, end) of the sent rows that stay on this rank (consecutive pieces)."""
+        mine = self.send[self.me]
+        if not mine:
+            return 0, 0
+        start = sum(self.send_sizes[:mine[0]])
+        return start, start + sum(self.send_sizes[mine[0]:mine[-1] + 1])
 
     def exchange(self, rows: torch.Tensor, forward: bool, source: torch.Tensor | None = None,
                  index: torch.Tensor | None = None) -> "Transfer":
-        """Forward: rows [sum send counts, C] -> landing [out_rows, C]; backward the reverse.
+        """Forward: rows [sum(send_sizes), C] -> landing [out_rows, C]; backward the reverse.
         With ``source`` and ``index`` (forward), the rows that stay on this rank are gathered
-        from ``source[index]`` straight into place (their block of ``rows`` is not read)."""
-        send, recv = (self.send, self.recv) if forward else (self.recv, self.send)
-        rows_out = self.out_rows if forward else sum(c for runs in self.send for _, c in runs)
-        out = rows.new_zeros(rows_out, *rows.shape[1:]) if forward and self.zero_fill else \
-            rows.new_empty(rows_out, *rows.shape[1:])
+        from ``source[index]`` straight into place (their pieces of ``rows`` are not read)."""
+        send, recv, send_sizes, recv_sizes = (self.send, self.recv, self.send_sizes, self.recv_sizes) if forward \
+            else (self.recv, self.send, self.recv_sizes, self.send_sizes)
+        out = rows.new_zeros(sum(recv_sizes), *rows.shape[1:]) if forward and self.zero_fill else \
+            rows.new_empty(sum(recv_sizes), *rows.shape[1:])
+        sent, landing = rows.split(send_sizes), out.split(recv_sizes)     # views, made in one call each
         sends, recvs = [], []
-        first_tag = reserve_tags(self.group, max(len(runs) for runs in send))
-        for p, peer in enumerate(self.peer_ranks):
+        first_tag = reserve_tags(self.group, max(len(pieces) for pieces in send))
+        for p in range(len(self.peer_ranks)):
             if p == self.me:
-                for (src, count), (dst, _) in zip(send[p], recv[p]):
+                rows_of = index.split(send_sizes) if source is not None else None
+                for a, b in zip(send[p], recv[p]):
                     if source is not None:
-                        torch.index_select(source, 0, index[src:src + count], out=out[dst:dst + count])
+                        take_rows(source, rows_of[a], out=landing[b])
                     else:
-                        out[dst:dst + count] = rows[src:src + count]
+                        landing[b].copy_(sent[a])
                 continue
-            sends += [(rows[src:src + count], p, first_tag + j) for j, (src, count) in enumerate(send[p]) if count]
-            recvs += [(out[dst:dst + count], p, first_tag + j) for j, (dst, count) in enumerate(recv[p]) if count]
+            sends += [(sent[a], p, first_tag + j) for j, a in enumerate(send[p]) if send_sizes[a]]
+            recvs += [(landing[b], p, first_tag + j) for j, b in enumerate(recv[p]) if recv_sizes[b]]
         return Transfer(out, _AllWorks(post_point_to_point(sends, recvs, self.group, self.peer_ranks)))
 
 
@@ -340,11 +353,11 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor, skip: tuple | None = No
     """rows[index] -> [len(index), C]; the output rows in the range ``skip = (start, end)`` are
     left unfilled (rows that stay on this rank and are put in place by the hop itself)."""
     if skip is None or skip[0] == skip[1]:
-        return rows.index_select(0, index)
+        return take_rows(rows, index)
     out = rows.new_empty(index.numel(), *rows.shape[1:])
     start, end = skip
-    torch.index_select(rows, 0, index[:start], out=out[:start])
-    torch.index_select(rows, 0, index[end:], out=out[end:])
+    take_rows(rows, index[:start], out=out[:start])
+    take_rows(rows, index[end:], out=out[end:])
     return out
 
 
@@ -379,7 +392,7 @@ def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, gr
     has a tag of its own (`reserve_tags`).
     """
     if len(send_splits) == 1:       # a group of one: nothing to exchange
-        return Transfer(rows if own is None else own[0].index_select(0, own[1]))
+        return Transfer(rows if own is None else take_rows(*own))
     out = rows.new_empty(sum(recv_splits), *rows.shape[1:])
     rows = rows.contiguous()
     pg = group if group is not None else dist.group.WORLD
@@ -389,7 +402,7 @@ def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, gr
     mine = out[recv_at[me]:recv_at[me + 1]] if gloo else rows[send_at[me]:send_at[me + 1]]
     if own is not None:
         source, index = own
-        torch.index_select(source, 0, index[send_at[me]:send_at[me + 1]], out=mine)
+        take_rows(source, index[send_at[me]:send_at[me + 1]], out=mine)
     elif gloo:
         mine.copy_(rows[send_at[me]:send_at[me + 1]])
     if not gloo:
@@ -429,7 +442,7 @@ class Route:
 
     hops: communicating hops then the last (local, expanding) hop
     topk: K
-    row_k / row_expert: int64 [M_real] top-k slot and local expert of each real expert row
+    row_k: int64 [M_real] top-k slot of each real expert row
     row_weights: [M_real] routing weight of each real expert row
     tokens_per_expert / real_tokens_per_expert: int64 [E_local] rows with and without padding
     source_weights: for routes whose first hop sends one row per (token, expert) pair, the
@@ -446,7 +459,6 @@ class Route:
     hops: list
     topk: int
     row_k: torch.Tensor | None = None
-    row_expert: torch.Tensor | None = None
     row_weights: torch.Tensor | None = None
     tokens_per_expert: torch.Tensor | None = None
     real_tokens_per_expert: torch.Tensor | None = None
