@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.reference import CopyPositions
-from .base import Dispatcher, bits_weight, padded_positions, stable_argsort, weight_bits
+from ..kernels.reference import CopyPositions, stable_argsort
+from .base import Dispatcher, bits_weight, padded_positions, weight_bits
 from .route import Hop, LandingRuns, Route
 
 
@@ -45,11 +45,12 @@ class AllToAllDispatcher(Dispatcher):
         real = recv_counts.sum(0)                                 # [E_local] rows per local expert
         padded = self._padded_counts(real, headers)
         # The sent rows are cut by (peer, expert); the landing buffer by (expert, source) plus each
-        # expert's padding, so that rows from source s for expert e land after those of sources < s.
+        # expert's padding, so that rows from source s for expert e land after those of sources < s:
+        # the run (peer q, expert e) is piece q * E_local + e of one and e * (P + 1) + q of the other.
         recv_sizes = torch.cat([recv_counts.t(), (padded - real).unsqueeze(1)], 1).reshape(-1).tolist()
         runs = LandingRuns(send_sizes=send_counts.reshape(-1).tolist(), recv_sizes=recv_sizes,
-                           send=[[q * local + e for e in range(local)] for q in range(p)],
-                           recv=[[e * (p + 1) + q for e in range(local)] for q in range(p)],
+                           send=torch.arange(p * local).view(p, local).tolist(),
+                           recv=(torch.arange(local) * (p + 1) + torch.arange(p).unsqueeze(1)).tolist(),
                            peer_ranks=list(g.ep_ranks), me=g.ep_rank, group=g.ep_group,
                            out_rows=sum(recv_sizes), zero_fill=sum(recv_sizes) != int(real.sum()))
         k = slots % max(topk, 1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..routing import token_membership
-from .base import Dispatcher, bits_weight, copy_slots, expand_local, weight_bits
+from .base import Dispatcher, bits_weight, expand_local, number_copies, weight_bits
 from .route import Hop, Route, own_block
 
 
@@ -37,7 +37,8 @@ class DedupDispatcher(Dispatcher):
         topk_idx, dest, token, send_splits = state
         g = self.groups
         n, topk = topk_idx.shape
-        hop = Hop(index=token, slot=copy_slots(token, n), num_src=n, num_slots=max(1, min(topk, g.ep_size)),
+        slot, positions = number_copies(token, n, max(1, min(topk, g.ep_size)))
+        hop = Hop(index=token, slot=slot, num_src=n, num_slots=positions.num_slots, positions=positions,
                   group=g.ep_group, send_splits=send_splits, recv_splits=recv_counts[:, 0].tolist(),
                   peers=list(range(g.ep_size)), meta_bytes=16 * topk, me=g.ep_rank)
         route = Route(hops=[hop], topk=topk)

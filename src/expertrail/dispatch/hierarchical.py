@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..routing import token_membership
-from .base import H_TOKENS, Dispatcher, bits_weight, copy_slots, expand_local, weight_bits
+from .base import H_TOKENS, Dispatcher, bits_weight, expand_local, number_copies, weight_bits
 from .dedup import local_ids_for
 from .route import Hop, Route, own_block
 
@@ -43,7 +43,8 @@ class HierarchicalDispatcher(Dispatcher):
         dev = topk_idx.device
         size, me, first = g.domain_size, g.ep_rank, g.domain_index * g.domain_size
         # Hop 1: over the rail group, one row per (token, domain).
-        hop1 = Hop(index=token, slot=copy_slots(token, n), num_src=n, num_slots=max(1, min(topk, g.num_domains)),
+        slot, positions = number_copies(token, n, max(1, min(topk, g.num_domains)))
+        hop1 = Hop(index=token, slot=slot, num_src=n, num_slots=positions.num_slots, positions=positions,
                    group=g.rail_group, send_splits=send_splits,
                    recv_splits=recv_counts[g.domain_rank::size, 1].tolist(),
                    peers=[d * size + g.domain_rank for d in range(g.num_domains)], meta_bytes=8 * (2 + 2 * topk),
@@ -56,8 +57,9 @@ class HierarchicalDispatcher(Dispatcher):
             member = token_membership(ids, self.rank_of_expert - first, size) if ids.numel() else \
                 torch.zeros(0, size, dtype=torch.bool, device=dev)
             local_rank, row1 = torch.nonzero(member.t()).unbind(1)
-            hop2 = Hop(index=row1, slot=copy_slots(row1, meta.shape[0]), num_src=meta.shape[0],
-                       num_slots=max(1, min(topk, size)), group=g.domain_group, send_splits=member.sum(0).tolist(),
+            slot2, positions2 = number_copies(row1, meta.shape[0], max(1, min(topk, size)))
+            hop2 = Hop(index=row1, slot=slot2, num_src=meta.shape[0], num_slots=positions2.num_slots,
+                       positions=positions2, group=g.domain_group, send_splits=member.sum(0).tolist(),
                        recv_splits=recv_counts[:, 0].view(g.num_domains, size).sum(0).tolist(),
                        peers=[first + r for r in range(size)], meta_bytes=8 * (2 + 2 * topk), me=g.domain_rank)
             route.hops.append(hop2)
