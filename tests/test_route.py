@@ -1,8 +1,9 @@
-"""The route engine's local pieces: fixed-order reductions and copy slots."""
+"""The route engine's local pieces: fixed-order reductions, copy slots and positions, sorts."""
 import torch
 
-from expertrail.dispatch.base import copy_slots, expand_local
+from expertrail.dispatch.base import copy_slots, expand_local, number_copies
 from expertrail.dispatch.route import reduce_rows
+from expertrail.kernels.reference import CopyPositions, radix_sorts, stable_argsort, take_rows
 
 
 def test_reduce_rows_sums_copies_in_slot_order_in_fp32():
@@ -46,3 +47,44 @@ def test_expand_local_orders_rows_expert_major():
     row, k, expert = expand_local(local)
     assert list(zip(expert.tolist(), row.tolist(), k.tolist())) == [
         (0, 0, 2), (0, 1, 0), (1, 0, 0), (1, 1, 1), (1, 2, 2)]
+
+
+def test_stable_argsort_radix_path_matches_torch_stable_sort():
+    g = torch.Generator().manual_seed(3)
+    for bound in (2, 17, 1 << 16):                     # the radix path (uint16 keys), up to its limit
+        key = torch.randint(0, bound, (5000,), generator=g)
+        key[:3] = bound - 1                           # the largest key, and ties
+        assert radix_sorts(key, bound)
+        assert torch.equal(stable_argsort(key, bound), torch.sort(key, stable=True).indices)
+    key = torch.randint(0, 1 << 20, (5000,), generator=g)   # beyond it: torch.sort
+    assert not radix_sorts(key, 1 << 20)
+    assert torch.equal(stable_argsort(key, 1 << 20), torch.sort(key, stable=True).indices)
+
+
+def test_number_copies_gives_the_slots_and_bags_a_separate_sort_would():
+    g = torch.Generator().manual_seed(5)
+    index = torch.randint(0, 50, (400,), generator=g)
+    slot, positions = number_copies(index, 50, 64)
+    assert torch.equal(slot, copy_slots(index, 50))
+    rebuilt = CopyPositions.build(index, slot, 50, 64)
+    for name in ("pos", "slot", "source", "offsets"):
+        assert torch.equal(getattr(positions, name), getattr(rebuilt, name)), name
+    assert torch.equal(positions.dense(), rebuilt.dense())
+
+
+def test_take_rows_matches_index_select_for_every_float_width():
+    index = torch.tensor([3, 0, 3, 2])
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        rows = torch.randn(4, 5).to(dtype)
+        assert torch.equal(take_rows(rows, index), rows.index_select(0, index))
+        out = torch.empty(4, 5, dtype=dtype)
+        assert take_rows(rows, index, out=out) is out and torch.equal(out, rows[index])
+
+
+def test_copy_positions_from_a_full_dense_form_list_every_copy_in_slot_order():
+    dense = torch.tensor([[4, 1], [0, 3], [2, 5]])
+    copies = CopyPositions.from_dense(dense)
+    assert copies.pos.tolist() == [4, 1, 0, 3, 2, 5]
+    assert copies.slot.tolist() == [0, 1, 0, 1, 0, 1]
+    assert copies.source.tolist() == [0, 0, 1, 1, 2, 2]
+    assert copies.offsets.tolist() == [0, 2, 4, 6]
