@@ -88,3 +88,15 @@ def test_copy_positions_from_a_full_dense_form_list_every_copy_in_slot_order():
     assert copies.slot.tolist() == [0, 1, 0, 1, 0, 1]
     assert copies.source.tolist() == [0, 0, 1, 1, 2, 2]
     assert copies.offsets.tolist() == [0, 2, 4, 6]
+
+
+def test_bf16_and_fp16_weights_take_fewer_parts_with_the_same_result():
+    g = torch.Generator().manual_seed(9)
+    rows = torch.randn(300, 64, generator=g).bfloat16()
+    index = torch.randint(0, 100, (300,), generator=g)
+    slot = copy_slots(index, 100)
+    for dtype in (torch.bfloat16, torch.float16):
+        weights = torch.rand(300, generator=g).to(dtype)
+        fewer = reduce_rows(rows, index, slot, 100, int(slot.max()) + 1, weights, torch.bfloat16)
+        three = reduce_rows(rows, index, slot, 100, int(slot.max()) + 1, weights.float(), torch.bfloat16)
+        assert torch.equal(fewer, three), dtype

@@ -134,7 +134,9 @@ class CopyPositions:
 # Payload dtypes whose copies are summed as they are (fp32 accumulation inside the kernel);
 # others are widened to fp32 first.
 _NATIVE = (torch.float32, torch.float64, torch.bfloat16)
-_WEIGHT_PARTS = 3        # a fp32 weight as a sum of 3 bf16 numbers: 24 bits, products exact
+# A weight as a sum of bf16 parts (8 significand bits each) whose products with a bf16 row are
+# exact in fp32: as many parts as the weight's dtype has significand bits (fp32: 24, fp16: 11).
+_WEIGHT_PARTS = {torch.bfloat16: 1, torch.float16: 2}
 
 
 def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tensor | None,
@@ -146,7 +148,8 @@ def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tens
     fp32 (fp64 for fp64) in slot order by one thread and written once, so the result is
     bitwise reproducible. bf16 rows keep their dtype in the pass: a fp32 weight is split into
     three bf16 parts whose products with a bf16 row are exact in fp32, so the result matches
-    fp32 arithmetic on widened rows (tests compare it with an fp64 sum).
+    fp32 arithmetic on widened rows (tests compare it with an fp64 sum). A fp16 weight needs
+    two parts and a bf16 weight one (same result, a third of the work).
     """
     num_src, width = copies.num_src, rows.shape[1]
     if copies.pos.numel() == 0:
@@ -162,8 +165,10 @@ def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tens
     if weights is not None:
         per_copy = weights.index_select(0, copies.pos).to(accumulation_dtype(table.dtype))
         if table.dtype == torch.bfloat16:
-            per_copy = _split(per_copy, torch.bfloat16, _WEIGHT_PARTS).reshape(-1)
-            index, offsets = index.repeat_interleave(_WEIGHT_PARTS), offsets * _WEIGHT_PARTS
+            parts = _WEIGHT_PARTS.get(weights.dtype, 3)
+            per_copy = _split(per_copy, torch.bfloat16, parts).reshape(-1)
+            if parts > 1:
+                index, offsets = index.repeat_interleave(parts), offsets * parts
         else:
             per_copy = per_copy.to(table.dtype)
     out = torch.nn.functional.embedding_bag(index, table, offsets, mode="sum", per_sample_weights=per_copy,
