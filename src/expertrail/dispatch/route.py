@@ -331,7 +331,7 @@ def post_point_to_point(sends: list, recvs: list, group, peer_ranks: list) -> li
     if not sends and not recvs:
         return []
     pg = group if group is not None else dist.group.WORLD
-    if dist.get_backend(pg) == "gloo":
+    if on_gloo(pg):
         me, size = pg.rank(), pg.size()
         sends = sorted(sends, key=lambda s: (s[1] - me) % size)
         return [pg.recv([t], peer, tag) for t, peer, tag in recvs] + [pg.send([t], peer, tag) for t, peer, tag in sends]
@@ -394,30 +394,34 @@ def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, gr
     if len(send_splits) == 1:       # a group of one: nothing to exchange
         return Transfer(rows if own is None else take_rows(*own))
     out = rows.new_empty(sum(recv_splits), *rows.shape[1:])
-    rows = rows.contiguous()
     pg = group if group is not None else dist.group.WORLD
-    me = dist.get_rank(pg)
-    send_at, recv_at = _offsets(send_splits), _offsets(recv_splits)
-    gloo = dist.get_backend(pg) == "gloo"
-    mine = out[recv_at[me]:recv_at[me + 1]] if gloo else rows[send_at[me]:send_at[me + 1]]
+    me, gloo = pg.rank(), on_gloo(pg)
+    rows = rows.contiguous()
+    sent = rows.split(send_splits)
+    received = out.split(recv_splits)
+    mine = received[me] if gloo else sent[me]
     if own is not None:
         source, index = own
-        take_rows(source, index[send_at[me]:send_at[me + 1]], out=mine)
+        take_rows(source, index.split(send_splits)[me], out=mine)
     elif gloo:
-        mine.copy_(rows[send_at[me]:send_at[me + 1]])
+        mine.copy_(sent[me])
     if not gloo:
         return Transfer(out, dist.all_to_all_single(out, rows, recv_splits, send_splits, group=group, async_op=True))
     tag = reserve_tags(pg, 1)
-    recvs = [(out[recv_at[p]:recv_at[p + 1]], p, tag) for p, c in enumerate(recv_splits) if c and p != me]
-    sends = [(rows[send_at[p]:send_at[p + 1]], p, tag) for p, c in enumerate(send_splits) if c and p != me]
+    recvs = [(received[p], p, tag) for p, c in enumerate(recv_splits) if c and p != me]
+    sends = [(sent[p], p, tag) for p, c in enumerate(send_splits) if c and p != me]
     return Transfer(out, _AllWorks(post_point_to_point(sends, recvs, group, None)))
 
 
-def _offsets(counts: list) -> list:
-    out = [0]
-    for c in counts:
-        out.append(out[-1] + c)
-    return out
+_GLOO: dict = {}
+
+
+def on_gloo(pg) -> bool:
+    """Whether process group ``pg`` runs on gloo (asked once per group: `dist.get_backend`
+    costs ~30 us, and a dispatch asks for every exchange)."""
+    if pg not in _GLOO:
+        _GLOO[pg] = dist.get_backend(pg) == "gloo"
+    return _GLOO[pg]
 
 
 def all_gather_rows(rows: torch.Tensor, counts: list, group) -> Transfer:
