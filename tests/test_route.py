@@ -3,7 +3,7 @@ import torch
 
 from expertrail.dispatch.base import copy_slots, expand_local, number_copies
 from expertrail.dispatch.route import reduce_rows
-from expertrail.kernels.reference import CopyPositions, radix_sorts, stable_argsort, take_rows
+from expertrail.kernels.reference import CopyPositions, stable_argsort, take_rows
 
 
 def test_reduce_rows_sums_copies_in_slot_order_in_fp32():
@@ -49,16 +49,15 @@ def test_expand_local_orders_rows_expert_major():
         (0, 0, 2), (0, 1, 0), (1, 0, 0), (1, 1, 1), (1, 2, 2)]
 
 
-def test_stable_argsort_radix_path_matches_torch_stable_sort():
+def test_stable_argsort_matches_torch_stable_sort_on_both_paths():
     g = torch.Generator().manual_seed(3)
-    for bound in (2, 17, 1 << 16):                     # the radix path (uint16 keys), up to its limit
-        key = torch.randint(0, bound, (5000,), generator=g)
-        key[:3] = bound - 1                           # the largest key, and ties
-        assert radix_sorts(key, bound)
-        assert torch.equal(stable_argsort(key, bound), torch.sort(key, stable=True).indices)
-    key = torch.randint(0, 1 << 20, (5000,), generator=g)   # beyond it: torch.sort
-    assert not radix_sorts(key, 1 << 20)
-    assert torch.equal(stable_argsort(key, 1 << 20), torch.sort(key, stable=True).indices)
+    for high in (2, 17, 1 << 16, 1 << 20):          # radix path (keys below 2^16), then torch.sort
+        key = torch.randint(0, high, (5000,), generator=g)
+        key[:3] = high - 1                            # the largest key, and ties
+        assert torch.equal(stable_argsort(key), torch.sort(key, stable=True).indices), high
+    negative = torch.tensor([3, -1, 2, -1, 0])       # out of the radix range: not wrapped
+    assert stable_argsort(negative).tolist() == [1, 3, 4, 2, 0]
+    assert stable_argsort(torch.zeros(0, dtype=torch.long)).numel() == 0
 
 
 def test_number_copies_gives_the_slots_and_bags_a_separate_sort_would():

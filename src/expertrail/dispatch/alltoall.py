@@ -28,7 +28,7 @@ class AllToAllDispatcher(Dispatcher):
         key = topk_idx.reshape(-1) + 1                            # 0: dropped slot, e + 1: expert e
         per_key = torch.bincount(key, minlength=self.num_experts + 1)
         dropped = int(per_key[0])
-        slots = stable_argsort(key, self.num_experts + 1)[dropped:]   # by expert, then (n, k)
+        slots = stable_argsort(key)[dropped:]   # by expert, then (n, k)
         counts = per_key[1:].view(self.groups.ep_size, -1)
         return counts, (slots, slots // max(k, 1), counts, k)
 

@@ -44,7 +44,7 @@ def copy_slots(index: torch.Tensor, num_src: int) -> torch.Tensor:
 def number_copies(index: torch.Tensor, num_src: int, num_slots: int) -> tuple[torch.Tensor, CopyPositions]:
     """`copy_slots` of ``index [R]`` and the `CopyPositions` of those copies, from one stable
     sort (the sort that numbers the copies also lists them by source row, in slot order)."""
-    order = stable_argsort(index, num_src)
+    order = stable_argsort(index)
     offsets = torch.zeros(num_src + 1, dtype=torch.int64, device=index.device)
     torch.cumsum(torch.bincount(index, minlength=num_src), 0, out=offsets[1:])
     source = index.index_select(0, order)
@@ -62,9 +62,8 @@ def expand_local(local_ids: torch.Tensor, src_key: torch.Tensor | None = None, b
     """
     row, k = torch.nonzero(local_ids >= 0).unbind(1)
     expert = local_ids[row, k]
-    experts = int(expert.max()) + 1 if expert.numel() else 1
     key = expert if src_key is None else expert * bound + src_key.index_select(0, row)
-    order = stable_argsort(key, experts * (1 if src_key is None else bound))
+    order = stable_argsort(key)
     return row.index_select(0, order), k.index_select(0, order), expert.index_select(0, order)
 
 

@@ -9,20 +9,17 @@ _SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _RADIX_BOUND = 1 << 16
 
 
-def radix_sorts(key: torch.Tensor, bound: int) -> bool:
-    """Whether `stable_argsort` takes the radix path for keys in [0, bound)."""
-    return key.device.type == "cpu" and bound <= _RADIX_BOUND
+def stable_argsort(key: torch.Tensor) -> torch.Tensor:
+    """int64 [n]: the order that sorts the integer ``key [n]`` stably.
 
-
-def stable_argsort(key: torch.Tensor, bound: int) -> torch.Tensor:
-    """int64 [n]: the order that sorts ``key [n]`` (int64 in [0, bound)) stably.
-
-    Routing plans sort small keys (expert, rank, token, copy). On the CPU, keys below 2^16 use
-    numpy's radix sort on uint16: one pass per byte, 5x faster than ``torch.sort(stable=True)``
-    at 8k keys. Otherwise ``torch.sort``.
+    Routing plans sort small keys (expert, rank, token, copy). On the CPU, keys in [0, 2^16)
+    use numpy's radix sort on uint16: one pass per byte, 5x faster than
+    ``torch.sort(stable=True)`` at 8k keys. Other keys, and other devices, use ``torch.sort``.
     """
-    if radix_sorts(key, bound):
-        return torch.from_numpy(np.argsort(key.numpy().astype(np.uint16), kind="stable"))
+    if key.device.type == "cpu" and key.numel():
+        low, high = torch.aminmax(key)
+        if low >= 0 and high < _RADIX_BOUND:
+            return torch.from_numpy(np.argsort(key.numpy().astype(np.uint16), kind="stable"))
     return torch.sort(key, stable=True).indices
 
 
@@ -112,8 +109,8 @@ class CopyPositions:
                 index, slot = self._index, self._slot
                 key = index * max(self.num_slots, 1) + slot                 # unique per copy
                 bound = self.num_src * max(self.num_slots, 1)
-                if radix_sorts(key, bound):
-                    order = stable_argsort(key, bound)                       # by source row, then slot
+                if key.device.type == "cpu" and bound <= _RADIX_BOUND:
+                    order = stable_argsort(key)                              # by source row, then slot
                 elif bound <= 4 * key.numel() + 4096:                        # sort by key with a scatter
                     at = torch.full((bound,), -1, dtype=torch.int64, device=key.device)
                     at[key] = torch.arange(key.numel(), device=key.device)
