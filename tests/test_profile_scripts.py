@@ -1,0 +1,36 @@
+"""The CPU profiling probes that docs/benchmarks.md cites run and print their tables (tiny sizes)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "benchmarks"
+TINY = ["--tokens", "64", "--hidden", "8", "--iters", "2", "--warmup", "1"]
+
+
+def _run(name: str, *args: str) -> list:
+    out = subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.splitlines()
+
+
+def test_cpu_time_reports_every_rank_of_every_backend_and_its_bare_collectives():
+    lines = _run("cpu_time.py", "--backends", "alltoall,dedup", *TINY)
+    rows = [line.split() for line in lines if line.startswith(("alltoall", "dedup"))]
+    assert [(r[0], r[1]) for r in rows] == [(b, str(k)) for b in ("alltoall", "dedup") for k in range(4)]
+    assert all(len(r) == 9 and r[5] == "|" and float(r[2]) > 0 for r in rows)
+
+
+@pytest.mark.parametrize("clock", ["wall", "thread"])
+def test_phases_times_every_phase_on_every_rank(clock):
+    lines = _run("phases.py", "--backend", "dedup", "--clock", clock, *TINY)
+    assert f"({clock} clock)" in lines[0]
+    total = next(line for line in lines if line.startswith("total")).split()
+    assert len(total) == 5 and all(float(v) > 0 for v in total[1:])
+
+
+def test_messages_compares_pieces_blocks_and_copies():
+    lines = _run("messages.py", "--rows-per-peer", "16", "--hidden", "8", "--iters", "2", "--warmup", "1")
+    assert [line.split()[0] for line in lines[1:]] == ["pieces", "blocks", "blocks+copy"]
+    assert all(line.count("rank ") == 4 for line in lines[1:])
