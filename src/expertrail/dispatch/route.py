@@ -302,12 +302,12 @@ class LandingRuns:
             else (self.recv, self.send, self.recv_sizes, self.send_sizes)
         out = rows.new_zeros(sum(recv_sizes), *rows.shape[1:]) if forward and self.zero_fill else \
             rows.new_empty(sum(recv_sizes), *rows.shape[1:])
-        sent, landing = rows.split(send_sizes), out.split(recv_sizes)     # views, made in one call each
+        sent, landing = rows.split_with_sizes(send_sizes), out.split_with_sizes(recv_sizes)  # views, one call each
         sends, recvs = [], []
         first_tag = reserve_tags(self.group, max(len(pieces) for pieces in send))
         for p in range(len(self.peer_ranks)):
             if p == self.me:
-                rows_of = index.split(send_sizes) if source is not None else None
+                rows_of = index.split_with_sizes(send_sizes) if source is not None else None
                 for a, b in zip(send[p], recv[p]):
                     if source is not None:
                         take_rows(source, rows_of[a], out=landing[b])
@@ -397,12 +397,12 @@ def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, gr
     pg = group if group is not None else dist.group.WORLD
     me, gloo = pg.rank(), on_gloo(pg)
     rows = rows.contiguous()
-    sent = rows.split(send_splits)
-    received = out.split(recv_splits)
+    sent = rows.split_with_sizes(send_splits)
+    received = out.split_with_sizes(recv_splits)
     mine = received[me] if gloo else sent[me]
     if own is not None:
         source, index = own
-        take_rows(source, index.split(send_splits)[me], out=mine)
+        take_rows(source, index.split_with_sizes(send_splits)[me], out=mine)
     elif gloo:
         mine.copy_(sent[me])
     if not gloo:
