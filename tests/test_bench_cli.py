@@ -53,3 +53,11 @@ def test_bench_reports_bad_options_clearly():
     assert out.returncode == 2 and "not uniform, zipf:<alpha>, balanced, nor an existing file" in out.stderr
     out = bench("--backends", "alltoall,ring", check=False)
     assert out.returncode == 2 and "unknown ['ring']" in out.stderr
+
+
+def test_bench_on_one_rank_has_no_transport_to_compare_with(tmp_path):
+    out = bench("--world", "1", "--domain-size", "1", "--backends", "alltoall,dedup", "--json", str(tmp_path / "r.json"))
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert all(r["check"] == "passed" and r["ratio_to_bare"] is None for r in report["results"].values())
+    row = next(line for line in out.stdout.splitlines() if line.startswith("alltoall")).split()
+    assert row[6] == "-", out.stdout                   # the x bare column

@@ -91,6 +91,11 @@ def bare_collectives(res, x_bytes_per_row: int, device):
     return run
 
 
+def _exchanges(res) -> bool:
+    """Whether ``res``'s route exchanges anything with another rank."""
+    return any(len(hop.peers) > 1 for hop in res.route.hops if not hop.local)
+
+
 def _clock(device: torch.device) -> float:
     """perf_counter after the device has finished queued work."""
     if device.type == "cuda":
@@ -160,7 +165,8 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
         results[backend] = {
             "dispatch_s": _stats(disp), "combine_s": _stats(comb), "total_s": _stats(total),
             "bare_dispatch_s": _stats(bare_d), "bare_combine_s": _stats(bare_c), "bare_total_s": _stats(bare),
-            "ratio_to_bare": statistics.median(total) / statistics.median(bare) if statistics.median(bare) else None,
+            # None when nothing crosses a rank boundary (one rank): no transport to compare with.
+            "ratio_to_bare": statistics.median(total) / statistics.median(bare) if _exchanges(res) else None,
             "dispatch_bytes": _sum_over_ranks(res.stats.bytes),
             "dispatch_rows": _sum_over_ranks(res.stats.rows),
             "combine_bytes": _sum_over_ranks(res.combine_stats.bytes),
@@ -270,7 +276,8 @@ def format_table(report: dict) -> str:
         b = r["dispatch_bytes"]
         rows.append([name, f"{r['dispatch_s']['median'] * 1e3:.2f}", f"{r['combine_s']['median'] * 1e3:.2f}",
                      f"{r['total_s']['median'] * 1e3:.2f} ({r['total_s']['min'] * 1e3:.1f}-{r['total_s']['max'] * 1e3:.1f})",
-                     f"{r['bare_total_s']['median'] * 1e3:.2f}", f"{r['ratio_to_bare']:.2f}",
+                     f"{r['bare_total_s']['median'] * 1e3:.2f}",
+                     "-" if r["ratio_to_bare"] is None else f"{r['ratio_to_bare']:.2f}",
                      f"{b['self'] / 1e6:.1f}", f"{b['intra'] / 1e6:.1f}", f"{b['inter'] / 1e6:.1f}",
                      f"{r['algorithm_bandwidth_GBps']:.2f}", r["check"]])
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
