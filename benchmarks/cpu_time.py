@@ -2,19 +2,19 @@
 
     .venv/bin/python benchmarks/cpu_time.py [--dtype bf16] [--backends alltoall,dedup] [--hidden 1024] ...
 
-On 4 local gloo ranks, each rank reports the median over the timed iterations of: wall time,
+On local gloo ranks (4 by default), each rank reports the median over the timed iterations of: wall time,
 CPU time of the whole process (every thread, gloo's transport threads included) and CPU time
 of the calling thread alone; then the same for `bench.bare_collectives` replaying the
 backend's exchanges. With more ranks than cores, wall time follows total CPU time, so this
 tells local work (calling thread) from transport (the rest).
 """
-import argparse
 import statistics
 import time
 
 import torch.distributed as dist
 
 import expertrail as er
+from bar_options import bar_configuration
 from expertrail.bench import DTYPES, bare_collectives
 from expertrail.launch import LocalRanks
 from expertrail.workload import make_routing, make_tokens
@@ -52,20 +52,12 @@ def cpu_time(rank, world, args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bar_configuration(__doc__.splitlines()[0])
     p.add_argument("--backends", default="alltoall,dedup,hierarchical")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--domain-size", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args()
-    with LocalRanks(4) as ranks:
+    with LocalRanks(args.world) as ranks:
         rows = ranks.run(cpu_time, args)
-    print(f"{args.dtype}, 4 ranks, {args.tokens} tokens/rank, H {args.hidden}, E {args.experts}, top-{args.topk}; "
+    print(f"{args.dtype}, {args.world} ranks, {args.tokens} tokens/rank, H {args.hidden}, E {args.experts}, top-{args.topk}; "
           "ms per dispatch + combine, median")
     print(f"{'backend':<13}{'rank':>5}{'wall':>8}{'cpu all':>9}{'cpu main':>10}   |{'bare wall':>10}"
           f"{'cpu all':>9}{'cpu main':>10}")

@@ -8,12 +8,12 @@ phases are those of `Dispatcher.dispatch` / `combine` run step by step. ``--cloc
 (default) includes waiting for peers and for a core; ``--clock thread`` counts only the CPU
 time of the calling thread (the work this rank does itself, not gloo's transport threads).
 """
-import argparse
 import time
 
 import torch.distributed as dist
 
 import expertrail as er
+from bar_options import bar_configuration
 from expertrail.bench import DTYPES
 from expertrail.dispatch.base import DTYPE_CODES
 from expertrail.launch import LocalRanks
@@ -54,17 +54,8 @@ def phases(rank, world, args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bar_configuration(__doc__.splitlines()[0])
     p.add_argument("--backend", default="alltoall", choices=sorted(er.BACKENDS))
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--world", type=int, default=4)
-    p.add_argument("--domain-size", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--clock", choices=["wall", "thread"], default="wall")
     args = p.parse_args()
     with LocalRanks(args.world) as ranks:
