@@ -304,7 +304,7 @@ class Dispatcher:
                 return 3, (f"{where}: {name} is on {t.device} but this EP group communicates on "
                            f"{self.groups.device}; move it with .to('{self.groups.device}')")
         if topk_idx.numel():
-            low, high = int(topk_idx.min()), int(topk_idx.max())
+            low, high = (int(v) for v in torch.aminmax(topk_idx))
             if low < -1 or high >= self.num_experts:
                 return 4, (f"{where}: topk_idx values must be in [-1, {self.num_experts}) (num_experts="
                            f"{self.num_experts}, -1 = no expert), found {low if low < -1 else high}")
