@@ -13,7 +13,7 @@ import torch
 
 from ..kernels.reference import CopyPositions, stable_argsort
 from .base import Dispatcher, bits_weight, padded_positions, weight_bits
-from .route import Hop, LandingRuns, Route
+from .route import Hop, LandingRuns, Route, own_block
 
 
 class AllToAllDispatcher(Dispatcher):
@@ -30,19 +30,18 @@ class AllToAllDispatcher(Dispatcher):
         dropped = int(per_key[0])
         slots = stable_argsort(key)[dropped:]   # by expert, then (n, k)
         counts = per_key[1:].view(self.groups.ep_size, -1)
-        return counts, (slots, slots // max(k, 1), counts, k)
+        return counts, (slots, slots // max(k, 1), counts, counts.sum(1).tolist(), k)
 
     def _first_index(self, state):
-        _, token, send_counts, _ = state
-        per_peer = send_counts.sum(1).tolist()
-        start = sum(per_peer[:self.groups.ep_rank])
-        return token, (start, start + per_peer[self.groups.ep_rank])
+        _, token, _, send_splits, _ = state
+        return token, own_block(send_splits, self.groups.ep_rank)
 
     def _route(self, topk_weights, state, recv_counts, headers):
-        slots, token, send_counts, topk = state
+        slots, token, send_counts, send_splits, topk = state
         g = self.groups
         n, p, local = topk_weights.shape[0], g.ep_size, self.num_local_experts
         real = recv_counts.sum(0)                                 # [E_local] rows per local expert
+        real_rows = int(real.sum())
         padded = self._padded_counts(real, headers)
         # The sent rows are cut by (peer, expert); the landing buffer by (expert, source) plus each
         # expert's padding, so that rows from source s for expert e land after those of sources < s:
@@ -52,16 +51,15 @@ class AllToAllDispatcher(Dispatcher):
                            send=torch.arange(p * local).view(p, local).tolist(),
                            recv=(torch.arange(local) * (p + 1) + torch.arange(p).unsqueeze(1)).tolist(),
                            peer_ranks=list(g.ep_ranks), me=g.ep_rank, group=g.ep_group,
-                           out_rows=sum(recv_sizes), zero_fill=sum(recv_sizes) != int(real.sum()))
+                           out_rows=sum(recv_sizes), zero_fill=sum(recv_sizes) != real_rows)
         k = slots % max(topk, 1)
         # Copy (n, k) of a token sits where the sort put slot n * K + k: the copies of the combine.
         at = torch.full((n * topk,), -1, dtype=torch.int64, device=slots.device)
         at.scatter_(0, slots, torch.arange(slots.numel(), device=slots.device))
         hop = Hop(index=token, slot=k, num_src=n, num_slots=max(topk, 1),          # copies summed in k order
-                  group=g.ep_group, send_splits=send_counts.sum(1).tolist(), recv_splits=recv_counts.sum(1).tolist(),
+                  group=g.ep_group, send_splits=send_splits, recv_splits=recv_counts.sum(1).tolist(),
                   peers=list(range(p)), meta_bytes=16, runs=runs,
                   positions=CopyPositions.from_dense(at.view(n, max(topk, 1))) if topk else None)
-        real_rows = int(real.sum())
         if runs.zero_fill:
             expert = torch.repeat_interleave(torch.arange(local, device=real.device), real)
             real_pos = padded_positions(expert, real, padded)

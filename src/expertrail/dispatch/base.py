@@ -330,7 +330,7 @@ class Dispatcher:
         real = torch.bincount(expert, minlength=self.num_local_experts)
         padded = self._padded_counts(real, headers)
         slot, positions = number_copies(row, num_src, max(1, num_slots))
-        last = Hop(index=row, slot=slot, num_src=num_src, num_slots=max(1, num_slots), positions=positions)
+        last = Hop(index=row, slot=slot, num_src=num_src, num_slots=positions.num_slots, positions=positions)
         if not torch.equal(padded, real):
             last.out_pos = padded_positions(expert, real, padded)
             last.out_rows = int(padded.sum())
