@@ -1,7 +1,7 @@
 """The route engine's local pieces: fixed-order reductions, copy slots and positions, sorts."""
 import torch
 
-from expertrail.dispatch.base import copy_slots, expand_local, number_copies
+from expertrail.dispatch.base import expand_local, number_copies
 from expertrail.dispatch.route import reduce_rows
 from expertrail.kernels.reference import CopyPositions, stable_argsort, take_rows
 
@@ -28,7 +28,7 @@ def test_reduce_rows_is_bitwise_reproducible():
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(500, 64, generator=g)
     index = torch.randint(0, 100, (500,), generator=g)
-    slot = copy_slots(index, 100)
+    slot = number_copies(index, 100, 500)[0]
     weights = torch.rand(500, generator=g)
     first = reduce_rows(rows, index, slot, 100, int(slot.max()) + 1, weights, torch.float32)
     second = reduce_rows(rows, index, slot, 100, int(slot.max()) + 1, weights, torch.float32)
@@ -37,9 +37,9 @@ def test_reduce_rows_is_bitwise_reproducible():
     torch.testing.assert_close(first.double(), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_copy_slots_number_copies_in_order_of_appearance():
+def test_number_copies_numbers_copies_in_order_of_appearance():
     index = torch.tensor([3, 1, 3, 3, 0, 1])
-    assert copy_slots(index, 4).tolist() == [0, 0, 1, 2, 0, 1]
+    assert number_copies(index, 4, 3)[0].tolist() == [0, 0, 1, 2, 0, 1]
 
 
 def test_expand_local_orders_rows_expert_major():
@@ -64,7 +64,8 @@ def test_number_copies_gives_the_slots_and_bags_a_separate_sort_would():
     g = torch.Generator().manual_seed(5)
     index = torch.randint(0, 50, (400,), generator=g)
     slot, positions = number_copies(index, 50, 64)
-    assert torch.equal(slot, copy_slots(index, 50))
+    earlier_copies = (index.unsqueeze(0) == index.unsqueeze(1)).tril(-1).sum(1)   # order of appearance
+    assert torch.equal(slot, earlier_copies)
     rebuilt = CopyPositions.build(index, slot, 50, 64)
     for name in ("pos", "slot", "source", "offsets"):
         assert torch.equal(getattr(positions, name), getattr(rebuilt, name)), name
@@ -93,7 +94,7 @@ def test_bf16_and_fp16_weights_take_fewer_parts_with_the_same_result():
     g = torch.Generator().manual_seed(9)
     rows = torch.randn(300, 64, generator=g).bfloat16()
     index = torch.randint(0, 100, (300,), generator=g)
-    slot = copy_slots(index, 100)
+    slot = number_copies(index, 100, 300)[0]
     for dtype in (torch.bfloat16, torch.float16):
         weights = torch.rand(300, generator=g).to(dtype)
         fewer = reduce_rows(rows, index, slot, 100, int(slot.max()) + 1, weights, torch.bfloat16)

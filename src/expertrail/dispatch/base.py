@@ -35,14 +35,10 @@ def bits_weight(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bits.contiguous().view(torch.float64).to(dtype)
 
 
-def copy_slots(index: torch.Tensor, num_src: int) -> torch.Tensor:
-    """For a gather ``index [R]``: the rank of each copy among the copies of its source row,
-    in order of appearance (the fixed order in which they are summed back)."""
-    return number_copies(index, num_src, 1)[0]
-
-
 def number_copies(index: torch.Tensor, num_src: int, num_slots: int) -> tuple[torch.Tensor, CopyPositions]:
-    """`copy_slots` of ``index [R]`` and the `CopyPositions` of those copies, from one stable
+    """For a gather ``index [R]`` of ``num_src`` source rows: the slot of each copy (its rank
+    among the copies of its source row, in order of appearance: the fixed order in which they
+    are summed back), int64 [R], and the `CopyPositions` of those copies, both from one stable
     sort (the sort that numbers the copies also lists them by source row, in slot order)."""
     order = stable_argsort(index)
     offsets = torch.zeros(num_src + 1, dtype=torch.int64, device=index.device)
