@@ -59,7 +59,7 @@ def bare_collectives(res, x_bytes_per_row: int, device):
     """A function replaying ``res``'s exchanges (same peers, same byte counts, one collective
     per hop and direction) on preallocated buffers with no local work."""
     plans = []
-    for hop in (h for h in res.route.hops if not h.local):
+    for hop in _exchanging_hops(res):
         row = x_bytes_per_row + hop.meta_bytes
         if hop.gathered:
             most = max(hop.recv_splits)
@@ -74,8 +74,6 @@ def bare_collectives(res, x_bytes_per_row: int, device):
 
     def run():
         for hop, row, send, recv, _, _ in plans:
-            if len(hop.peers) == 1:
-                continue
             if hop.gathered:
                 all_gather_single(recv, send, group=hop.group)
             else:
@@ -83,17 +81,15 @@ def bare_collectives(res, x_bytes_per_row: int, device):
                                        [s * row for s in hop.send_splits], group=hop.group)
         t_dispatch = time.perf_counter()
         for hop, row, _, _, back_send, back_recv in reversed(plans):
-            if len(hop.peers) == 1:
-                continue
             dist.all_to_all_single(back_recv, back_send, [s * x_bytes_per_row for s in hop.send_splits],
                                    [s * x_bytes_per_row for s in hop.recv_splits], group=hop.group)
         return t_dispatch
     return run
 
 
-def _exchanges(res) -> bool:
-    """Whether ``res``'s route exchanges anything with another rank."""
-    return any(len(hop.peers) > 1 for hop in res.route.hops if not hop.local)
+def _exchanging_hops(res) -> list:
+    """The hops of ``res``'s route that exchange rows with other ranks (a group of one does not)."""
+    return [hop for hop in res.route.hops if not hop.local and len(hop.peers) > 1]
 
 
 def _clock(device: torch.device) -> float:
@@ -166,7 +162,7 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
             "dispatch_s": _stats(disp), "combine_s": _stats(comb), "total_s": _stats(total),
             "bare_dispatch_s": _stats(bare_d), "bare_combine_s": _stats(bare_c), "bare_total_s": _stats(bare),
             # None when nothing crosses a rank boundary (one rank): no transport to compare with.
-            "ratio_to_bare": statistics.median(total) / statistics.median(bare) if _exchanges(res) else None,
+            "ratio_to_bare": statistics.median(total) / statistics.median(bare) if _exchanging_hops(res) else None,
             "dispatch_bytes": _sum_over_ranks(res.stats.bytes),
             "dispatch_rows": _sum_over_ranks(res.stats.rows),
             "combine_bytes": _sum_over_ranks(res.combine_stats.bytes),
