@@ -29,6 +29,8 @@ def test_bench_json_plot_and_overlap(tmp_path):
         assert r["ratio_to_bare"] > 0 and r["algorithm_bandwidth_GBps"] > 0
         assert set(r["dispatch_bytes"]) == {"self", "intra", "inter"}
         assert r["overlap"]["identical"] and r["overlap"]["chunks"] == 2
+        # tiny runs: alltoall sends one block per peer and permutes; no backend lands in place
+        assert r["lands_in_place"] is False
         assert name in out.stdout
     rows = {n: r["dispatch_rows"] for n, r in report["results"].items()}
     assert rows["dedup"]["intra"] + rows["dedup"]["inter"] <= rows["alltoall"]["intra"] + rows["alltoall"]["inter"]

@@ -167,6 +167,8 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
             "dispatch_rows": _sum_over_ranks(res.stats.rows),
             "combine_bytes": _sum_over_ranks(res.combine_stats.bytes),
             "algorithm_bandwidth_GBps": logical / statistics.median(total) / 1e9,
+            # whether received rows landed straight in place (alltoall's runs) or were permuted
+            "lands_in_place": any(hop.runs is not None for hop in res.route.hops),
             "check": "passed",
         }
         if cfg.chunks > 1:

@@ -27,6 +27,33 @@ def test_rows_bitwise_equal_across_backends_and_runs(world4, backend):
             torch.testing.assert_close(f[3].float(), b[3].float(), rtol=1e-6 if fp32 else 2e-2, atol=1e-6 if fp32 else 1e-2)
 
 
+@pytest.mark.parametrize("land_in_place", [True, False])
+def test_alltoall_both_layouts_match_reference(world4, land_in_place):
+    """Runs landing in place, and blocks plus a local permutation: the reference's rows, combine
+    and gradients (every scenario, fp32 and bf16), with padding and capacity drops, and on the
+    Triton path (interpreted on the CPU)."""
+    assert world4.run(workers.check_backend, "alltoall", None, 2, land_in_place=land_in_place) == [8] * 4
+    world4.run(workers.check_options, "alltoall", 2, 8, 0.5, "position", True, land_in_place=land_in_place)
+    world4.run(workers.check_options, "alltoall", 1, 4, None, "probs", False, land_in_place=land_in_place)
+    world4.run(workers.triton_path_matches_torch, "alltoall", land_in_place=land_in_place)
+
+
+def test_alltoall_layouts_give_the_same_bits(world4):
+    for dtype in (torch.float32, torch.bfloat16):
+        runs = world4.run(workers.dispatch_rows, "alltoall", 2, "random", dtype, land_in_place=True)
+        blocks = world4.run(workers.dispatch_rows, "alltoall", 2, "random", dtype, land_in_place=False)
+        for r, b in zip(runs, blocks):
+            assert all(torch.equal(u, v) for u, v in zip(r, b))
+
+
+def test_alltoall_lands_in_place_from_the_threshold_run_size(world4):
+    for picks, small, landed in world4.run(workers.alltoall_layout_choice):
+        for (num_experts, hidden, at_threshold), lands in picks.items():
+            # One local expert: a single run per peer, always in place; else from the threshold on.
+            assert lands == (num_experts == 4 or at_threshold), (num_experts, hidden, at_threshold)
+        assert not small and landed     # a tiny dispatch sends blocks unless told to land in place
+
+
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 @pytest.mark.parametrize("alignment,capacity_factor,policy,pad", [
     (4, None, "probs", False), (1, 0.5, "probs", False), (1, 0.5, "position", False),

@@ -39,6 +39,8 @@ CONSTRUCTION_ERRORS = {
     "backend_differs": (er.ConfigMismatchError, "backend:"),
     "unknown_backend": (er.ConfigError, "unknown backend 'ring'"),
     "alignment": (er.ConfigError, "expert_alignment=0 must be >= 1"),
+    "layout_differs": (er.ConfigMismatchError, "backend options (this rank: {'land_in_place': "),
+    "bad_layout": (er.ConfigError, "land_in_place='yes'; use True, False or None"),
 }
 
 

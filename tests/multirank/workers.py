@@ -29,11 +29,11 @@ def _ep_slice(groups, seq):
     return seq[first:first + groups.ep_size]
 
 
-def check_backend(rank, world, backend, ep_size, domain_size, hidden=8, num_experts=16, topk=4, seed=0):
+def check_backend(rank, world, backend, ep_size, domain_size, hidden=8, num_experts=16, topk=4, seed=0, **options):
     """Every scenario x dtype: dispatch rows bitwise equal to the reference, combine close,
     gradients of x and topk_weights equal to the reference's autograd. Returns #cases checked."""
     groups = groups_for(ep_size, domain_size)
-    d = er.make_dispatcher(backend, groups, num_experts=num_experts, hidden=hidden)
+    d = er.make_dispatcher(backend, groups, num_experts=num_experts, hidden=hidden, **options)
     local = num_experts // groups.ep_size
     cases = 0
     for scenario in SCENARIOS:
@@ -84,12 +84,12 @@ def dispatch_rows(rank, world, backend, domain_size, scenario, dtype=torch.float
     return res.tokens, res.tokens_per_expert, res.weights, y
 
 
-def check_options(rank, world, backend, domain_size, alignment, capacity_factor, drop_policy, pad):
+def check_options(rank, world, backend, domain_size, alignment, capacity_factor, drop_policy, pad, **options):
     """Alignment / capacity / pad-to-capacity against the reference, padding kept out of combine."""
     groups = groups_for(None, domain_size)
     num_experts, local = 16, 16 // world
     d = er.make_dispatcher(backend, groups, num_experts=num_experts, expert_alignment=alignment,
-                           capacity_factor=capacity_factor, drop_policy=drop_policy, pad_to_capacity=pad)
+                           capacity_factor=capacity_factor, drop_policy=drop_policy, pad_to_capacity=pad, **options)
     xs, idxs, ws = make_inputs("random", world, 8, num_experts, 4, 5)
     res = d.dispatch(xs[rank], idxs[rank], ws[rank])
     ref = reference_dispatch(xs, idxs, ws, num_experts, world, expert_alignment=alignment,
@@ -262,6 +262,10 @@ def bad_construction(rank, world, kind):
         er.make_dispatcher("ring", groups_for(None, 2), num_experts=8)
     elif kind == "alignment":
         er.make_dispatcher("alltoall", groups_for(None, 2), num_experts=8, expert_alignment=0)
+    elif kind == "layout_differs":
+        er.make_dispatcher("alltoall", groups_for(None, 2), num_experts=8, land_in_place=rank == 2)
+    elif kind == "bad_layout":
+        er.make_dispatcher("alltoall", groups_for(None, 2), num_experts=8, land_in_place="yes")
 
 
 def hidden_differs_per_call(rank, world):
@@ -575,7 +579,7 @@ def rebalance_keeps_outputs(rank, world):
     return int(load.sum()), second.replicas[0].tolist()
 
 
-def triton_path_matches_torch(rank, world, backend):
+def triton_path_matches_torch(rank, world, backend, **options):
     """The Triton kernels (interpreted on the CPU) inside dispatch and combine give the torch
     path's rows bitwise and its combine within fp32 rounding, with alignment padding."""
     import os
@@ -584,7 +588,7 @@ def triton_path_matches_torch(rank, world, backend):
         os.environ["EXPERTRAIL_KERNELS"] = mode
         try:
             groups = groups_for(None, 2)
-            d = er.make_dispatcher(backend, groups, num_experts=8, expert_alignment=4)
+            d = er.make_dispatcher(backend, groups, num_experts=8, expert_alignment=4, **options)
             xs, idxs, ws = make_inputs("random", world, 8, 8, 3, 2)
             x = xs[rank].clone().requires_grad_()
             res = d.dispatch(x, idxs[rank], ws[rank])
@@ -695,3 +699,27 @@ def placement_mismatch(rank, world):
     d = er.make_dispatcher("alltoall", groups_for(None, 2), num_experts=12)
     load = np.arange(1, 9, dtype=np.float64) if rank != 2 else np.arange(8, 0, -1, dtype=np.float64)
     MoELayer(router, d, GroupedExperts(3, 8, 4), replicas=ReplicaRouter.from_placement(plan_placement(load, 12, world)))
+
+
+def alltoall_layout_choice(rank, world):
+    """Which layout `alltoall` picks (True: runs land in place) for headers of 4 ranks with
+    N tokens each, top-2, bf16, with the mean run of rows per (source, destination, local
+    expert) at the threshold and just under it; and the layout a small dispatch then uses."""
+    from expertrail.dispatch.alltoall import LANDING_MIN_RUN_BYTES
+    from expertrail.dispatch.base import DTYPE_CODES, HEADER
+    groups = groups_for(None, 2)
+    picks = {}
+    for num_experts in (4, 16):
+        d = er.make_dispatcher("alltoall", groups, num_experts=num_experts)
+        runs = world * world * (num_experts // world)
+        for hidden in (512, 1024):
+            tokens = LANDING_MIN_RUN_BYTES * runs // (world * 2 * hidden * 2)   # mean run = threshold
+            for n in (tokens, tokens - 1):
+                headers = torch.tensor([[n, hidden, 2, DTYPE_CODES[torch.bfloat16], 0, 0, 0]] * world)
+                assert headers.shape[1] == len(HEADER)
+                picks[(num_experts, hidden, n == tokens)] = d._lands_in_place(headers)
+    forced = er.make_dispatcher("alltoall", groups, num_experts=16, land_in_place=True)
+    xs, idxs, ws = make_inputs("random", world, 8, 16, 2, 1)
+    small = d.dispatch(xs[rank], idxs[rank], ws[rank]).route.hops[0].runs is not None
+    landed = forced.dispatch(xs[rank], idxs[rank], ws[rank]).route.hops[0].runs is not None
+    return picks, small, landed

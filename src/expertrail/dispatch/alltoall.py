@@ -3,21 +3,59 @@
 The Megatron-Core alltoall dispatcher and torchtitan move tokens this way. A token with two
 experts on one rank crosses the link twice; the other backends avoid that.
 
-The exchange is split in one run per (peer, local expert), so received rows land directly in
-the expert-major output (and combine sends slices of the expert output straight back): the
-expert side does no permutation in either direction.
+The received rows must end up expert-major. Two layouts get them there, chosen per dispatch
+from sizes every rank knows (the same choice on every rank):
+- landing in place: the exchange is cut in one run per (peer, local expert), so received rows
+  land directly in the expert-major output, and combine sends slices of the expert output
+  straight back; the expert side permutes nothing, at the price of E_local messages per peer;
+- blocks: one message per peer, as Megatron-Core's all-to-all, then a local permutation.
+Runs pay off when they are large: on gloo, from about `LANDING_MIN_RUN_BYTES` each (measured
+with ``benchmarks/messages.py``, see docs/benchmarks.md); below that, messages cost more than
+the permutation they save.
 """
 from __future__ import annotations
 
 import torch
 
+from ..errors import ConfigError
 from ..kernels.reference import CopyPositions, stable_argsort
-from .base import Dispatcher, bits_weight, padded_positions, weight_bits
-from .route import Hop, LandingRuns, Route, own_block
+from .base import CODE_DTYPES, H_DTYPE, H_HIDDEN, H_TOKENS, H_TOPK, Dispatcher, bits_weight, padded_positions, weight_bits
+from .route import Hop, LandingRuns, Route, on_gloo, own_block
+
+# Smallest mean run (bytes of rows per (source, destination, local expert)) for which received
+# rows land in place on gloo: where the two layouts break even in `benchmarks/layouts.py` (4
+# ranks on 2 cores, bf16 dispatch + combine): runs of 1 MiB were 23% faster than blocks, of
+# 256 KiB even (0.97-1.03), of 128 KiB 8% and of 64 KiB 29% slower.
+LANDING_MIN_RUN_BYTES = 256 * 1024
 
 
 class AllToAllDispatcher(Dispatcher):
+    """Options as `Dispatcher`, plus ``land_in_place``: True / False forces the layout (see the
+    module docstring); None (default) lands in place when the mean run is large enough, or
+    when there is one run per peer anyway (one local expert), or off gloo."""
+
     name = "alltoall"
+
+    def __init__(self, groups, num_experts: int, *, land_in_place: bool | None = None, **options):
+        if land_in_place not in (None, True, False):
+            raise ConfigError(f"land_in_place={land_in_place!r}; use True, False or None (choose by size)")
+        self.land_in_place = land_in_place
+        super().__init__(groups, num_experts, **options)
+
+    def _settings(self) -> dict:
+        return {"land_in_place": self.land_in_place}
+
+    def _lands_in_place(self, headers) -> bool:
+        """Whether this dispatch lands rows in place; from every rank's header, so every rank
+        decides the same."""
+        if self.land_in_place is not None:
+            return self.land_in_place
+        if self.num_local_experts == 1 or not on_gloo(self.groups.ep_group):
+            return True       # one run per peer: nothing to trade; NCCL: the layout measured on GPU
+        rows = int(headers[:, H_TOKENS].sum()) * int(headers[0, H_TOPK])
+        row_bytes = int(headers[0, H_HIDDEN]) * CODE_DTYPES[int(headers[0, H_DTYPE])].itemsize
+        runs = self.groups.ep_size ** 2 * self.num_local_experts
+        return rows * row_bytes >= LANDING_MIN_RUN_BYTES * runs
 
     @property
     def count_columns(self) -> int:
@@ -43,39 +81,49 @@ class AllToAllDispatcher(Dispatcher):
         real = recv_counts.sum(0)                                 # [E_local] rows per local expert
         real_rows = int(real.sum())
         padded = self._padded_counts(real, headers)
-        # The sent rows are cut by (peer, expert); the landing buffer by (expert, source) plus each
-        # expert's padding, so that rows from source s for expert e land after those of sources < s:
-        # the run (peer q, expert e) is piece q * E_local + e of one and e * (P + 1) + q of the other.
-        recv_sizes = torch.cat([recv_counts.t(), (padded - real).unsqueeze(1)], 1).reshape(-1).tolist()
-        runs = LandingRuns(send_sizes=send_counts.reshape(-1).tolist(), recv_sizes=recv_sizes,
-                           send=torch.arange(p * local).view(p, local).tolist(),
-                           recv=(torch.arange(local) * (p + 1) + torch.arange(p).unsqueeze(1)).tolist(),
-                           peer_ranks=list(g.ep_ranks), me=g.ep_rank, group=g.ep_group,
-                           out_rows=sum(recv_sizes), zero_fill=sum(recv_sizes) != real_rows)
+        out_rows = int(padded.sum())
         k = slots % max(topk, 1)
         # Copy (n, k) of a token sits where the sort put slot n * K + k: the copies of the combine.
         at = torch.full((n * topk,), -1, dtype=torch.int64, device=slots.device)
         at.scatter_(0, slots, torch.arange(slots.numel(), device=slots.device))
         hop = Hop(index=token, slot=k, num_src=n, num_slots=max(topk, 1),          # copies summed in k order
                   group=g.ep_group, send_splits=send_splits, recv_splits=recv_counts.sum(1).tolist(),
-                  peers=list(range(p)), meta_bytes=16, runs=runs,
+                  peers=list(range(p)), meta_bytes=16,
                   positions=CopyPositions.from_dense(at.view(n, max(topk, 1))) if topk else None)
-        if runs.zero_fill:
-            expert = torch.repeat_interleave(torch.arange(local, device=real.device), real)
-            real_pos = padded_positions(expert, real, padded)
-        else:
-            real_pos = torch.arange(real_rows, device=real.device)
-        last = Hop(index=real_pos, slot=torch.zeros_like(real_pos), num_src=runs.out_rows, num_slots=1,
-                   out_pos=real_pos if runs.zero_fill else None, out_rows=runs.out_rows, identity=True)
-        route = Route(hops=[hop, last], topk=topk, tokens_per_expert=padded, real_tokens_per_expert=real,
-                      source_weights=topk_weights.reshape(-1).index_select(0, slots))
-        # Metadata arrives by (source, expert); the real rows are ordered by (expert, source): real
-        # row i of run (e, s) is received row i of that run.
+        # Rows arrive by (source, expert); the real output rows are ordered by (expert, source): real
+        # row i of run (e, s) is received row i of that run, received row from_received[i] overall.
         run_counts = recv_counts.t().reshape(-1)
         received_start = (torch.cumsum(recv_counts.reshape(-1), 0) - recv_counts.reshape(-1)).view(p, local).t()
         from_received = torch.repeat_interleave(received_start.reshape(-1) - (torch.cumsum(run_counts, 0) - run_counts),
                                                 run_counts, output_size=real_rows)
         from_received += torch.arange(real_rows, device=real.device)
+        real_pos = None
+        if out_rows != real_rows:                                 # padding: where the real rows go
+            expert = torch.repeat_interleave(torch.arange(local, device=real.device), real)
+            real_pos = padded_positions(expert, real, padded)
+        if self._lands_in_place(headers):
+            # The sent rows are cut by (peer, expert); the landing buffer by (expert, source) plus each
+            # expert's padding, so that rows from source s for expert e land after those of sources < s:
+            # the run (peer q, expert e) is piece q * E_local + e of one and e * (P + 1) + q of the other.
+            recv_sizes = torch.cat([recv_counts.t(), (padded - real).unsqueeze(1)], 1).reshape(-1).tolist()
+            hop.runs = LandingRuns(send_sizes=send_counts.reshape(-1).tolist(), recv_sizes=recv_sizes,
+                                   send=torch.arange(p * local).view(p, local).tolist(),
+                                   recv=(torch.arange(local) * (p + 1) + torch.arange(p).unsqueeze(1)).tolist(),
+                                   peer_ranks=list(g.ep_ranks), me=g.ep_rank, group=g.ep_group,
+                                   out_rows=out_rows, zero_fill=out_rows != real_rows)
+            placed = real_pos if real_pos is not None else torch.arange(real_rows, device=real.device)
+            last = Hop(index=placed, slot=torch.zeros_like(placed), num_src=out_rows, num_slots=1,
+                       out_pos=real_pos, out_rows=out_rows, identity=True)
+        else:
+            # One block per peer, then a local permutation into expert-major order (and padding).
+            hop.me = g.ep_rank
+            output_row = torch.empty_like(from_received)
+            output_row[from_received] = torch.arange(real_rows, device=real.device)
+            last = Hop(index=from_received, slot=torch.zeros_like(from_received), num_src=real_rows, num_slots=1,
+                       positions=CopyPositions.from_dense(output_row.view(-1, 1)), out_pos=real_pos,
+                       out_rows=out_rows if real_pos is not None else None)
+        route = Route(hops=[hop, last], topk=topk, tokens_per_expert=padded, real_tokens_per_expert=real,
+                      source_weights=topk_weights.reshape(-1).index_select(0, slots))
 
         def arrived(received):
             ordered = received.index_select(0, from_received)

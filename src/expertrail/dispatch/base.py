@@ -22,6 +22,7 @@ from .route import Hop, Route, Transfer, TransferStats, all_to_all_rows, gather_
 HEADER = ("num_tokens", "hidden", "topk", "dtype", "x_requires_grad", "weights_require_grad", "error")
 H_TOKENS, H_HIDDEN, H_TOPK, H_DTYPE, H_XGRAD, H_WGRAD, H_ERROR = range(len(HEADER))
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 ERROR_KINDS = {1: "bad shape", 2: "bad dtype", 3: "bad device", 4: "expert index out of range",
                5: "non-finite topk_weights"}
 
@@ -122,6 +123,8 @@ class Dispatcher:
             "capacity_factor_x1e6": round((capacity_factor or 0) * 1e6),
             "drop_policy": DROP_POLICIES.index(drop_policy) if drop_policy in DROP_POLICIES else -1,
             "pad_to_capacity": pad_to_capacity, "domain_size": groups.domain_size,
+            # one field for any backend's own options, so that every rank gathers as many fields
+            f"backend options (this rank: {self._settings()})": zlib.crc32(repr(self._settings()).encode()),
         }, groups.ep_group, groups.device, f"{type(self).__name__}")
         self.groups = groups
         self.num_experts = int(num_experts)
@@ -143,6 +146,10 @@ class Dispatcher:
         self.pad_to_capacity = pad_to_capacity
         self.rank_of_expert = groups.rank_of_expert(self.num_experts)
         self.local_of_expert = torch.arange(self.num_experts, device=groups.device) % self.num_local_experts
+
+    def _settings(self) -> dict:
+        """A backend's own options (name -> value), compared across ranks at construction."""
+        return {}
 
     # ---------------------------------------------------------------- public verbs
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
