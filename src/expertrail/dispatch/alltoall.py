@@ -19,7 +19,8 @@ import torch
 
 from ..errors import ConfigError
 from ..kernels.reference import CopyPositions, stable_argsort
-from .base import CODE_DTYPES, H_DTYPE, H_HIDDEN, H_TOKENS, H_TOPK, Dispatcher, bits_weight, padded_positions, weight_bits
+from .base import (CODE_DTYPES, H_DTYPE, H_HIDDEN, H_TOKENS, H_TOPK, Dispatcher, bits_weight, padded_positions,
+                   weight_bits)
 from .route import Hop, LandingRuns, Route, on_gloo, own_block
 
 # Smallest mean run (bytes of rows per (source, destination, local expert)) for which received
