@@ -9,9 +9,10 @@ from sizes every rank knows (the same choice on every rank):
   land directly in the expert-major output, and combine sends slices of the expert output
   straight back; the expert side permutes nothing, at the price of E_local messages per peer;
 - blocks: one message per peer, as Megatron-Core's all-to-all, then a local permutation.
-Runs pay off when they are large: on gloo, from about `LANDING_MIN_RUN_BYTES` each (measured
-with ``benchmarks/messages.py``, see docs/benchmarks.md); below that, messages cost more than
-the permutation they save.
+Runs pay off when they are large: from about `LANDING_MIN_RUN_BYTES` each, measured on gloo
+(``benchmarks/layouts.py``, see docs/benchmarks.md); below that, messages cost more than the
+permutation they save. The same rule applies on NCCL, where a permutation in GPU memory is
+cheaper still; it keeps a layer with many local experts from posting hundreds of transfers.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ..errors import ConfigError
 from ..kernels.reference import CopyPositions, stable_argsort
 from .base import (CODE_DTYPES, H_DTYPE, H_HIDDEN, H_TOKENS, H_TOPK, Dispatcher, bits_weight, padded_positions,
                    weight_bits)
-from .route import Hop, LandingRuns, Route, on_gloo, own_block
+from .route import Hop, LandingRuns, Route, own_block
 
 # Smallest mean run (bytes of rows per (source, destination, local expert)) for which received
 # rows land in place on gloo: where the two layouts break even in `benchmarks/layouts.py` (4
@@ -33,7 +34,7 @@ LANDING_MIN_RUN_BYTES = 256 * 1024
 class AllToAllDispatcher(Dispatcher):
     """Options as `Dispatcher`, plus ``land_in_place``: True / False forces the layout (see the
     module docstring); None (default) lands in place when the mean run is large enough, or
-    when there is one run per peer anyway (one local expert), or off gloo."""
+    when there is one run per peer anyway (one local expert)."""
 
     name = "alltoall"
 
@@ -51,8 +52,8 @@ class AllToAllDispatcher(Dispatcher):
         decides the same."""
         if self.land_in_place is not None:
             return self.land_in_place
-        if self.num_local_experts == 1 or not on_gloo(self.groups.ep_group):
-            return True       # one run per peer: nothing to trade; NCCL: the layout measured on GPU
+        if self.num_local_experts == 1:
+            return True       # one run per peer: nothing to trade
         rows = int(headers[:, H_TOKENS].sum()) * int(headers[0, H_TOPK])
         row_bytes = int(headers[0, H_HIDDEN]) * CODE_DTYPES[int(headers[0, H_DTYPE])].itemsize
         runs = self.groups.ep_size ** 2 * self.num_local_experts
