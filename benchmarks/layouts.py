@@ -1,7 +1,7 @@
 """The two layouts of the ``alltoall`` backend side by side: runs landing in place against one
 block per peer plus a local permutation, over a range of run sizes, on 4 local gloo ranks.
 
-    .venv/bin/python benchmarks/layouts.py [--dtype bf16] [--iters 10]
+    .venv/bin/python benchmarks/layouts.py [--dtype bf16] [--iters 10] [--shrink 1]
 
 For each shape, the two dispatchers (``land_in_place=True`` / ``False``) alternate call by
 call; the table gives the median over ranks of each rank's median wall time and process CPU
@@ -48,6 +48,7 @@ def main():
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--world", type=int, default=4)
+    p.add_argument("--shrink", type=int, default=1, help="divide every shape's tokens by this (a quick check)")
     args = p.parse_args()
     row_bytes = DTYPES[args.dtype].itemsize
     print(f"alltoall, {args.world} ranks, {args.dtype}: ms per dispatch + combine (process CPU ms); "
@@ -55,8 +56,9 @@ def main():
     print(f"{'experts':>7} {'hidden':>6} {'top-k':>5} {'tokens':>6} {'mean run':>9} {'runs':>15} {'blocks':>15} "
           f"{'blocks/runs':>11}  chosen")
     with LocalRanks(args.world) as ranks:
-        for shape in SHAPES:
-            experts, hidden, topk, tokens = shape
+        for experts, hidden, topk, tokens in SHAPES:
+            tokens = max(1, tokens // args.shrink)
+            shape = (experts, hidden, topk, tokens)
             rows = ranks.run(alternate, (shape, args))
             run = args.world * tokens * topk * hidden * row_bytes / (args.world * experts)
             wall = {m: statistics.median(r[m][0] for r in rows) for m in (True, False)}

@@ -34,3 +34,10 @@ def test_messages_compares_pieces_blocks_and_copies():
     lines = _run("messages.py", "--rows-per-peer", "16", "--hidden", "8", "--iters", "2", "--warmup", "1")
     assert [line.split()[0] for line in lines[1:]] == ["pieces", "blocks", "blocks+copy"]
     assert all(line.count("rank ") == 4 for line in lines[1:])
+
+
+def test_layouts_times_both_alltoall_layouts_for_every_shape():
+    lines = _run("layouts.py", "--shrink", "256", "--iters", "2", "--warmup", "1")
+    rows = [line.split() for line in lines[2:]]
+    assert len(rows) == 5 and all(r[-1] in ("runs", "blocks") for r in rows)
+    assert all(float(r[-2]) > 0 for r in rows)          # blocks / runs
