@@ -25,9 +25,9 @@ from .base import (CODE_DTYPES, H_DTYPE, H_HIDDEN, H_TOKENS, H_TOPK, Dispatcher,
 from .route import Hop, LandingRuns, Route, own_block
 
 # Smallest mean run (bytes of rows per (source, destination, local expert)) for which received
-# rows land in place on gloo: where the two layouts break even in `benchmarks/layouts.py` (4
-# ranks on 2 cores, bf16 dispatch + combine): runs of 1 MiB were 23% faster than blocks, of
-# 256 KiB even (0.97-1.03), of 128 KiB 8% and of 64 KiB 29% slower.
+# rows land in place: where the two layouts break even in `benchmarks/layouts.py` on gloo (4
+# ranks on 2 cores, bf16 dispatch + combine): runs of 1 MiB were 18-23% faster than blocks, of
+# 256 KiB even (0.97-1.03), of 128 KiB 8-12% and of 64 KiB 29-32% slower.
 LANDING_MIN_RUN_BYTES = 256 * 1024
 
 
