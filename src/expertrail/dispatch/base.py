@@ -117,6 +117,7 @@ class Dispatcher:
     def __init__(self, groups: EPGroups, num_experts: int, *, hidden: int | None = None,
                  expert_alignment: int = 1, capacity_factor: float | None = None,
                  drop_policy: str = "probs", pad_to_capacity: bool = False):
+        own = repr(self._settings())
         check_same_on_all_ranks({
             "backend": zlib.crc32(self.name.encode()), "num_experts": num_experts,
             "hidden": hidden or 0, "expert_alignment": expert_alignment,
@@ -124,7 +125,7 @@ class Dispatcher:
             "drop_policy": DROP_POLICIES.index(drop_policy) if drop_policy in DROP_POLICIES else -1,
             "pad_to_capacity": pad_to_capacity, "domain_size": groups.domain_size,
             # one field for any backend's own options, so that every rank gathers as many fields
-            f"backend options (this rank: {self._settings()})": zlib.crc32(repr(self._settings()).encode()),
+            f"backend options (this rank: {own})": zlib.crc32(own.encode()),
         }, groups.ep_group, groups.device, f"{type(self).__name__}")
         self.groups = groups
         self.num_experts = int(num_experts)
