@@ -5,8 +5,9 @@ block per peer plus a local permutation, over a range of run sizes, on 4 local g
 
 For each shape, the two dispatchers (``land_in_place=True`` / ``False``) alternate call by
 call; the table gives the median over ranks of each rank's median wall time and process CPU
-time of one dispatch + combine, and the mean run (bytes per (source, destination, local
-expert)) that ``alltoall`` compares with `LANDING_MIN_RUN_BYTES` to choose.
+time of one dispatch + combine, the mean run (bytes per (source, destination, local expert))
+that ``alltoall`` compares with `LANDING_MIN_RUN_BYTES`, and the layout a dispatcher left to
+choose (``land_in_place=None``) took.
 """
 import argparse
 import statistics
@@ -30,6 +31,8 @@ def alternate(rank, world, args):
     x = make_tokens(tokens, hidden, DTYPES[opts.dtype], rank)
     idx, w = make_routing("uniform", tokens, experts, topk, rank, world)
     ds = {m: er.make_dispatcher("alltoall", groups, num_experts=experts, land_in_place=m) for m in (True, False)}
+    auto = er.make_dispatcher("alltoall", groups, num_experts=experts)       # the layout it chooses
+    chosen = "runs" if auto.dispatch(x, idx, w).route.hops[0].runs is not None else "blocks"
     samples = {True: [], False: []}
     for it in range(2 * (opts.iters + opts.warmup)):
         mode = it % 2 == 0
@@ -39,7 +42,7 @@ def alternate(rank, world, args):
         ds[mode].combine(res.tokens, res)
         if it >= 2 * opts.warmup:
             samples[mode].append([(b - a) * 1e3 for a, b in zip(start, (time.perf_counter(), time.process_time()))])
-    return {mode: [statistics.median(column) for column in zip(*s)] for mode, s in samples.items()}
+    return {mode: [statistics.median(column) for column in zip(*s)] for mode, s in samples.items()}, chosen
 
 
 def main():
@@ -59,14 +62,13 @@ def main():
         for experts, hidden, topk, tokens in SHAPES:
             tokens = max(1, tokens // args.shrink)
             shape = (experts, hidden, topk, tokens)
-            rows = ranks.run(alternate, (shape, args))
+            rows, chosen = zip(*ranks.run(alternate, (shape, args)))
             run = args.world * tokens * topk * hidden * row_bytes / (args.world * experts)
             wall = {m: statistics.median(r[m][0] for r in rows) for m in (True, False)}
             cpu = {m: statistics.median(r[m][1] for r in rows) for m in (True, False)}
-            chosen = "runs" if run >= LANDING_MIN_RUN_BYTES else "blocks"
             print(f"{experts:>7} {hidden:>6} {topk:>5} {tokens:>6} {run / 1024:>5.0f} KiB "
                   f"{wall[True]:>7.1f} ({cpu[True]:>4.1f}) {wall[False]:>7.1f} ({cpu[False]:>4.1f}) "
-                  f"{wall[False] / wall[True]:>11.2f}  {chosen}", flush=True)
+                  f"{wall[False] / wall[True]:>11.2f}  {chosen[0]}", flush=True)
 
 
 if __name__ == "__main__":
