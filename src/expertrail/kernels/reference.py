@@ -25,8 +25,9 @@ def stable_argsort(key: torch.Tensor) -> torch.Tensor:
 
 def take_rows(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``rows[index]`` along dim 0 (into ``out`` when given). CPU float rows are copied through
-    an integer view of the same width: torch's CPU ``index_select`` moves integer rows
-    10-40% faster than float rows of the same bytes (measured on bf16 and fp32, 2 KiB rows)."""
+    an integer view of the same width (the same bits): torch's CPU ``index_select`` once
+    measured 10-40% faster on integer rows, but a later alternating measurement found no
+    difference beyond noise (docs/benchmarks.md)."""
     if rows.device.type != "cpu" or not rows.is_floating_point() or rows.element_size() not in _SAME_WIDTH_INT:
         return torch.index_select(rows, 0, index, out=out) if out is not None else rows.index_select(0, index)
     as_int = _SAME_WIDTH_INT[rows.element_size()]
