@@ -6,8 +6,11 @@ import sys
 import numpy as np
 import pytest
 
-from expertrail.plan.catalog import HARDWARE, MODELS, MoEModel, from_hf_config, load_model
+from expertrail.cli import main
+from expertrail.errors import ConfigError
+from expertrail.plan.catalog import HARDWARE, MODELS, MoEModel, from_hf_config, load_hardware, load_model
 from expertrail.plan.cost import Layout, Routing, count_traffic, link_bandwidth, predict, row_bytes
+from expertrail.plan.simulate import parse_ints, simulate, usable_eps
 
 
 def within(pred, published, tol=0.2):
@@ -121,7 +124,56 @@ def test_hf_config_and_files(tmp_path):
     assert from_hf_config({**cfg, "n_routed_experts": 256, "first_k_dense_replace": 3}).layers == 45
 
 
-def test_simulate_cli_text_json_and_no_torch(tmp_path):
+def test_hf_model_directory_and_unusable_files(tmp_path):
+    cfg = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_experts": 128, "num_experts_per_tok": 8,
+           "moe_intermediate_size": 768, "num_hidden_layers": 48}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(cfg))
+    assert load_model(str(tmp_path / "model")).num_experts == 128            # a model directory: its config.json
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="directory without a config.json"):
+        load_model(str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="a directory"):
+        load_hardware(str(tmp_path / "empty"))
+    for name, text in (("e.json", ""), ("b.json", "{"), ("l.yaml", "- 1\n")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError, match=name):
+            load_model(str(tmp_path / name))
+    (tmp_path / "partial.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "num_experts_per_tok"}))
+    with pytest.raises(ConfigError, match="lacks num_experts_per_tok"):
+        load_model(str(tmp_path / "partial.json"))
+    (tmp_path / "topk.json").write_text(json.dumps({"name": "x", "hidden": 64, "num_experts": 4, "topk": 8,
+                                                    "moe_ffn": 32, "layers": 1}))
+    with pytest.raises(ConfigError, match="topk 8 exceeds num_experts 4"):
+        load_model(str(tmp_path / "topk.json"))
+
+
+def test_routing_errors_name_the_option(tmp_path):
+    model = MODELS["qwen3-30b-a3b"]
+    for spec, words in (("zipf:abc", "Zipf exponent"), ("zipf:-1", "Zipf exponent"), ("grouped", "expert groups"),
+                        ("nope", "uniform, zipf")):
+        with pytest.raises(ConfigError, match=words):
+            Routing(spec).sample(model, 16)
+    np.save(tmp_path / "big.npy", np.full((4, 8), 500))
+    with pytest.raises(ConfigError, match="do not fit the 128 experts"):
+        Routing(str(tmp_path / "big.npy")).sample(model, 16)
+    for tokens in (0, -5):
+        with pytest.raises(ConfigError, match="--tokens"):
+            Routing("uniform").sample(model, tokens)
+
+
+def test_parse_ints_and_usable_eps():
+    assert parse_ints("8..64:8") == [8, 16, 24, 32, 40, 48, 56, 64] and parse_ints("4,8,8") == [4, 8]
+    for bad in ("x", "0", "8..x", "64..8", "8..64:0", ""):
+        with pytest.raises(ConfigError, match="--ep"):
+            parse_ints(bad, "--ep")
+    ok, skipped = usable_eps(MODELS["deepseek-v3"], [1, 8, 24, 32], domain_size=None)
+    assert ok == [8, 32] and [ep for ep, _ in skipped] == [1, 24]
+    with pytest.raises(ConfigError, match="--ep 24: not a divisor of the 256 experts"):
+        simulate(HARDWARE["h100"], MODELS["deepseek-v3"], 64, [8, 24], [20])
+
+
+def test_simulate_cli_text_plot_and_no_torch(tmp_path):
     np.save(tmp_path / "route.npy", Routing("uniform").sample(MODELS["qwen3-30b-a3b"], 256))
     code = ("import sys; from expertrail.cli import main; "
             f"rc = main(['simulate', '--hardware', 'h100', '--model', 'qwen3-30b-a3b', '--ep', '8,16', "
@@ -130,10 +182,26 @@ def test_simulate_cli_text_json_and_no_torch(tmp_path):
             "assert 'torch' not in sys.modules; sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "hierarchical" in out.stdout and "bottleneck" in out.stdout
+    assert "hierarchical (deepep)" in out.stdout and "bottleneck" in out.stdout
     assert (tmp_path / "sim.png").read_bytes()[:4] == b"\x89PNG"
-    js = subprocess.run([sys.executable, "-m", "expertrail", "simulate", "--hardware", "gb200-nvl72", "--model",
-                         "deepseek-v3", "--ep", "64", "--json"], capture_output=True, text=True, timeout=120)
-    rows = json.loads(js.stdout)["rows"]
-    assert {r["algorithm"] for r in rows} == {"allgather", "alltoall", "dedup", "hierarchical", "deepep-ll"}
+
+
+def test_simulate_cli_json_names_every_algorithm(capsys):
+    assert main(["simulate", "--hardware", "gb200-nvl72", "--model", "deepseek-v3", "--ep", "64", "--tokens", "512",
+                 "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {r["algorithm"]: r["field_name"] for r in rows} == {
+        "allgather": "allgather", "alltoall": "alltoall", "dedup": "deepep", "hierarchical": "hybridep",
+        "deepep-ll": "deepep low-latency"}
     assert all(r["domain"] == 64 and r["bytes"]["inter"] == 0 for r in rows)   # EP 64 fits one NVL72 rack
+
+
+def test_simulate_skips_non_dividing_eps_with_a_note(capsys):
+    """Issue 15.15: the documented sweep `--ep 8..64:8` used to fail at EP 24."""
+    assert main(["simulate", "--hardware", "h100", "--model", "deepseek-v3", "--ep", "8..64:8", "--tokens", "256",
+                 "--backends", "alltoall,hierarchical", "--json"]) == 0
+    captured = capsys.readouterr()
+    js = json.loads(captured.out)
+    assert sorted({r["ep"] for r in js["rows"]}) == [8, 16, 32, 64]
+    assert [s["ep"] for s in js["skipped"]] == [24, 40, 48, 56]
+    assert "note: skipped EP 24, 40, 48, 56: not a divisor of the 256 experts of deepseek-v3" in captured.err

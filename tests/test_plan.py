@@ -1,13 +1,36 @@
 """`expertrail plan`: recommendations with reasons, EP table, emitted configs that validate."""
 import json
+import re
+import shlex
 import subprocess
 import sys
 
 import pytest
 
-from expertrail.plan.advisor import emit, plan
+from expertrail.cli import main
+from expertrail.names import both_names
+from expertrail.plan.advisor import DOMAIN_ENV, emit, expert_gemm_seconds, format_plan, megatron_dispatcher, plan
 from expertrail.plan.catalog import HARDWARE, MODELS
-from expertrail.plan.validate import load_config, validate
+from expertrail.plan.validate import load_config, unknown_fields, validate
+
+# (hardware, model, ep): one NVLink domain, several 8-GPU nodes, an NVL72 rack, several racks,
+# and the plan's own EP choice (None).
+SETUPS = [("h100", "qwen3-30b-a3b", 8), ("h100", "deepseek-v3", 32), ("h100", "deepseek-v3", 64),
+          ("gb200-nvl72", "deepseek-v3", 64), ("gb200-nvl72", "qwen3-next-80b-a3b", 128), ("b200", "mixtral-8x7b", 8),
+          ("h800", "deepseek-v3", None), ("gb200-nvl36", "qwen3-235b-a22b", None)]
+
+
+def _plans():
+    for hardware, model, ep in SETUPS:
+        for stage in ("bringup", "tune"):
+            for precision in ("bf16", "fp8"):
+                yield (hardware, model, ep, stage, precision), plan(HARDWARE[hardware], MODELS[model], tokens=1024,
+                                                                   ep=ep, stage=stage, precision=precision)
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return list(_plans())
 
 
 def test_h100_cross_node_recommends_the_two_level_deepep_path():
@@ -23,13 +46,13 @@ def test_nvl72_recommends_hybridep_with_the_rack_as_domain():
     r = plan(HARDWARE["gb200-nvl72"], MODELS["qwen3-235b-a22b"], ep=64, stage="tune")
     assert r["flex_backend"] == "hybridep" and r["domain"] == 64
     sms = next(a for a in r["advice"] if a["topic"] == "SM count")
-    assert sms["value"]["sweep"] == (16, 32)
-    assert next(a for a in r["advice"] if a["topic"] == "FP8 recipe")["value"] == "MXFP8"
+    assert sms["value"]["sweep"] == [16, 32]
+    assert next(a for a in r["advice"] if a["topic"] == "FP8 recipe")["value"] == "mxfp8"
 
 
 def test_bringup_inside_one_node_starts_with_alltoall():
     r = plan(HARDWARE["h100"], MODELS["qwen3-30b-a3b"], ep=8, stage="bringup")
-    assert r["dispatcher"] == "alltoall"
+    assert r["dispatcher"] == "alltoall" and r["algorithm"] == "alltoall"
     assert "bring-up" in next(a for a in r["advice"] if a["topic"] == "dispatcher")["reason"]
 
 
@@ -44,16 +67,120 @@ def test_ep_table_verdicts_follow_the_comm_to_compute_ratio():
     assert next(t for t in r["ep_table"] if t["ep"] == chosen["value"])["verdict"] != "communication-bound"
 
 
-@pytest.mark.parametrize("hardware,model,ep", [("h100", "deepseek-v3", 32), ("gb200-nvl72", "deepseek-v3", 64),
-                                               ("b200", "mixtral-8x7b", 8)])
-def test_emitted_configs_pass_validation(hardware, model, ep):
-    r = plan(HARDWARE[hardware], MODELS[model], ep=ep, stage="tune")
+def test_one_recommendation_decides_table_json_advice_and_flags(plans):
+    """Issue 15.13: the table's mark, the JSON algorithm / dispatcher, the advice and the emitted
+    flags all say the same thing, at every stage."""
+    for key, r in plans:
+        hw = HARDWARE[key[0]]
+        assert (r["dispatcher"], r["flex_backend"]) == megatron_dispatcher(r["algorithm"], hw), key
+        assert [a for a, p in r["predictions"].items() if p["recommended"]] == [r["algorithm"]], key
+        marked = [line for line in format_plan(r).splitlines() if line.endswith("<- recommended")]
+        assert len(marked) == 1 and marked[0].split()[0] == r["algorithm"], (key, marked)
+        assert marked[0].strip().startswith(both_names(r["algorithm"], hw.domain_size, r["ep"])), key
+        advice = next(a for a in r["advice"] if a["topic"] == "dispatcher")
+        assert advice["value"] == r["dispatcher"] + (f" + {r['flex_backend']}" if r["flex_backend"] else ""), key
+        flags = emit(r, MODELS[key[1]], "megatron")
+        assert f"--moe-token-dispatcher-type {r['dispatcher']}" in flags, key
+        assert (f"--moe-flex-dispatcher-backend {r['flex_backend']}" in flags) == bool(r["flex_backend"]), key
+        if r["algorithm"] != r["fastest_algorithm"]:       # only bring-up may start on a slower path, and says so
+            assert key[3] == "bringup" and r["algorithm"] == "alltoall"
+            assert "--stage tune" in advice["reason"] and r["fastest_algorithm"] in advice["reason"]
+        else:
+            assert f"{both_names(r['algorithm'], hw.domain_size, r['ep'])} is predicted fastest" in advice["reason"], key
+
+
+def test_bringup_at_small_ep_differs_from_the_fastest_and_says_so():
+    """The case the issue reported: bring-up at EP 8 on one node used to mark hierarchical while
+    advising alltoall."""
+    r = plan(HARDWARE["h100"], MODELS["deepseek-v3"], ep=8, stage="bringup")
+    assert r["fastest_algorithm"] == "hierarchical" and r["algorithm"] == "alltoall"
+    text = format_plan(r)
+    assert re.search(r"^\s+alltoall .*<- recommended$", text, re.M)
+    assert re.search(r"^\s+hierarchical \(deepep\) .*\(fastest; for --stage tune\)$", text, re.M)
+
+
+def test_ep_overlap_claims_follow_the_comm_to_compute_ratio(plans):
+    for key, r in plans:
+        hardware, model, _, stage, precision = key
+        p = r["predictions"][r["algorithm"]]
+        compute = expert_gemm_seconds(HARDWARE[hardware], MODELS[model], r["tokens"], r["ep"], precision)
+        ratio = (p["dispatch_us"] + p["combine_us"]) / 1e6 / compute
+        assert r["comm_compute_ratio"] == pytest.approx(ratio), key
+        reason = next(a for a in r["advice"] if a["topic"] == "EP overlap")["reason"]
+        assert f"is {ratio:.0%} of the expert GEMMs" in reason, key
+        if stage == "bringup":
+            assert r["ep_overlap"] is False and "bring-up" in reason, key
+        elif ratio < 0.2:
+            assert r["ep_overlap"] is False and "too little" in reason, key
+        else:
+            assert r["ep_overlap"] is True, key
+        if ratio > 1:
+            assert "can hide it" not in reason and "stay exposed" in reason, key
+            assert f"at most {1 / ratio:.0%}" in reason, key
+        else:
+            assert "exposed" not in reason, key
+    assert any(r["comm_compute_ratio"] > 1 for _, r in plans) and any(r["comm_compute_ratio"] <= 1 for _, r in plans)
+
+
+def test_fp8_plans_emit_megatrons_fp8_flags(plans):
+    for key, r in plans:
+        flags = shlex.split(emit(r, MODELS[key[1]], "megatron"))
+        bridge = emit(r, MODELS[key[1]], "bridge")
+        if key[4] == "fp8":
+            recipe = "mxfp8" if HARDWARE[key[0]].arch == "blackwell" else "blockwise"
+            for flag, value in (("--fp8-format", "e4m3"), ("--fp8-recipe", recipe), ("--moe-router-dtype", "fp32")):
+                assert flags[flags.index(flag) + 1] == value, key
+            assert f"model.fp8_recipe={recipe}" in bridge and "model.fp8=e4m3" in bridge, key
+        else:
+            assert "--fp8-format" not in flags and "fp8" not in bridge, key
+
+
+def test_domain_variable_only_for_hybridep(plans):
+    for key, r in plans:
+        texts = [emit(r, MODELS[key[1]], style) for style in ("megatron", "bridge")] + [format_plan(r)]
+        if r["flex_backend"] == "hybridep":
+            assert r["env"] == {DOMAIN_ENV: r["domain"]}
+            assert all(f"{DOMAIN_ENV}={r['domain']}" in t for t in texts), key
+        else:
+            assert r["env"] == {} and not any(DOMAIN_ENV + "=" in t for t in texts), key
+
+
+def test_text_output_has_no_python_reprs(plans):
+    for key, r in plans:
+        text = format_plan(r)
+        assert not re.search(r"[{\[(]'|\bTrue\b|\bFalse\b|\bNone\b", text), (key, text)
+
+
+@pytest.mark.parametrize("hardware,model,ep,precision", [("h100", "deepseek-v3", 32, "bf16"),
+                                                          ("gb200-nvl72", "deepseek-v3", 64, "fp8"),
+                                                          ("b200", "mixtral-8x7b", 8, "bf16"),
+                                                          ("h100", "qwen3-30b-a3b", 16, "fp8")])
+def test_emitted_configs_pass_validation_as_they_are(hardware, model, ep, precision):
+    r = plan(HARDWARE[hardware], MODELS[model], ep=ep, stage="tune", precision=precision)
     bridge = [line for line in emit(r, MODELS[model], "bridge").splitlines() if not line.startswith("#")]
     values = load_config(None, bridge + [f"num_of_hybrid_ep_ranks_per_nvlink_domain={r['domain']}",
                                          f"hardware={hardware}"])
-    assert validate(values) == []
+    assert validate(values) == [] and unknown_fields(values) == []
     flags = emit(r, MODELS[model], "megatron")
-    assert f"--expert-model-parallel-size {ep}" in flags and f"NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN={r['domain']}" in flags
+    assert f"--expert-model-parallel-size {ep}" in flags
+    megatron = load_config(None, shlex.split(flags) + [f"hardware={hardware}"])     # as printed, pasted
+    assert validate(megatron) == [] and unknown_fields(megatron) == []
+    assert megatron["num_moe_experts"] == MODELS[model].num_experts and megatron["moe_grouped_gemm"] is True
+    # both styles describe one configuration
+    assert {k: v for k, v in values.items() if k in megatron} == {k: v for k, v in megatron.items() if k in values}
+
+
+def test_emitted_megatron_flags_validate_on_the_command_line(capsys):
+    """Issue 15.11: `expertrail validate $(expertrail plan ... --emit megatron)` passes, the shell's
+    split of the backslash continuations included."""
+    for hardware, ep in (("h100", 32), ("gb200-nvl72", 64)):
+        assert main(["plan", "--hardware", hardware, "--model", "deepseek-v3", "--ep", str(ep), "--stage", "tune",
+                     "--emit", "megatron"]) == 0
+        printed = capsys.readouterr().out
+        for tokens in (shlex.split(printed), printed.split()):      # pasted, or $(...) word splitting
+            assert main(["validate", *tokens, f"hardware={hardware}"]) == 0
+            out = capsys.readouterr().out
+            assert out.startswith("valid: ") and "warning" not in out
 
 
 def test_plan_cli_text_json_emit_without_torch():
@@ -64,9 +191,11 @@ def test_plan_cli_text_json_emit_without_torch():
     assert out.returncode == 0, out.stderr
     for text in ("recommendations:", "because", "EP choice", "pitfalls:", "keep the routing mode fixed"):
         assert text in out.stdout
-    js = json.loads(subprocess.run([sys.executable, "-m", "expertrail", "plan", "--hardware", "b200", "--model",
-                                    "mixtral-8x22b", "--json"], capture_output=True, text=True, timeout=120).stdout)
-    assert js["ep"] in (4, 8) and js["advice"]
-    em = subprocess.run([sys.executable, "-m", "expertrail", "plan", "--hardware", "h100", "--model", "deepseek-v3",
-                         "--ep", "16", "--emit", "megatron"], capture_output=True, text=True, timeout=120)
-    assert "--moe-token-dispatcher-type" in em.stdout
+
+
+def test_plan_cli_json_and_emit(capsys):
+    assert main(["plan", "--hardware", "b200", "--model", "mixtral-8x22b", "--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    assert js["ep"] in (4, 8) and js["advice"] and isinstance(js["ep_overlap"], bool)
+    assert main(["plan", "--hardware", "h100", "--model", "deepseek-v3", "--ep", "16", "--emit", "megatron"]) == 0
+    assert "--moe-token-dispatcher-type" in capsys.readouterr().out

@@ -1,11 +1,14 @@
-"""`expertrail validate`: every rule with a config that breaks it and one that satisfies it."""
+"""`expertrail validate`: every rule with a config that breaks it and one that satisfies it; field
+values, unknown fields, Megatron's argument forms, the command line."""
 import json
 import subprocess
 import sys
 
 import pytest
 
-from expertrail.plan.validate import RULES, load_config, validate
+from expertrail.cli import main
+from expertrail.errors import ConfigError
+from expertrail.plan.validate import RULES, load_config, split_arguments, unknown_fields, validate
 
 OVERLAP = {"overlap_moe_expert_parallel_comm": True, "expert_model_parallel_size": 8, "num_moe_experts": 64,
            "moe_token_dispatcher_type": "alltoall", "bf16": True}
@@ -51,6 +54,10 @@ CASES = {   # rule -> (breaking config, satisfying config)
     "group-topk": ({"num_moe_experts": 256, "moe_router_num_groups": 8, "moe_router_group_topk": 9},
                    {"num_moe_experts": 256, "moe_router_num_groups": 8, "moe_router_group_topk": 4,
                     "moe_router_topk": 8}),
+    "topk-within-experts": ({"num_moe_experts": 8, "moe_router_topk": 300}, {"num_moe_experts": 8, "moe_router_topk": 8}),
+    "one-half-precision": ({"bf16": True, "fp16": True}, {"bf16": True, "fp16": False}),
+    "mxfp8-needs-blackwell": ({"fp8": "e4m3", "fp8_recipe": "mxfp8", "hardware": "h100"},
+                              {"fp8": "e4m3", "fp8_recipe": "mxfp8", "hardware": "b200"}),
     "top1-pre-softmax": ({"moe_router_topk": 1}, {"moe_router_topk": 1, "moe_router_pre_softmax": True}),
     "bias-needs-sigmoid": ({"moe_router_enable_expert_bias": True},
                            {"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"}),
@@ -101,21 +108,145 @@ def test_bridge_nested_yaml_and_overrides(tmp_path):
     assert {v.rule for v in validate(cfg)} == {"ep-overlap-dispatcher", "ep-overlap-mtp"}
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "expertrail", "validate", *args], capture_output=True, text=True,
-                          timeout=60)
+def run_cli(capsys, *args):
+    """`expertrail validate ARGS` in this process: (exit status, stdout, stderr)."""
+    try:
+        rc = main(["validate", *args])
+    except SystemExit as exit_:               # argparse's own errors
+        rc = exit_.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
 
 
-def test_cli_text_json_and_exit_codes(tmp_path):
-    ok = run_cli("expert_model_parallel_size=8", "num_moe_experts=64")
-    assert ok.returncode == 0 and "valid: " in ok.stdout
-    bad = run_cli("overlap_moe_expert_parallel_comm=true", "expert_model_parallel_size=1")
-    assert bad.returncode == 1
-    assert "[ep-overlap-ep] EP overlap needs expert parallelism" in bad.stdout and "fix: " in bad.stdout
-    js = json.loads(run_cli("moe_router_topk=1", "--json").stdout)
-    assert js["valid"] is False and js["violations"][0]["rule"] == "top1-pre-softmax"
-    missing = run_cli(str(tmp_path / "nope.yaml"))
-    assert missing.returncode == 2 and "not found" in missing.stderr
+def test_cli_text_json_and_exit_codes(tmp_path, capsys):
+    rc, out, _ = run_cli(capsys, "expert_model_parallel_size=8", "num_moe_experts=64")
+    assert rc == 0 and out.startswith("valid: ")
+    rc, out, _ = run_cli(capsys, "overlap_moe_expert_parallel_comm=true", "expert_model_parallel_size=1")
+    assert rc == 1
+    assert "[ep-overlap-ep] EP overlap needs expert parallelism" in out and "fix: " in out
+    rc, out, _ = run_cli(capsys, "moe_router_topk=1", "--json")
+    js = json.loads(out)
+    assert rc == 1 and js["valid"] is False and js["violations"][0]["rule"] == "top1-pre-softmax"
+    rc, _, err = run_cli(capsys, str(tmp_path / "nope.yaml"))
+    assert rc == 2 and "not found" in err
+
+
+# Issue 15.10: plain nonsense used to pass.
+
+@pytest.mark.parametrize("entry,field,words", [
+    ("moe_token_dispatcher_type=alltoal", "moe_token_dispatcher_type", "did you mean 'alltoall'"),
+    ("expert_model_parallel_size=abc", "expert_model_parallel_size", "whole number"),
+    ("--expert-model-parallel-size=abc", "expert_model_parallel_size", "whole number"),
+    ("expert_model_parallel_size=0", "expert_model_parallel_size", "at least 1"),
+    ("num_moe_experts=2.5", "num_moe_experts", "whole number"),
+    ("bf16=yes", "bf16", "true or false"),
+    ("moe_router_score_function=sigmod", "moe_router_score_function", "did you mean 'sigmoid'"),
+    ("moe_expert_capacity_factor=-1", "moe_expert_capacity_factor", "positive"),
+    ("moe_router_load_balancing_type=aux", "moe_router_load_balancing_type", "not one of"),
+    ("recompute_granularity=fulll", "recompute_granularity", "did you mean 'full'"),
+])
+def test_bad_values_are_violations_naming_the_field(entry, field, words, capsys):
+    values = load_config(None, [entry, "num_moe_experts=64" if field != "num_moe_experts" else "bf16=true"])
+    found = [v for v in validate(values) if v.rule == "field-value"]
+    assert len(found) == 1 and field in found[0].title and words in found[0].title and field in found[0].fix
+    assert not any("could not evaluate" in v.title for v in validate(values))
+    rc, out, err = run_cli(capsys, entry)
+    assert rc == 1 and "[field-value]" in out and field in out and "Traceback" not in out + err
+
+
+def test_rules_reading_a_bad_value_are_left_out():
+    found = validate({"expert_model_parallel_size": "abc", "num_moe_experts": 64, "world_size": 16})
+    assert [v.rule for v in found] == ["field-value"]
+
+
+def test_unknown_fields_are_warned_with_the_closest_name(capsys):
+    values = load_config(None, ["expert_model_paralel_size=48", "num_moe_experts=64", "zzz_unrelated=1"])
+    warned = {w["field"]: w["closest"] for w in unknown_fields(values)}
+    assert warned == {"expert_model_paralel_size": "expert_model_parallel_size", "zzz_unrelated": None}
+    rc, out, _ = run_cli(capsys, "expert_model_paralel_size=48")
+    assert rc == 0 and "did you mean 'expert_model_parallel_size'" in out and "1 warning" in out
+    rc, out, _ = run_cli(capsys, "expert_model_paralel_size=48", "--strict")
+    assert rc == 1 and "not valid with --strict" in out
+    rc, out, _ = run_cli(capsys, "expert_model_paralel_size=48", "--json")
+    assert json.loads(out)["warnings"][0]["closest"] == "expert_model_parallel_size"
+
+
+def test_real_megatron_and_bridge_fields_are_not_warned_about():
+    real = ["lr=1e-4", "micro_batch_size=1", "global_batch_size=1024", "seq_length=4096", "num_layers=61",
+            "hidden_size=7168", "moe_grouped_gemm=true", "moe_permute_fusion=true", "use_distributed_optimizer=true",
+            "train.train_iters=10", "optimizer.weight_decay=0.1", "ddp.overlap_grad_reduce=true",
+            "--no-gradient-accumulation-fusion", "--disable-bias-linear", "--num-experts", "8", "--fp8-format", "hybrid",
+            "hardware=h100", "world_size=8", "num_of_hybrid_ep_ranks_per_nvlink_domain=8", "torch_version=2.7"]
+    assert unknown_fields(load_config(None, real)) == []
+
+
+def test_topk_above_the_experts_is_rejected(capsys):
+    rc, out, _ = run_cli(capsys, "moe_router_topk=300", "num_moe_experts=8")
+    assert rc == 1 and "[topk-within-experts]" in out
+
+
+@pytest.mark.parametrize("name,text", [("empty.yaml", ""), ("empty.json", "  \n"), ("blank.yaml", "# nothing\n"),
+                                       ("bad.json", "{not json"), ("bad.yaml", "a: [1, 2"),
+                                       ("list.yaml", "- 1\n- 2\n"), ("nofields.json", "{}")])
+def test_empty_or_unreadable_files_are_errors(name, text, tmp_path, capsys):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError):
+        load_config(str(path))
+    rc, out, err = run_cli(capsys, str(path))
+    assert rc == 2 and name in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_nothing_to_validate(capsys):
+    rc, _, err = run_cli(capsys)
+    assert rc == 2 and "nothing to validate" in err
+    rc, _, err = run_cli(capsys, "a.yaml", "b.yaml")
+    assert rc == 2 and "at most one config file" in err
+
+
+# Issue 15.11: Megatron's command-line forms, as written.
+
+MEGATRON_FORMS = [
+    ["--expert-model-parallel-size", "32", "--num-experts", "256", "--moe-router-topk", "8", "--moe-grouped-gemm",
+     "--overlap-moe-expert-parallel-comm", "--moe-router-enable-expert-bias", "--bf16"],
+    ["--expert-model-parallel-size=32", "--num-experts=256", "--moe-router-topk=8", "--moe-grouped-gemm",
+     "--overlap-moe-expert-parallel-comm", "--moe-router-enable-expert-bias", "--bf16"],
+    ["--expert_model_parallel_size", "32", "--num_experts", "256", "--moe_router_topk", "8", "--moe_grouped_gemm",
+     "--overlap_moe_expert_parallel_comm", "--moe_router_enable_expert_bias", "--bf16"],
+    ["expert_model_parallel_size=32", "num_moe_experts=256", "model.moe_router_topk=8", "moe_grouped_gemm=true",
+     "comm_overlap.overlap_moe_expert_parallel_comm=true", "moe-router-enable-expert-bias=true", "bf16=true"],
+]
+
+
+@pytest.mark.parametrize("form", range(len(MEGATRON_FORMS)))
+def test_megatron_argument_forms_read_alike(form):
+    assert load_config(None, MEGATRON_FORMS[form]) == {
+        "expert_model_parallel_size": 32, "num_moe_experts": 256, "moe_router_topk": 8, "moe_grouped_gemm": True,
+        "overlap_moe_expert_parallel_comm": True, "moe_router_enable_expert_bias": True, "bf16": True}
+
+
+def test_switches_lists_and_continuations():
+    files, pairs = split_arguments(["cfg.yaml", "--no-gradient-accumulation-fusion", "\\", "--disable-bias-linear",
+                                    "--moe-router-load-balancing-type", "seq_aux_loss", "aux_loss",
+                                    "--moe-aux-loss-coeff", "1e-3", "--fp8-format", "e4m3", "--bf16", "false",
+                                    "--seed", "-1", "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=8"])
+    assert files == ["cfg.yaml"]
+    assert dict(pairs) == {"gradient_accumulation_fusion": False, "add_bias_linear": False,
+                           "moe_router_load_balancing_type": ["seq_aux_loss", "aux_loss"],
+                           "moe_aux_loss_coeff": 1e-3, "fp8": "e4m3", "bf16": False, "seed": -1,
+                           "num_of_hybrid_ep_ranks_per_nvlink_domain": 8}
+    with pytest.raises(ConfigError, match="--moe-router-topk needs a value"):
+        split_arguments(["--moe-router-topk", "--bf16"])
+
+
+def test_cli_reads_megatron_flags(capsys):
+    """`validate --num-experts 256 --expert-model-parallel-size 48` used to fail with "give at most
+    one config file" (or argparse's unrecognized arguments)."""
+    rc, out, err = run_cli(capsys, "--num-experts", "256", "--expert-model-parallel-size", "48")
+    assert rc == 1 and "[experts-divide-ep]" in out and "expert_model_parallel_size=48" in out, err
+    rc, out, _ = run_cli(capsys, "--num-experts", "256", "--expert-model-parallel-size", "32", "--json",
+                         "--moe-grouped-gemm")
+    assert rc == 0 and json.loads(out)["valid"] is True
 
 
 def test_planner_never_imports_torch():

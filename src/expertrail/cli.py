@@ -62,82 +62,170 @@ def _train_parser(sub) -> None:
     p.add_argument("--json", metavar="PATH", help="write the losses as JSON")
 
 
+class _ConfigArguments(argparse.ArgumentParser):
+    """`validate`'s parser: every argument it does not declare is a config entry, kept in order, so
+    Megatron's own flags (``--num-experts 256``, ``--moe-grouped-gemm``) pass through as written."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        namespace.config = list(getattr(namespace, "config", None) or []) + list(extras)
+        return namespace, []
+
+
 def _validate_parser(sub) -> None:
-    p = sub.add_parser("validate", help="check a Megatron-Core / Megatron-Bridge MoE config before launch",
-                       description="Checks a YAML/JSON config (Megatron-Core or Megatron-Bridge field names) and/or "
-                                   "key=value overrides against the EP-overlap and MoE rules; prints each violation "
-                                   "with its fields and fix; exits 1 when any rule is violated.")
-    p.add_argument("config", nargs="+", help="a YAML/JSON file and/or key=value overrides")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    from .names import NAMES_HELP
+    p = sub.add_parser(
+        "validate", help="check a Megatron-Core / Megatron-Bridge MoE config before launch",
+        usage="%(prog)s [-h] [--json] [--strict] [CONFIG.yaml] [key=value | --megatron-flag [VALUE]] ...",
+        description="Checks a YAML/JSON config (Megatron-Core or Megatron-Bridge field names), key=value overrides "
+                    "and Megatron command-line arguments against the EP-overlap and MoE rules and the fields' "
+                    "types and choices; prints each violation with its fields and fix, and warns about unknown "
+                    "fields (with the closest known name).",
+        epilog="config entries, in any order (at most one file):\n"
+               "  CONFIG.yaml, CONFIG.json     flat, or nested as Megatron-Bridge's model: / comm_overlap: sections\n"
+               "  key=value                    model.expert_model_parallel_size=8 (section, dashes, case ignored)\n"
+               "  --flag VALUE, --flag=VALUE   Megatron's arguments as written: --expert-model-parallel-size 8,\n"
+               "                               --num-experts 256 (= num_moe_experts), --fp8-format e4m3 (= fp8)\n"
+               "  --switch                     boolean flags: --moe-grouped-gemm, --no-gradient-accumulation-fusion\n"
+               "  expertrail's own fields      hardware=h100, world_size=64 (or num_nodes, gpus_per_node),\n"
+               "                               torch_version=2.6.0, NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=8\n"
+               "exit status: 0 valid; 1 a rule or a field value violated (with --strict, also an unknown field);\n"
+               "             2 unusable arguments (no config, two files, unreadable file)\n"
+               "example: expertrail validate $(expertrail plan --hardware h100 --model deepseek-v3 --ep 32 "
+               "--emit megatron)\n\n" + NAMES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.__class__ = _ConfigArguments
+    p.add_argument("--json", action="store_true", help="print the result as JSON (default: text)")
+    p.add_argument("--strict", action="store_true",
+                   help="fail (exit 1) on unknown fields too (default: warn about them)")
+    p.set_defaults(config=[])
+
+
+def _positive_int(example: int):
+    """An argparse type: a whole number >= 1 (argparse names the option in its error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give one >= 1, e.g. {example}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{value}: give a whole number >= 1, e.g. {example}")
+        return value
+    return parse
+
+
+def _int_list(option: str):
+    """An argparse type: ``8,16,32`` or ``8..64:8`` (see `plan.simulate.parse_ints`)."""
+    def parse(text: str) -> list:
+        from .plan.simulate import parse_ints
+        try:
+            return parse_ints(text, option)
+        except ExpertrailError as err:
+            raise argparse.ArgumentTypeError(str(err).removeprefix(option).strip()) from None
+    return parse
 
 
 def _workload_args(p) -> None:
     """The hardware / model / traffic options shared by `simulate` and `plan`."""
-    p.add_argument("--hardware", required=True, help="catalog name (h100, h200, h800, b200, b300, gb200-nvl72, "
-                                                     "gb300-nvl72, gb200-nvl36) or a YAML/JSON file")
-    p.add_argument("--model", required=True, help="catalog name, a YAML/JSON file, or a Hugging Face config.json")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default %(default)s)")
-    p.add_argument("--routing", default="uniform", help="uniform | zipf:<alpha> | grouped | <topk_idx .npy>")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp8"))
+    from .plan.catalog import HARDWARE, MODELS
+    p.add_argument("--hardware", required=True, metavar="NAME|FILE",
+                   help=f"GPU system: one of {', '.join(HARDWARE)}, or a YAML/JSON file with the Hardware fields "
+                        "(required)")
+    p.add_argument("--model", required=True, metavar="NAME|FILE|DIR",
+                   help=f"MoE model: one of {', '.join(MODELS)}, a YAML/JSON file with the MoEModel fields, "
+                        "a Hugging Face config.json or model directory (required)")
+    p.add_argument("--tokens", type=_positive_int(4096), default=4096,
+                   help="tokens per rank per micro-batch (default %(default)s)")
+    p.add_argument("--routing", default="uniform",
+                   help="uniform | zipf:<alpha> (hot experts at low ids) | grouped (DeepSeek-V3 group-limited) | "
+                        "a .npy file of recorded topk_idx [N, K] or [world, N, K] (default %(default)s)")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp8"),
+                   help="dispatch precision: fp8 sends FP8 rows with scales, combine stays BF16 (default %(default)s)")
 
 
 def _simulate_parser(sub) -> None:
+    from .names import FIELD_NAMES, NAMES_HELP
     p = sub.add_parser("simulate", help="predict dispatch / combine of every algorithm at cluster scale",
                        description="Cost model (docs/cost-model.md): bytes per link class counted from a sampled "
-                                   "routing, time from the links' SM-dependent bandwidth. No GPU, no torch.")
+                                   "routing, time from the links' SM-dependent bandwidth. No GPU, no torch. "
+                                   "EP sizes that do not divide the experts are skipped with a note.",
+                       epilog=NAMES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     _workload_args(p)
-    p.add_argument("--ep", default="8,16,32,64", help="EP sizes: 8,16,32 or 8..64:8 (default %(default)s)")
-    p.add_argument("--sms", default="20", help="SM counts for the SM-driven kernels: 20 or 8..32 (default %(default)s)")
-    p.add_argument("--backends", default=None, help="comma-separated algorithms (default: all)")
-    p.add_argument("--domain-size", type=int, default=None, help="ranks per NVLink domain (default: from the hardware)")
-    p.add_argument("--json", action="store_true", help="print the rows as JSON")
-    p.add_argument("--plot", metavar="PATH.png", help="plot time and inter-domain bytes against EP")
+    p.add_argument("--ep", type=_int_list("--ep"), default="8,16,32,64",
+                   help="EP sizes: 8,16,32 or a range 8..64:8 (lo..hi:step, step 8 if left out); sizes that do not "
+                        "divide the experts are skipped with a note (default %(default)s)")
+    p.add_argument("--sms", type=_int_list("--sms"), default="20",
+                   help="SM counts for the SM-driven kernels (dedup, hierarchical, deepep-ll; NCCL's alltoall and "
+                        "allgather take none): 20, 8,16 or 8..32:4 (default %(default)s)")
+    p.add_argument("--backends", default=None, metavar="A,B",
+                   help=f"comma-separated algorithms among {', '.join(FIELD_NAMES)} (default: all)")
+    p.add_argument("--domain-size", type=_positive_int(8), default=None,
+                   help="ranks per NVLink domain (default: the largest divisor of each EP within the hardware's "
+                        "NVLink domain)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON (default: a table)")
+    p.add_argument("--plot", metavar="PATH.png", help="also plot time and inter-domain bytes against EP (default: no plot)")
 
 
 def _run_simulate(args) -> int:
-    import json
-
     from .plan.catalog import load_hardware, load_model
     from .plan.cost import ALGORITHMS
-    from .plan.simulate import format_rows, parse_ints, plot_rows, simulate
+    from .plan.output import dumps
+    from .plan.simulate import format_rows, plot_rows, simulate, usable_eps
     hw, model = load_hardware(args.hardware), load_model(args.model)
-    algorithms = tuple(a.strip() for a in args.backends.split(",")) if args.backends else ALGORITHMS
-    rows = simulate(hw, model, args.tokens, parse_ints(args.ep), parse_ints(args.sms), algorithms, args.routing,
-                    args.precision, args.domain_size)
+    algorithms = tuple(a.strip() for a in args.backends.split(",") if a.strip()) if args.backends else ALGORITHMS
+    eps, skipped = usable_eps(model, args.ep, args.domain_size)
+    if not eps:
+        raise ExpertrailError(f"--ep {','.join(map(str, args.ep))}: no usable EP size ({skipped[0][0]}: "
+                              f"{skipped[0][1]}); give EP sizes >= 2 that divide the {model.num_experts} experts, "
+                              f"e.g. --ep {','.join(str(e) for e in (8, 16, 32, 64) if model.num_experts % e == 0) or 2}")
+    for why in dict.fromkeys(why for _, why in skipped):
+        sizes = ", ".join(str(ep) for ep, w in skipped if w == why)
+        print(f"note: skipped EP {sizes}: {why}", file=sys.stderr)
+    rows = simulate(hw, model, args.tokens, eps, args.sms, algorithms, args.routing, args.precision, args.domain_size)
     if args.json:
-        print(json.dumps({"hardware": hw.__dict__, "model": model.__dict__, "tokens": args.tokens,
-                          "routing": args.routing, "precision": args.precision, "rows": rows}, indent=2))
+        print(dumps({"hardware": hw.__dict__, "model": model.__dict__, "tokens": args.tokens, "routing": args.routing,
+                     "precision": args.precision, "skipped": [{"ep": ep, "reason": why} for ep, why in skipped],
+                     "rows": rows}))
     else:
         print(format_rows(rows, hw, model, args.tokens, args.routing, args.precision))
     if args.plot:
         plot_rows(rows, args.plot, f"{model.name} on {hw.name}, {args.tokens} tokens/rank, {args.routing}")
-        print(f"wrote {args.plot}")
+        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
 def _plan_parser(sub) -> None:
+    from .names import NAMES_HELP
     p = sub.add_parser("plan", help="recommend a dispatcher, EP size, SM counts and settings, with reasons",
                        description="Recommends the dispatcher (with predicted times of all alternatives), SM counts, "
                                    "the NVLink domain setting, EP size, EP-overlap / CUDA-graph / FP8 advice and "
-                                   "pitfalls for a hardware and model; --emit prints a ready configuration.")
+                                   "pitfalls for a hardware and model; --emit prints a ready configuration that "
+                                   "`expertrail validate` accepts as it is.",
+                       epilog=NAMES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     _workload_args(p)
-    p.add_argument("--ep", type=int, default=None, help="EP size (default: chosen from the EP table)")
-    p.add_argument("--stage", choices=("bringup", "tune"), default="bringup")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--emit", choices=("megatron", "bridge"), help="print a ready configuration instead")
+    p.add_argument("--ep", type=_positive_int(32), default=None,
+                   help="EP size, at least 2 and dividing the experts (default: the largest EP the EP table does not "
+                        "find communication-bound)")
+    p.add_argument("--stage", choices=("bringup", "tune"), default="bringup",
+                   help="bringup: library SM defaults, alltoall inside one NVLink domain, EP overlap off; tune: the "
+                        "predicted fastest path, SM counts where its links saturate, overlap by the "
+                        "communication / compute ratio (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (default: text)")
+    p.add_argument("--emit", choices=("megatron", "bridge"),
+                   help="print a ready configuration instead: Megatron-Core flags or Megatron-Bridge overrides "
+                        "(default: the plan)")
 
 
 def _run_plan(args) -> int:
-    import json
-
     from .plan.advisor import emit, format_plan, plan
     from .plan.catalog import load_hardware, load_model
+    from .plan.output import dumps
     hw, model = load_hardware(args.hardware), load_model(args.model)
     result = plan(hw, model, args.tokens, args.ep, args.stage, args.precision, args.routing)
     if args.emit:
         print(emit(result, model, args.emit))
     elif args.json:
-        print(json.dumps(result, indent=2, default=str))
+        print(dumps(result))
     else:
         print(format_plan(result))
     return 0
@@ -162,24 +250,36 @@ def _balance_parser(sub) -> None:
 
 
 def _run_validate(args) -> int:
-    import json
-
-    from .plan.validate import RULES, load_config, validate
-    files = [a for a in args.config if "=" not in a]
+    from .plan.output import dumps
+    from .plan.validate import RULES, read_file, split_arguments, unknown_fields, validate
+    if not args.config:
+        raise ExpertrailError("nothing to validate: give a YAML/JSON file, key=value overrides or Megatron flags, "
+                              "e.g. expertrail validate --expert-model-parallel-size 8 --num-experts 64")
+    files, pairs = split_arguments(args.config)
     if len(files) > 1:
-        raise ExpertrailError(f"give at most one config file, got {files}")
-    values = load_config(files[0] if files else None, [a for a in args.config if "=" in a])
+        raise ExpertrailError(f"give at most one config file, got {files} (a bare word is read as a file: write "
+                              "key=value or --flag VALUE for the others)")
+    values = read_file(files[0]) if files else {}
+    values.update(pairs)
     violations = validate(values)
+    warnings = unknown_fields(values)
+    failed = bool(violations) or (args.strict and bool(warnings))
     if args.json:
-        print(json.dumps({"valid": not violations, "rules_checked": len(RULES),
-                          "violations": [v.__dict__ for v in violations]}, indent=2, default=str))
-    elif violations:
+        print(dumps({"valid": not failed, "rules_checked": len(RULES), "fields_checked": len(values),
+                     "warnings": warnings, "violations": [v.__dict__ for v in violations]}, fallback=str))
+        return 1 if failed else 0
+    for w in warnings:
+        print(f"warning: {w['message']}")
+    if violations:
         print(f"{len(violations)} rule(s) violated:")
         for v in violations:
             print(v.format())
+    elif failed:
+        print(f"not valid with --strict: {len(warnings)} unknown field(s)")
     else:
-        print(f"valid: {len(RULES)} rules checked, none violated")
-    return 1 if violations else 0
+        print(f"valid: {len(RULES)} rules and {len(values)} field value(s) checked, none violated"
+              + (f"; {len(warnings)} warning(s) above" if warnings else ""))
+    return 1 if failed else 0
 
 
 def _backend_list(text: str) -> list:
@@ -268,6 +368,24 @@ def _report(report, args) -> None:
 
 
 def main(argv=None) -> int:
+    """The `expertrail` command. A reader that leaves early (``expertrail plan ... | head -1``)
+    ends it quietly: no traceback, the command's own status if it had finished, else 141 (128 +
+    SIGPIPE, what the shell reports for a writer whose reader left)."""
+    rc = 141
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()                  # a closed pipe shows here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        try:                                # later writes (the interpreter's final flush) go nowhere
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass                            # stdout is not a file (captured in tests)
+        return rc
+
+
+def _main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="expertrail", description="Expert-parallel dispatch and combine for MoE.")
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)

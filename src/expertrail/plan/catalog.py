@@ -62,12 +62,27 @@ MODELS = {m.name: m for m in [
 ]}
 
 
-def _read(path: Path) -> dict:
-    text = path.read_text()
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
-        return yaml.safe_load(text) or {}
-    return json.loads(text)
+def _read(path: Path, what: str) -> dict:
+    """The mapping in a YAML/JSON file; every way it can be unreadable is a `ConfigError`."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{what} {str(path)!r}: cannot read it ({err.__class__.__name__}: {err})") from None
+    if not text.strip():
+        raise ConfigError(f"{what} {str(path)!r} is empty: give a YAML/JSON file with its fields")
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as err:                        # yaml.YAMLError, json.JSONDecodeError
+        raise ConfigError(f"{what} {str(path)!r} is not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: "
+                          f"{str(err).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {str(path)!r}: expected a mapping of fields, got "
+                          f"{'nothing' if data is None else type(data).__name__}")
+    return data
 
 
 def _build(cls, entry: dict, source: str):
@@ -76,9 +91,30 @@ def _build(cls, entry: dict, source: str):
     if unknown:
         raise ConfigError(f"{source}: unknown {cls.__name__} fields {sorted(unknown)}; known: {sorted(names)}")
     try:
-        return cls(**entry)
+        obj = cls(**entry)
     except TypeError as err:
         raise ConfigError(f"{source}: {err}") from None
+    _check(obj, source)
+    return obj
+
+
+def _check(obj, source: str) -> None:
+    """Numbers the models divide by must be numbers, and positive."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if f.name in ("name", "arch") or (value is None and f.default is None):
+            continue
+        if f.name in ("fp8_TFLOPS", "shared_experts") and value == 0:    # a GPU without FP8; no shared expert
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"{source}: {f.name}={value!r}; give a positive number")
+    if isinstance(obj, MoEModel):
+        if obj.topk > obj.num_experts:
+            raise ConfigError(f"{source}: topk {obj.topk} exceeds num_experts {obj.num_experts}")
+        if obj.num_groups and (obj.num_experts % obj.num_groups or not obj.group_topk
+                               or obj.group_topk > obj.num_groups):
+            raise ConfigError(f"{source}: num_groups {obj.num_groups} must divide num_experts {obj.num_experts} "
+                              f"and group_topk {obj.group_topk} must be 1..num_groups")
 
 
 def load_hardware(name_or_file: str) -> Hardware:
@@ -86,35 +122,54 @@ def load_hardware(name_or_file: str) -> Hardware:
     if name_or_file in HARDWARE:
         return HARDWARE[name_or_file]
     path = Path(name_or_file)
-    if not path.exists():
-        raise ConfigError(f"unknown hardware {name_or_file!r}: choose one of {sorted(HARDWARE)} or give a YAML/JSON file")
-    data = _read(path)
-    entry = data["hardware"][0] if isinstance(data.get("hardware"), list) else data
-    return _build(Hardware, entry, str(path))
+    if not path.is_file():
+        raise ConfigError(f"--hardware {name_or_file!r}: " + ("a directory; " if path.is_dir() else "")
+                          + f"choose one of {', '.join(HARDWARE)} or give a YAML/JSON file")
+    data = _read(path, "--hardware")
+    if isinstance(data.get("hardware"), list):
+        if not data["hardware"] or not isinstance(data["hardware"][0], dict):
+            raise ConfigError(f"--hardware {name_or_file!r}: 'hardware' holds no entry")
+        data = data["hardware"][0]
+    return _build(Hardware, data, str(path))
 
 
 def load_model(name_or_file: str) -> MoEModel:
-    """A catalog name, a YAML/JSON file with MoEModel fields, or a Hugging Face config.json."""
+    """A catalog name, a YAML/JSON file with MoEModel fields, a Hugging Face config.json, or
+    a Hugging Face model directory (its config.json)."""
     if name_or_file in MODELS:
         return MODELS[name_or_file]
     path = Path(name_or_file)
-    if not path.exists():
-        raise ConfigError(f"unknown model {name_or_file!r}: choose one of {sorted(MODELS)}, a YAML/JSON file, "
-                          "or a Hugging Face config.json")
-    data = _read(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"--model {name_or_file!r} is a directory without a config.json: give a Hugging Face "
+                              f"model directory, its config.json, a YAML/JSON file, or one of {', '.join(MODELS)}")
+        return from_hf_config(_read(path / "config.json", "--model"), path.name)
+    if not path.is_file():
+        raise ConfigError(f"--model {name_or_file!r}: choose one of {', '.join(MODELS)}, a YAML/JSON file, "
+                          "a Hugging Face config.json or model directory")
+    data = _read(path, "--model")
     if "hidden_size" in data:
-        return from_hf_config(data, path.stem)
+        return from_hf_config(data, path.parent.name if path.name == "config.json" and path.parent.name else path.stem)
     return _build(MoEModel, data, str(path))
 
 
 def from_hf_config(cfg: dict, name: str = "hf-model") -> MoEModel:
     """The MoE shape of a transformers config.json (Qwen3-MoE, Mixtral, DeepSeek-V3 styles)."""
+    if isinstance(cfg.get("text_config"), dict) and "hidden_size" not in cfg:
+        cfg = cfg["text_config"]                     # multimodal wrappers keep the LM in text_config
     experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
     if not experts:
         raise ConfigError(f"{name}: config.json has no n_routed_experts / num_experts / num_local_experts: not MoE")
+    missing = [k for k in ("hidden_size", "num_experts_per_tok", "num_hidden_layers") if not cfg.get(k)]
     ffn = cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
+    if not ffn:
+        missing.append("moe_intermediate_size")
+    if missing:
+        raise ConfigError(f"{name}: config.json lacks {', '.join(missing)}; the planner needs them")
     dense_layers = cfg.get("first_k_dense_replace", 0) or 0
-    return MoEModel(name=cfg.get("model_type", name), hidden=cfg["hidden_size"], num_experts=experts,
-                    topk=cfg["num_experts_per_tok"], moe_ffn=ffn, layers=cfg["num_hidden_layers"] - dense_layers,
-                    shared_experts=cfg.get("n_shared_experts") or (1 if cfg.get("shared_expert_intermediate_size") else 0),
-                    num_groups=cfg.get("n_group"), group_topk=cfg.get("topk_group"))
+    model = MoEModel(name=cfg.get("model_type", name), hidden=cfg["hidden_size"], num_experts=experts,
+                     topk=cfg["num_experts_per_tok"], moe_ffn=ffn, layers=cfg["num_hidden_layers"] - dense_layers,
+                     shared_experts=cfg.get("n_shared_experts") or (1 if cfg.get("shared_expert_intermediate_size") else 0),
+                     num_groups=cfg.get("n_group"), group_topk=cfg.get("topk_group"))
+    _check(model, f"{name} config.json")
+    return model

@@ -37,28 +37,51 @@ class Routing:
     spec: str = "uniform"
 
     def sample(self, model: MoEModel, tokens: int, seed: int = 0) -> np.ndarray:
+        if int(tokens) < 1:
+            raise ConfigError(f"--tokens {tokens}: give a positive number of tokens per rank, e.g. --tokens 4096")
         rng = np.random.default_rng(seed)
         e, k = model.num_experts, model.topk
         if self.spec == "uniform":
             scores = rng.random((tokens, e))
         elif self.spec.startswith("zipf:"):
-            alpha = float(self.spec.split(":", 1)[1])
+            try:
+                alpha = float(self.spec.split(":", 1)[1])
+            except ValueError:
+                alpha = float("nan")
+            if not np.isfinite(alpha) or alpha < 0:
+                raise ConfigError(f"--routing {self.spec!r}: the Zipf exponent must be a number >= 0, e.g. zipf:1.2")
             scores = -alpha * np.log(np.arange(1, e + 1)) + rng.gumbel(size=(tokens, e))
         elif self.spec == "grouped":
             if not model.num_groups:
-                raise ConfigError(f"routing 'grouped' needs a model with expert groups ({model.name} has none)")
+                raise ConfigError(f"--routing grouped needs a model with expert groups ({model.name} has none): "
+                                  "use uniform or zipf:<alpha>")
             g = model.num_groups
             chosen = np.argsort(rng.random((tokens, g)), axis=1)[:, :model.group_topk]
             allowed = np.zeros((tokens, g), bool)
             np.put_along_axis(allowed, chosen, True, axis=1)
             scores = np.where(np.repeat(allowed, e // g, axis=1), rng.random((tokens, e)), -1.0)
         else:
-            path = Path(self.spec)
-            if path.suffix != ".npy" or not path.exists():
-                raise ConfigError(f"routing {self.spec!r}: uniform, zipf:<alpha>, grouped, or a .npy topk_idx file")
-            idx = np.load(path)
-            return (idx[0] if idx.ndim == 3 else idx).astype(np.int64)
+            return self._recorded(model)
         return np.argpartition(-scores, k - 1, axis=1)[:, :k]
+
+    def _recorded(self, model: MoEModel) -> np.ndarray:
+        """Rank 0's ``topk_idx`` from a ``.npy`` file, checked against the model."""
+        path = Path(self.spec)
+        if path.suffix != ".npy" or not path.is_file():
+            raise ConfigError(f"--routing {self.spec!r}: give uniform, zipf:<alpha>, grouped, or a .npy file of "
+                              "topk_idx ([world, N, K] or [N, K])")
+        try:
+            idx = np.load(path)
+        except Exception as err:
+            raise ConfigError(f"--routing {self.spec!r}: cannot read it as .npy ({err})") from None
+        idx = idx[0] if idx.ndim == 3 else idx
+        if idx.ndim != 2 or not idx.size or not np.issubdtype(idx.dtype, np.integer):
+            raise ConfigError(f"--routing {self.spec!r}: expected integer topk_idx [N, K] or [world, N, K], got "
+                              f"{idx.dtype} {list(idx.shape)}")
+        if idx.max() >= model.num_experts or idx.min() < -1:
+            raise ConfigError(f"--routing {self.spec!r}: expert ids {idx.min()}..{idx.max()} do not fit the "
+                              f"{model.num_experts} experts of {model.name} (-1 marks a dropped slot)")
+        return idx.astype(np.int64)
 
 
 @dataclass
@@ -156,7 +179,7 @@ class Prediction:
 def predict(hw: Hardware, model: MoEModel, layout: Layout, algorithm: str, topk_idx: np.ndarray,
             sms: int | None = None, precision: str = "bf16") -> Prediction:
     """Predicted dispatch and combine time of ``algorithm`` for rank 0's ``topk_idx``."""
-    if model.num_experts % layout.ep or layout.ep % layout.domain:
+    if layout.ep < 1 or layout.domain < 1 or model.num_experts % layout.ep or layout.ep % layout.domain:
         raise ConfigError(f"EP {layout.ep} must divide {model.num_experts} experts and be a multiple of the "
                           f"domain size {layout.domain}")
     tr = count_traffic(topk_idx, model, layout, algorithm)
@@ -183,4 +206,4 @@ def predict(hw: Hardware, model: MoEModel, layout: Layout, algorithm: str, topk_
     logical = tr.logical_rows * 2 * model.hidden
     return Prediction(algorithm, dispatch, combine, tr.rows,
                       {k: v * row_bytes(model, precision, "dispatch") for k, v in tr.rows.items()},
-                      bottleneck, logical / dispatch / 1e9, sms)
+                      bottleneck, logical / dispatch / 1e9 if dispatch > 0 else 0.0, sms)

@@ -2,25 +2,33 @@
 from __future__ import annotations
 
 from ..errors import ConfigError
+from ..names import field_name
 from .catalog import Hardware, MoEModel
 from .cost import ALGORITHMS, Layout, Routing, predict
 
 NCCL_ALGORITHMS = ("allgather", "alltoall")      # NCCL collectives: the SM count is not theirs to set
 
 
-def parse_ints(text: str) -> list:
-    """``8,16,32`` or a range ``8..32`` (step 8, or ``8..32:4``)."""
+def parse_ints(text: str, name: str = "value") -> list:
+    """``8,16,32`` or a range ``8..32`` (step 8, or ``8..32:4``); ``name`` is the option, for errors."""
     out = []
-    for part in str(text).split(","):
-        if ".." in part:
-            span, _, step = part.partition(":")
-            lo, hi = (int(v) for v in span.split(".."))
-            out.extend(range(lo, hi + 1, int(step) if step else 8))
-        elif part.strip():
-            out.append(int(part))
+    try:
+        for part in str(text).split(","):
+            part = part.strip()
+            if ".." in part:
+                span, _, step = part.partition(":")
+                lo, hi = (int(v) for v in span.split(".."))
+                step = int(step) if step else 8
+                if step < 1 or hi < lo:
+                    raise ValueError
+                out.extend(range(lo, hi + 1, step))
+            elif part:
+                out.append(int(part))
+    except ValueError:
+        out = []
     if not out or min(out) < 1:
-        raise ConfigError(f"{text!r}: give positive integers, e.g. 8,16,32 or 8..32")
-    return out
+        raise ConfigError(f"{name} {text!r}: give positive integers, e.g. 8,16,32 or a range 8..64:8 (lo..hi:step)")
+    return list(dict.fromkeys(out))
 
 
 def domain_for(hw: Hardware, ep: int) -> int:
@@ -28,26 +36,49 @@ def domain_for(hw: Hardware, ep: int) -> int:
     return max(d for d in range(1, min(ep, hw.domain_size) + 1) if ep % d == 0)
 
 
+def usable_eps(model: MoEModel, eps: list, domain_size: int | None = None) -> tuple:
+    """(EP sizes the model can use, [(EP, why not)] for the others): EP must be at least 2, divide
+    the experts, and be a multiple of a given domain size."""
+    ok, skipped = [], []
+    for ep in eps:
+        if ep < 2:
+            skipped.append((ep, "expert parallelism needs at least 2 ranks"))
+        elif model.num_experts % ep:
+            skipped.append((ep, f"not a divisor of the {model.num_experts} experts of {model.name}"))
+        elif domain_size and ep % domain_size:
+            skipped.append((ep, f"not a multiple of --domain-size {domain_size}"))
+        else:
+            ok.append(ep)
+    return ok, skipped
+
+
 def simulate(hw: Hardware, model: MoEModel, tokens: int, eps: list, sms_list: list, algorithms=ALGORITHMS,
              routing: str = "uniform", precision: str = "bf16", domain_size: int | None = None, seed: int = 0) -> list:
-    """One row per (EP, algorithm, SM count): predicted times, bytes per link class, bottleneck."""
+    """One row per (EP, algorithm, SM count): predicted times, bytes per link class, bottleneck.
+
+    Every EP size must be usable (`usable_eps`); the command line skips the others with a note."""
     unknown = [a for a in algorithms if a not in ALGORITHMS]
-    if unknown:
-        raise ConfigError(f"unknown algorithms {unknown}; choose from {list(ALGORITHMS)}")
+    if unknown or not algorithms:
+        raise ConfigError(f"--backends {','.join(algorithms)}: unknown {unknown}; choose from {', '.join(ALGORITHMS)}")
     if precision not in ("bf16", "fp8"):
-        raise ConfigError(f"precision={precision!r}; choose bf16 or fp8")
+        raise ConfigError(f"--precision {precision!r}; choose bf16 or fp8")
+    if domain_size is not None and domain_size < 1:
+        raise ConfigError(f"--domain-size {domain_size}: give a positive number of ranks per NVLink domain")
+    _, skipped = usable_eps(model, eps, domain_size)
+    if skipped:
+        ep, why = skipped[0]
+        raise ConfigError(f"--ep {ep}: {why}")
+    if min(sms_list) < 1:
+        raise ConfigError(f"--sms {min(sms_list)}: give SM counts >= 1")
     topk_idx = Routing(routing).sample(model, tokens, seed)
     rows = []
     for ep in eps:
-        if model.num_experts % ep:
-            raise ConfigError(f"EP {ep} does not divide the {model.num_experts} experts of {model.name}")
         domain = domain_size or domain_for(hw, ep)
-        if ep % domain:
-            raise ConfigError(f"domain size {domain} does not divide EP {ep}")
         for algorithm in algorithms:
             for sms in ([None] if algorithm in NCCL_ALGORITHMS else sms_list):
                 p = predict(hw, model, Layout(ep, domain), algorithm, topk_idx, sms, precision)
-                rows.append({"ep": ep, "domain": domain, "algorithm": algorithm, "sms": sms,
+                rows.append({"ep": ep, "domain": domain, "algorithm": algorithm,
+                             "field_name": field_name(algorithm, hw.domain_size, ep), "sms": sms,
                              "dispatch_us": p.dispatch_s * 1e6, "combine_us": p.combine_s * 1e6,
                              "bytes": p.bytes, "rows": p.rows, "bottleneck": p.bottleneck,
                              "algo_bandwidth_GBps": p.algo_bandwidth_GBps})
@@ -59,7 +90,9 @@ def format_rows(rows: list, hw: Hardware, model: MoEModel, tokens: int, routing:
             f"top-{model.topk}, {routing} routing, {precision} dispatch; per rank, predicted")
     cols = ["EP", "domain", "algorithm", "SMs", "dispatch us", "combine us", "intra MB", "inter MB", "bottleneck",
             "algo GB/s"]
-    table = [[str(r["ep"]), str(r["domain"]), r["algorithm"], "-" if r["sms"] is None else str(r["sms"]),
+    table = [[str(r["ep"]), str(r["domain"]),
+              r["algorithm"] if r["field_name"] == r["algorithm"] else f"{r['algorithm']} ({r['field_name']})",
+              "-" if r["sms"] is None else str(r["sms"]),
               f"{r['dispatch_us']:.1f}", f"{r['combine_us']:.1f}", f"{r['bytes']['intra'] / 1e6:.1f}",
               f"{r['bytes']['inter'] / 1e6:.1f}", r["bottleneck"], f"{r['algo_bandwidth_GBps']:.0f}"] for r in rows]
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
@@ -79,8 +112,10 @@ def plot_rows(rows: list, path: str, title: str) -> None:
             if r["ep"] not in best or r["dispatch_us"] < best[r["ep"]]["dispatch_us"]:
                 best[r["ep"]] = r
         eps = sorted(best)
-        ax_t.plot(eps, [best[e]["dispatch_us"] + best[e]["combine_us"] for e in eps], marker="o", label=algorithm)
-        ax_b.plot(eps, [best[e]["bytes"]["inter"] / 1e6 for e in eps], marker="o", label=algorithm)
+        other = mine[0].get("field_name", algorithm)
+        label = algorithm if other == algorithm else f"{algorithm} ({other})"
+        ax_t.plot(eps, [best[e]["dispatch_us"] + best[e]["combine_us"] for e in eps], marker="o", label=label)
+        ax_b.plot(eps, [best[e]["bytes"]["inter"] / 1e6 for e in eps], marker="o", label=label)
     for ax, label in ((ax_t, "dispatch + combine, us"), (ax_b, "inter-domain MB per rank")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("EP size")

@@ -1,23 +1,35 @@
 """`expertrail validate`: check a Megatron-Core / Megatron-Bridge MoE config before launch.
 
 A config is a YAML or JSON file (flat, or nested as Bridge's ``model:`` / ``comm_overlap:``
-sections) and/or ``key=value`` overrides (``model.expert_model_parallel_size=8``); dashes and
-section prefixes are ignored, so Megatron's command-line names work too. Each rule names the
-fields it reads and the fix; a field that is absent takes Megatron's default or, where no
-default decides it, leaves the rule out.
+sections) and/or command-line entries: ``key=value`` overrides
+(``model.expert_model_parallel_size=8``) and Megatron's own argument forms as written
+(``--expert-model-parallel-size 8``, ``--expert-model-parallel-size=8``, switches such as
+``--moe-grouped-gemm``, ``--no-<field>`` / ``--disable-<field>``, and flags named unlike their
+field: ``--num-experts`` sets ``num_moe_experts``). Dashes, case and section prefixes are
+ignored, so the output of ``expertrail plan --emit`` validates as it is.
+
+Three kinds of finding:
+- a field no known Megatron / Bridge config has: a warning, with the closest known name;
+- a value of the wrong type or outside its choices (``moe_token_dispatcher_type=alltoal``,
+  ``expert_model_parallel_size=abc``): a violation of ``field-value``; rules reading that field
+  are then left out rather than evaluated on nonsense;
+- a rule of `RULES` broken. Each rule names the fields it reads and the fix; a field that is
+  absent takes Megatron's default or, where no default decides it, leaves the rule out.
 """
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from ..errors import ConfigError
+from . import megatron_fields as mf
 from .catalog import HARDWARE, load_hardware
 from .simulate import domain_for
 
-FLEX_BACKENDS = ("deepep", "hybridep")
+FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
 DOMAIN_FIELD = "num_of_hybrid_ep_ranks_per_nvlink_domain"
 
 # Megatron-Core defaults for the fields the rules read.
@@ -26,6 +38,40 @@ DEFAULTS = {
     "context_parallel_size": 1, "moe_token_dispatcher_type": "allgather", "moe_router_topk": 2,
     "moe_router_score_function": "softmax", "moe_router_load_balancing_type": "aux_loss",
 }
+
+
+# Fields the rules read that are expertrail's, not Megatron's.
+EXPERTRAIL_FIELDS = {"hardware": "str", "world_size": "int", "num_nodes": "int", "gpus_per_node": "int",
+                     "torch_version": "str", DOMAIN_FIELD: "int", "data_parallel_size": "int"}
+
+
+def _kinds() -> dict:
+    kinds = {}
+    for kind, names in (("bool", mf.BOOL), ("int", mf.INT), ("float", mf.FLOAT), ("str", mf.STR), ("list", mf.LIST),
+                        ("any", mf.ANY)):
+        kinds.update((n.lower(), kind) for n in names)
+    kinds.update((n.lower(), ("choice", c)) for n, c in mf.CHOICES.items())
+    kinds.update((n.lower(), ("list_choice", c)) for n, c in mf.LIST_CHOICES.items())
+    kinds.update(EXPERTRAIL_FIELDS)
+    return kinds
+
+
+KINDS = _kinds()
+"""field -> "bool" | "int" | "float" | "str" | "list" | "any" | ("choice" | "list_choice", choices)"""
+KNOWN = sorted(KINDS)
+FLAG_ALIASES = {k.lower(): (dest.lower(), value) for k, (dest, value) in mf.FLAG_ALIASES.items()}
+
+# Whole numbers that must be at least 1 (sizes and counts the rules divide by or compare).
+POSITIVE = {
+    "expert_model_parallel_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+    "context_parallel_size", "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size",
+    "data_parallel_size", "world_size", "num_nodes", "gpus_per_node", "num_moe_experts", "moe_router_topk",
+    "moe_router_num_groups", "moe_router_group_topk", DOMAIN_FIELD, "moe_deepep_num_sms", "moe_hybridep_num_sms",
+    "moe_flex_dispatcher_num_sms", "num_layers", "hidden_size", "ffn_hidden_size", "moe_ffn_hidden_size",
+    "num_attention_heads", "micro_batch_size", "global_batch_size", "seq_length", "recompute_num_layers",
+    "num_layers_per_virtual_pipeline_stage",
+}
+NON_NEGATIVE = {"mtp_num_layers", "moe_shared_expert_intermediate_size"}
 
 
 def parse_value(text: str):
@@ -46,37 +92,206 @@ def _key(name: str) -> str:
     return name.strip().lstrip("-").split(".")[-1].replace("-", "_").lower()
 
 
+def canonical(name: str) -> tuple:
+    """(field, value a switch sets or None) for a key or flag as written: section prefixes, dashes
+    and case ignored; Megatron's flag aliases and ``--no-`` / ``--disable-`` switches resolved."""
+    key = _key(name)
+    if key in KINDS:
+        return key, None
+    if key in FLAG_ALIASES:
+        return FLAG_ALIASES[key]
+    for prefix in ("no_", "disable_"):
+        if key.startswith(prefix) and KINDS.get(key[len(prefix):]) == "bool":
+            return key[len(prefix):], False
+    return key, None
+
+
+def _is_flag(token: str) -> bool:
+    if not token.startswith("-") or token in ("-", "--"):
+        return False
+    try:
+        float(token)                    # a negative number is a value
+        return False
+    except ValueError:
+        return True
+
+
+def _switched(value, forced):
+    """The value a ``--no-x=true`` style entry sets: the switch's value, or its negation for false."""
+    if forced is None or not isinstance(value, bool):
+        return value
+    return forced if value else not forced
+
+
+def split_arguments(tokens: list) -> tuple:
+    """(config files, [(field, value)]) from command-line tokens, in order.
+
+    ``key=value`` and ``--flag=value`` set a field; ``--flag value`` too, unless the flag is a
+    switch (a boolean field: ``--moe-grouped-gemm``, ``--no-gradient-accumulation-fusion``), which
+    takes no value (``true`` / ``false`` after one is read as its value). A list field
+    (``--moe-router-load-balancing-type aux_loss``) takes every value up to the next flag. A
+    lone ``\\`` (a line continuation split by the shell) is skipped; any other bare word is a
+    config file."""
+    files, pairs = [], []
+    i = 0
+    while i < len(tokens):
+        tok = str(tokens[i]).strip()
+        i += 1
+        if tok in ("", "\\"):
+            continue
+        if _is_flag(tok):
+            name, eq, text = tok.partition("=")
+            key, forced = canonical(name)
+            kind = KINDS.get(key)
+            if eq:
+                value = _switched(parse_value(text), forced)
+            elif forced is not None:
+                value = forced
+            elif kind == "bool":
+                value = True
+                if i < len(tokens) and str(tokens[i]).strip().lower() in ("true", "false"):
+                    value = parse_value(tokens[i])
+                    i += 1
+            elif kind == "list" or (isinstance(kind, tuple) and kind[0] == "list_choice"):
+                value = []
+                while i < len(tokens) and not _is_flag(str(tokens[i])) and "=" not in str(tokens[i]):
+                    value.append(parse_value(str(tokens[i])))
+                    i += 1
+                if not value:
+                    raise ConfigError(f"{name} needs one or more values, e.g. {name} VALUE")
+                value = value[0] if len(value) == 1 else value
+            elif i < len(tokens) and not _is_flag(str(tokens[i])) and (kind is not None or "=" not in str(tokens[i])):
+                value = parse_value(str(tokens[i]))
+                i += 1
+            elif kind is None:
+                value = True                        # an unknown switch; warned about as an unknown field
+            else:
+                raise ConfigError(f"{name} needs a value, e.g. {name}=VALUE or {name} VALUE")
+            pairs.append((key, value))
+        elif "=" in tok:
+            name, _, text = tok.partition("=")
+            if not name.strip():
+                raise ConfigError(f"{tok!r}: write key=value, e.g. expert_model_parallel_size=8")
+            key, forced = canonical(name)
+            pairs.append((key, _switched(parse_value(text), forced)))
+        else:
+            files.append(tok)
+    return files, pairs
+
+
 def _flatten(data: dict, out: dict) -> dict:
     for k, v in data.items():
         if isinstance(v, dict):
             _flatten(v, out)
         else:
-            out[_key(str(k))] = v
+            key, forced = canonical(str(k))
+            out[key] = _switched(v, forced)
     return out
 
 
-def load_config(source: str | None = None, overrides: list | None = None) -> dict:
-    """Flat config from a YAML/JSON file (optional) plus ``key=value`` overrides."""
-    cfg = {}
-    if source is not None:
-        path = Path(source)
-        if not path.exists():
-            raise ConfigError(f"config file {source!r} not found (give a YAML/JSON file or key=value overrides)")
+def read_file(source: str) -> dict:
+    """The fields of a YAML/JSON config file, flattened; every way it can be unusable is a ConfigError."""
+    path = Path(source)
+    if path.is_dir():
+        raise ConfigError(f"config {source!r} is a directory: give a YAML/JSON file")
+    if not path.exists():
+        raise ConfigError(f"config file {source!r} not found (give a YAML/JSON file, key=value overrides or "
+                          "Megatron flags such as --expert-model-parallel-size 8)")
+    try:
         text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {source!r}: cannot read it ({err})") from None
+    if not text.strip():
+        raise ConfigError(f"config file {source!r} is empty: nothing to validate")
+    yaml_file = path.suffix in (".yaml", ".yml")
+    try:
+        if yaml_file:
             import yaml
-            data = yaml.safe_load(text) or {}
+            data = yaml.safe_load(text)
         else:
             data = json.loads(text)
-        if not isinstance(data, dict):
-            raise ConfigError(f"{source}: expected a mapping of config fields")
-        _flatten(data, cfg)
-    for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: write key=value, e.g. model.expert_model_parallel_size=8")
-        key, value = item.split("=", 1)
-        cfg[_key(key)] = parse_value(value)
+    except Exception as err:                          # yaml.YAMLError, json.JSONDecodeError
+        raise ConfigError(f"config file {source!r} is not valid {'YAML' if yaml_file else 'JSON'}: "
+                          f"{str(err).splitlines()[0]}") from None
+    if data is None:
+        raise ConfigError(f"config file {source!r} holds no fields: nothing to validate")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {source!r}: expected a mapping of config fields, got {type(data).__name__}")
+    cfg = _flatten(data, {})
+    if not cfg:
+        raise ConfigError(f"config file {source!r} holds no fields: nothing to validate")
     return cfg
+
+
+def load_config(source: str | None = None, overrides: list | None = None) -> dict:
+    """Flat config from a YAML/JSON file (optional) plus command-line entries (`split_arguments`:
+    ``key=value``, ``--flag value``, ``--flag=value``, ``--switch``)."""
+    cfg = read_file(source) if source is not None else {}
+    files, pairs = split_arguments(list(overrides or []))
+    if files:
+        raise ConfigError(f"{files[0]!r} is neither key=value nor a --flag: write key=value, e.g. "
+                          "model.expert_model_parallel_size=8, or --expert-model-parallel-size 8")
+    cfg.update(pairs)
+    if not cfg:
+        raise ConfigError("no config fields given: give a YAML/JSON file, key=value overrides or Megatron flags "
+                          "such as --expert-model-parallel-size 8")
+    return cfg
+
+
+def unknown_fields(values: dict) -> list:
+    """Warnings for fields no known Megatron / Bridge / expertrail config has, each with the
+    closest known name when one is close."""
+    out = []
+    for key in values:
+        if key in KINDS:
+            continue
+        close = difflib.get_close_matches(key, KNOWN, n=1, cutoff=0.8)
+        out.append({"field": key, "closest": close[0] if close else None,
+                     "message": f"unknown field {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                     + "; no rule reads it"})
+    return out
+
+
+def _value_problem(key: str, value) -> tuple | None:
+    """(what is wrong, fix) for a value that does not fit its field, else None."""
+    kind = KINDS.get(key)
+    if value is None or kind is None:
+        return None
+    if kind == "bool":
+        if not isinstance(value, bool):
+            return "must be true or false", f"write {key}=true or {key}=false"
+    elif kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            return "must be a whole number", f"write a whole number, e.g. {key}=8"
+        if key in POSITIVE and value < 1:
+            return "must be at least 1", f"write a whole number >= 1, e.g. {key}=8"
+        if key in NON_NEGATIVE and value < 0:
+            return "must not be negative", f"write a whole number >= 0, or leave {key} unset"
+    elif kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "must be a number", f"write a number, e.g. {key}=1.0"
+        if key == "moe_expert_capacity_factor" and value <= 0:
+            return "must be positive", f"write a positive number, e.g. {key}=1.25, or leave it unset (dropless)"
+    elif isinstance(kind, tuple):
+        choices = kind[1]
+        given = value if kind[0] == "list_choice" and isinstance(value, list) else [value]
+        bad = [v for v in given if v not in choices]
+        if bad:
+            close = difflib.get_close_matches(str(bad[0]), [str(c) for c in choices], n=1, cutoff=0.6)
+            return (f"{bad[0]!r} is not one of {', '.join(map(str, choices))}"
+                    + (f" (did you mean {close[0]!r}?)" if close else ""),
+                    f"set {key} to one of {', '.join(map(str, choices))}")
+    return None
+
+
+def value_violations(values: dict) -> list:
+    """``field-value`` violations: values of the wrong type or outside their field's choices."""
+    out = []
+    for key, value in values.items():
+        problem = _value_problem(key, value)
+        if problem:
+            out.append(Violation("field-value", f"{key} {problem[0]}", {key: value}, problem[1]))
+    return out
 
 
 class Config:
@@ -201,7 +416,7 @@ RULES = [
          lambda c: _delayed(c) and "attn" in _graph_scope(c),
          lambda c: not c["add_bias_linear"] and not c["add_qkv_bias"]),
     # Dispatchers
-    Rule("flex-backend", "the flex dispatcher needs a DeepEP or HybridEP backend (else it brings no gain)",
+    Rule("flex-backend", "the flex dispatcher needs a DeepEP, HybridEP or NCCL-EP backend (else it brings no gain)",
          ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend"),
          "call apply_flex_dispatcher_backend(cfg.model, 'deepep' | 'hybridep'), i.e. set "
          "moe_flex_dispatcher_backend", lambda c: c["moe_token_dispatcher_type"] == "flex",
@@ -219,6 +434,9 @@ RULES = [
          "set moe_token_dispatcher_type='alltoall' or turn moe_shared_expert_overlap off",
          lambda c: bool(c["moe_shared_expert_overlap"]), lambda c: c["moe_token_dispatcher_type"] in ("alltoall", "flex")),
     # Router and capacity
+    Rule("topk-within-experts", "a token cannot pick more experts than exist: moe_router_topk <= num_moe_experts",
+         ("moe_router_topk", "num_moe_experts"), "set moe_router_topk to at most num_moe_experts",
+         lambda c: c.given("num_moe_experts"), lambda c: int(c["moe_router_topk"]) <= int(c["num_moe_experts"])),
     Rule("capacity-balancing", "a capacity factor works only with aux_loss, seq_aux_loss, global_aux_loss or none "
          "load balancing", ("moe_expert_capacity_factor", "moe_router_load_balancing_type"),
          "set moe_router_load_balancing_type to aux_loss (or seq_aux_loss / global_aux_loss / none)",
@@ -244,6 +462,13 @@ RULES = [
     Rule("bias-needs-sigmoid", "the expert bias (aux-loss-free balancing) needs sigmoid scores",
          ("moe_router_enable_expert_bias", "moe_router_score_function"), "set moe_router_score_function='sigmoid'",
          lambda c: bool(c["moe_router_enable_expert_bias"]), lambda c: c["moe_router_score_function"] == "sigmoid"),
+    # Precision
+    Rule("one-half-precision", "bf16 and fp16 cannot both be on", ("bf16", "fp16"), "set only one of bf16 / fp16",
+         lambda c: bool(c["bf16"]), lambda c: not c["fp16"]),
+    Rule("mxfp8-needs-blackwell", "the MXFP8 recipe needs Blackwell GPUs", ("fp8", "fp8_recipe", "hardware"),
+         "use fp8_recipe=blockwise (Hopper) or run on Blackwell",
+         lambda c: c.given("fp8") and c["fp8_recipe"] == "mxfp8" and c.given("hardware"),
+         lambda c: c.hardware.arch == "blackwell"),
     # Parallel layout
     Rule("experts-divide-ep", "the experts must split evenly over the EP ranks", ("num_moe_experts",
          "expert_model_parallel_size"), "choose expert_model_parallel_size dividing num_moe_experts",
@@ -274,12 +499,16 @@ RULES = [
 
 
 def validate(values: dict) -> list:
-    """Violations of `RULES` by a flat config dict (see `load_config`)."""
-    c = Config(values)
-    if c.given("hardware") and str(c["hardware"]) not in HARDWARE and not Path(str(c["hardware"])).exists():
-        raise ConfigError(f"hardware={c['hardware']!r}: choose one of {sorted(HARDWARE)} or give a YAML/JSON file")
-    out = []
+    """Violations by a flat config dict (see `load_config`): ``field-value`` for values that do not
+    fit their field, then every rule of `RULES` that reads no such field."""
+    out = value_violations(values)
+    bad = {f for v in out for f in v.fields}
+    c = Config({k: v for k, v in values.items() if k not in bad})
+    if c.given("hardware") and str(c["hardware"]) not in HARDWARE and not Path(str(c["hardware"])).is_file():
+        raise ConfigError(f"hardware={c['hardware']!r}: choose one of {', '.join(HARDWARE)} or give a YAML/JSON file")
     for rule in RULES:
+        if bad & set(rule.fields):
+            continue                        # already reported as a bad value
         try:
             broken = rule.applies(c) and not rule.holds(c)
         except (TypeError, ValueError, ZeroDivisionError) as err:
