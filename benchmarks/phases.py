@@ -45,7 +45,10 @@ def phases(rank, world, args):
         tokens = transfer.wait(); marks.append(clock())
         weights = route.hops[-1].place(route.row_weights)
         route.remember_weights(weights)                 # as dispatch does for res.weights
-        back = route.transpose_async(tokens, weights); marks.append(clock())
+        at_source = route.weights_at_source(weights)
+        flags = d._start_combine_flags(0, at_source, False)    # as combine does: its agreement beside the rows
+        back = route.transpose_async(tokens, weights, at_source=at_source,
+                                     agree=lambda: d._finish_combine_flags(flags, None)); marks.append(clock())
         back.wait(); marks.append(clock())
         if it >= args.warmup:
             for name, a, b in zip(PHASES, marks, marks[1:]):

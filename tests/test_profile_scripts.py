@@ -41,3 +41,10 @@ def test_layouts_times_both_alltoall_layouts_for_every_shape():
     rows = [line.split() for line in lines[2:]]
     assert len(rows) == 5 and all(r[-1] in ("runs", "blocks") for r in rows)
     assert all(float(r[-2]) > 0 for r in rows)          # blocks / runs
+
+
+def test_combine_flags_times_combine_with_and_without_its_agreement():
+    lines = _run("combine_flags.py", "--backend", "hierarchical", *TINY)
+    assert lines[1].split()[:2] == ["combine", "no"]
+    values = [float(v) for v in lines[2].split()]
+    assert len(values) == 4 and all(v > 0 for v in values)

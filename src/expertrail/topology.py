@@ -8,7 +8,9 @@ same local index in every domain of its EP group (they share a NIC rail).
 from __future__ import annotations
 
 import datetime
+import math
 import os
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -71,14 +73,29 @@ def guarded(op: str, group_label: str, timeout: float | None = None):
                               f"stopped calling {op} ({type(err).__name__}: {str(err).splitlines()[0][:300]})") from err
 
 
-def check_same_on_all_ranks(fields: dict[str, int], group, device: torch.device, what: str) -> None:
-    """Raise ConfigMismatchError on every rank if any field differs between ranks of ``group``."""
+def _field_code(value) -> int:
+    """An int64 every rank computes alike for a setting: ints as they are, anything else
+    (names, floats, None, dicts of options) as the CRC-32 of its repr."""
+    if isinstance(value, (bool, int)) and -2 ** 63 <= int(value) < 2 ** 63:
+        return int(value)
+    return zlib.crc32(repr(value).encode())
+
+
+def check_same_on_all_ranks(fields: dict, group, device: torch.device, what: str) -> None:
+    """Raise ConfigMismatchError on every rank if any field differs between ranks of ``group``.
+
+    fields: name -> value (int, bool, float, str, None or anything with a stable repr). One
+    all-gather of int codes compares them; only when they differ does a second all-gather
+    bring every rank's value, so the message names each rank's setting, not a code.
+    """
     names = list(fields)
-    table = all_gather_ints([int(fields[n]) for n in names], group, device)
-    differing = [i for i, n in enumerate(names) if len({row[i] for row in table}) > 1]
+    table = all_gather_ints([_field_code(fields[n]) for n in names], group, device)
+    differing = [n for i, n in enumerate(names) if len({row[i] for row in table}) > 1]
     if differing:
-        lines = [f"  {names[i]}: " + ", ".join(f"rank {r}={row[i]}" for r, row in enumerate(table))
-                 for i in differing]
+        shown = [None] * dist.get_world_size(group)      # every rank saw the same table: all gather here
+        dist.all_gather_object(shown, [repr(fields[n]) for n in differing], group=group)
+        lines = [f"  {n}: " + ", ".join(f"rank {r}={values[i]}" for r, values in enumerate(shown))
+                 for i, n in enumerate(differing)]
         raise ConfigMismatchError(
             f"{what} was built with different settings on different ranks; every rank of the "
             "group must pass the same values:\n" + "\n".join(lines))
@@ -167,8 +184,12 @@ class EPGroups:
         ep_size = world if ep_size is None else int(ep_size)
         domain_size = default_domain_size(ep_size) if domain_size is None else int(domain_size)
         # Agree on the sizes before any group is created: differing sizes would hang new_group.
-        check_same_on_all_ranks({"ep_size": ep_size, "domain_size": domain_size}, group, device,
-                                "EPGroups")
+        seconds = _timeout_seconds(timeout)
+        check_same_on_all_ranks({"ep_size": ep_size, "domain_size": domain_size, "timeout": seconds}, group,
+                                device, "EPGroups")
+        if seconds is not None and not (seconds > 0 and math.isfinite(seconds)):
+            raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds (e.g. timeout=60), "
+                              "or None to keep the process group's timeout")
         if ep_size < 1 or world % ep_size:
             raise ConfigError(f"ep_size={ep_size} must divide the group size {world}")
         if domain_size < 1 or ep_size % domain_size:
@@ -180,14 +201,27 @@ class EPGroups:
         domain_lists = [ranks[d * domain_size:(d + 1) * domain_size]
                         for ranks in ep_lists for d in range(ep_size // domain_size)]
         rail_lists = [ranks[l::domain_size] for ranks in ep_lists for l in range(domain_size)]
-        limit = None if timeout is None else datetime.timedelta(seconds=timeout)
+        limit = None if seconds is None else datetime.timedelta(seconds=seconds)
         ep_group = group if len(ep_lists) == 1 and limit is None else _subgroup(ep_lists, limit)
         domain_group = ep_group if domain_size == ep_size else _subgroup(domain_lists, limit)
         rail_group = ep_group if domain_size == 1 else _subgroup(rail_lists, limit)
         ep_ranks = tuple(ep_lists[rank // ep_size])
         return cls(ep_group=ep_group, ep_size=ep_size, ep_rank=rank % ep_size, ep_ranks=ep_ranks,
                    domain_group=domain_group, domain_size=domain_size, rail_group=rail_group,
-                   device=device, timeout=timeout)
+                   device=device, timeout=seconds)
+
+
+def _timeout_seconds(timeout) -> float | None:
+    """``timeout`` as float seconds; NaN for a value that is not a number (so that every rank
+    first agrees, then raises), None for None."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    try:
+        return float(timeout) if not isinstance(timeout, bool) else float("nan")
+    except (TypeError, ValueError):
+        return float("nan")
 
 
 def _subgroup(rank_lists: list[list[int]], timeout=None):

@@ -36,10 +36,10 @@ CONSTRUCTION_ERRORS = {
     "ep_not_dividing": (er.ConfigError, "ep_size=3 must divide the group size 4"),
     "num_experts_differ": (er.ConfigMismatchError, "num_experts: rank 0=16, rank 1=8"),
     "hidden_differs": (er.ConfigMismatchError, "hidden: rank 0=32, rank 1=32, rank 2=32, rank 3=64"),
-    "backend_differs": (er.ConfigMismatchError, "backend:"),
+    "backend_differs": (er.ConfigMismatchError, "backend: rank 0='alltoall', rank 1='dedup', rank 2='alltoall'"),
     "unknown_backend": (er.ConfigError, "unknown backend 'ring'"),
     "alignment": (er.ConfigError, "expert_alignment=0 must be >= 1"),
-    "layout_differs": (er.ConfigMismatchError, "backend options (this rank: {'land_in_place': "),
+    "layout_differs": (er.ConfigMismatchError, "backend options: rank 0={'land_in_place': False}, rank 1="),
     "bad_layout": (er.ConfigError, "land_in_place='yes'; use True, False or None"),
 }
 
@@ -58,3 +58,55 @@ def test_hidden_size_differing_between_calls_raises_everywhere(world4):
     for exc in errors.values():
         assert isinstance(exc, er.InvalidInputError)
         assert "hidden differs across EP ranks (rank 0=6, rank 1=4" in str(exc)
+
+
+def test_dtype_differing_between_ranks_is_named(world4):
+    for exc in world4.run_expect_error(workers.dtype_differs_per_call).values():
+        assert "dtype differs across EP ranks (rank 0=float32, rank 1=bfloat16, rank 2=float32" in str(exc), str(exc)
+
+
+COMBINE_ERRORS = {
+    "wider": "expert_out has width 8 but dispatch moved rows of hidden size 4",
+    "fewer_rows": "expert_out must be [",
+    "integer": "expert_out must be floating point, got torch.int64",
+    "rank3": "expert_out must be [",
+    "device": "expert_out is on meta but res.tokens is on cpu",
+    "not_a_tensor": "expert_out must be a tensor",
+}
+
+
+@pytest.mark.parametrize("backend", sorted(er.BACKENDS))
+@pytest.mark.parametrize("kind", sorted(COMBINE_ERRORS))
+def test_bad_expert_out_on_one_rank_raises_on_every_rank(world4, kind, backend):
+    messages = world4.run(workers.bad_combine, kind, 2, backend)
+    assert COMBINE_ERRORS[kind] in messages[2], messages[2]
+    for rank in (0, 1, 3):
+        assert "invalid expert_out on EP rank 2" in messages[rank], messages[rank]
+
+
+@pytest.mark.parametrize("backend", sorted(er.BACKENDS))
+def test_combine_needing_grad_on_one_rank_only_raises_everywhere(world4, backend):
+    for message in world4.run(workers.bad_combine, "needs_grad", 2, backend):
+        assert "whether gradients are needed differs across EP ranks" in message
+        assert "rank 2=True" in message and "rank 0=False" in message
+
+
+@pytest.mark.parametrize("backend", sorted(er.BACKENDS))
+def test_expert_out_in_another_dtype_is_cast_to_the_dispatched_dtype(world4, backend):
+    errors = world4.run(workers.combine_casts_to_dispatched_dtype, backend)
+    assert max(errors) > 0       # rank 1's expert rows went through bf16 (and were not dropped)
+
+
+@pytest.mark.parametrize("backend", sorted(er.BACKENDS))
+def test_weights_changed_on_one_rank_are_applied_once(world4, backend):
+    world4.run(workers.weights_changed_on_one_rank, backend)
+
+
+def test_from_default_rejects_a_bad_timeout_on_every_rank(world4):
+    for timeouts, text in (([0] * 4, "timeout=0 must be a positive number of seconds"),
+                           ([-5] * 4, "timeout=-5 must be a positive"),
+                           (["soon"] * 4, "timeout='soon' must be a positive"),
+                           ([30, 30, 0, 30], "timeout: rank 0=30.0, rank 1=30.0, rank 2=0.0")):
+        errors = world4.run_expect_error(workers.from_default_timeout, timeouts)
+        for exc in errors.values():
+            assert isinstance(exc, er.ConfigError) and text in str(exc), repr(exc)

@@ -275,6 +275,13 @@ def hidden_differs_per_call(rank, world):
     d.dispatch(torch.zeros(3, h), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))
 
 
+def dtype_differs_per_call(rank, world):
+    """Rank 1 dispatches bf16 rows, the others fp32."""
+    d = er.make_dispatcher("alltoall", groups_for(None, 2), num_experts=8)
+    dtype = torch.bfloat16 if rank == 1 else torch.float32
+    d.dispatch(torch.zeros(3, 4, dtype=dtype), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))
+
+
 def chunked_matches_unchunked(rank, world, backend, num_chunks):
     """d.moe with chunks overlapping communication gives bitwise the same y and gradients."""
     groups = groups_for(None, 2)
@@ -723,3 +730,74 @@ def alltoall_layout_choice(rank, world):
     small = d.dispatch(xs[rank], idxs[rank], ws[rank]).route.hops[0].runs is not None
     landed = forced.dispatch(xs[rank], idxs[rank], ws[rank]).route.hops[0].runs is not None
     return picks, small, landed
+
+
+def _combine_case(backend, rank, world, seed=1):
+    """A valid dispatch on EP=world, domain 2: (dispatcher, res, expert output, inputs)."""
+    groups = groups_for(None, 2)
+    d = er.make_dispatcher(backend, groups, num_experts=8, hidden=4)
+    xs, idxs, ws = make_inputs("random", world, 4, 8, 2, seed)
+    res = d.dispatch(xs[rank], idxs[rank], ws[rank])
+    return d, res, expert_fn(res.tokens, row_experts(res, rank, 2)), (xs, idxs, ws)
+
+
+def bad_combine(rank, world, kind, bad_rank=2, backend="alltoall"):
+    """Combine where only ``bad_rank`` passes a bad expert_out (or differs in its call); every
+    rank must raise InvalidInputError (not time out), and the group must still work after."""
+    d, res, out, _ = _combine_case(backend, rank, world)
+    if rank == bad_rank:
+        if kind == "wider":
+            out = torch.cat([out, out], 1)
+        elif kind == "fewer_rows":
+            out = out[:-1]
+        elif kind == "integer":
+            out = out.long()
+        elif kind == "rank3":
+            out = out.unsqueeze(0)
+        elif kind == "device":
+            out = out.to("meta")
+        elif kind == "not_a_tensor":
+            out = out.tolist()
+        elif kind == "needs_grad":
+            out = out.clone().requires_grad_()
+    try:
+        handle = d.combine(out, res, async_op=kind == "wider")   # async: the peers' error comes at wait()
+        if kind == "wider":
+            handle.wait()
+    except er.InvalidInputError as err:
+        message = str(err)
+    else:
+        raise AssertionError(f"combine with {kind} on rank {bad_rank} did not raise on rank {rank}")
+    d2, res2, out2, (xs, idxs, ws) = _combine_case(backend, rank, world, seed=2)
+    y = d2.combine(out2, res2)
+    ref = reference_moe(xs, idxs, ws, expert_fn, 8)[rank]
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    return message
+
+
+def combine_casts_to_dispatched_dtype(rank, world, backend):
+    """One rank hands bf16 expert outputs, the others fp32 (dispatched fp32): every rank's y is
+    fp32 and right to bf16 rounding of that rank's rows. Returns the largest error."""
+    d, res, out, (xs, idxs, ws) = _combine_case(backend, rank, world)
+    y = d.combine(out.bfloat16() if rank == 1 else out, res)
+    ref = reference_moe(xs, idxs, ws, expert_fn, 8)[rank]
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2)
+    return (y - ref).abs().max().item() if y.numel() else 0.0
+
+
+def weights_changed_on_one_rank(rank, world, backend):
+    """Rank 2 scales its res.weights in place; the others keep theirs. Each expert row must be
+    weighted exactly once, by the weights of the rank holding the expert."""
+    d, res, out, (xs, idxs, ws) = _combine_case(backend, rank, world)
+    if rank == 2:
+        res.weights.mul_(3)
+    y = d.combine(out, res)
+    scaled = [w * torch.where((i >= 4) & (i < 6), 3.0, 1.0) for w, i in zip(ws, idxs)]   # rank 2 holds 4, 5
+    ref = reference_moe(xs, idxs, scaled, expert_fn, 8)[rank]
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def from_default_timeout(rank, world, timeouts):
+    """EPGroups.from_default with ``timeouts[rank]``."""
+    er.EPGroups.from_default(timeout=timeouts[rank])

@@ -6,7 +6,6 @@ and wires dispatch and combine into autograd.
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +24,15 @@ DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.floa
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 ERROR_KINDS = {1: "bad shape", 2: "bad dtype", 3: "bad device", 4: "expert index out of range",
                5: "non-finite topk_weights"}
+
+
+def _header_value(field: int, value: int) -> str:
+    """A header field as the user wrote it: dtype names and booleans, not their codes."""
+    if field == H_DTYPE:
+        return str(CODE_DTYPES.get(value, "unsupported dtype")).replace("torch.", "")
+    if field in (H_XGRAD, H_WGRAD):
+        return str(bool(value))
+    return str(value)
 
 
 def weight_bits(weights: torch.Tensor) -> torch.Tensor:
@@ -117,15 +125,12 @@ class Dispatcher:
     def __init__(self, groups: EPGroups, num_experts: int, *, hidden: int | None = None,
                  expert_alignment: int = 1, capacity_factor: float | None = None,
                  drop_policy: str = "probs", pad_to_capacity: bool = False):
-        own = repr(self._settings())
         check_same_on_all_ranks({
-            "backend": zlib.crc32(self.name.encode()), "num_experts": num_experts,
-            "hidden": hidden or 0, "expert_alignment": expert_alignment,
-            "capacity_factor_x1e6": round((capacity_factor or 0) * 1e6),
-            "drop_policy": DROP_POLICIES.index(drop_policy) if drop_policy in DROP_POLICIES else -1,
-            "pad_to_capacity": pad_to_capacity, "domain_size": groups.domain_size,
+            "backend": self.name, "num_experts": num_experts, "hidden": hidden,
+            "expert_alignment": expert_alignment, "capacity_factor": capacity_factor,
+            "drop_policy": drop_policy, "pad_to_capacity": pad_to_capacity, "domain_size": groups.domain_size,
             # one field for any backend's own options, so that every rank gathers as many fields
-            f"backend options (this rank: {own})": zlib.crc32(own.encode()),
+            "backend options": self._settings(),
         }, groups.ep_group, groups.device, f"{type(self).__name__}")
         self.groups = groups
         self.num_experts = int(num_experts)
@@ -196,26 +201,91 @@ class Dispatcher:
         """Bring expert outputs back: y[n] = sum_k w[n,k] * out[n,k] (or the plain sum when
         ``weighted=False``, for weights already applied on the expert side).
 
-        expert_out: [M, H] with M = res.tokens.shape[0]; padding rows are ignored.
-        Returns [N, H] in expert_out's dtype, summed in fp32 in a fixed order; with
-        ``async_op`` a handle whose ``wait()`` returns it.
+        expert_out: [M, H] with M = res.tokens.shape[0] and H the dispatched hidden size;
+        padding rows are ignored. Any float dtype: it is cast to the dispatched dtype
+        (``res.tokens.dtype``), the dtype rows travel in, so y is [N, H] in that dtype, summed
+        in fp32 in a fixed order. With ``async_op`` a handle whose ``wait()`` returns y.
+        Collective over the EP group: a rank whose expert_out is invalid (shape, dtype, device)
+        or whose call differs (one rank needs gradients, another not) makes every rank raise
+        `InvalidInputError` as soon as the first exchange lands, never a timeout (see
+        `_start_combine_flags`).
         """
         with guarded(f"{self.name} combine", self.groups.label, self.groups.timeout):
             return self._combine(expert_out, res, weighted, async_op)
 
     def _combine(self, expert_out, res, weighted, async_op):
-        if expert_out.dim() != 2 or expert_out.shape[0] != res.tokens.shape[0]:
-            raise InvalidInputError(f"expert_out must be [{res.tokens.shape[0]}, H] (one row per res.tokens row), "
-                                    f"got {tuple(expert_out.shape)}")
-        if not expert_out.is_floating_point():
-            raise InvalidInputError(f"expert_out must be floating point, got {expert_out.dtype}")
+        if not isinstance(res, DispatchResult):
+            raise InvalidInputError(f"{self.name} combine: res must be the DispatchResult that dispatch returned, "
+                                    f"got {type(res).__name__}")
+        error, message = self._check_expert_out(expert_out, res)
+        if error:   # take part with zero rows of the agreed shape, so that no peer waits; raise in agreement
+            rows = res.tokens.detach().new_zeros(res.tokens.shape)
+        else:
+            rows = expert_out if expert_out.dtype == res.tokens.dtype else expert_out.to(res.tokens.dtype)
         weights = res.weights if weighted else None
-        res.combine_stats = res.route.stats(expert_out.shape[1] * expert_out.element_size(), self.groups.ep_rank,
+        at_source = res.route.weights_at_source(weights)
+        needs_grad = torch.is_grad_enabled() and (rows.requires_grad or (weights is not None and weights.requires_grad))
+        flags = self._start_combine_flags(error, at_source, needs_grad)
+        res.combine_stats = res.route.stats(rows.shape[1] * rows.element_size(), self.groups.ep_rank,
                                             self.groups.domain_size, backward=True)
         with torch.no_grad():
-            transfer = res.route.transpose_async(expert_out, weights)
-        pending = PendingCombine(expert_out, weights, res.route, transfer)
+            transfer = res.route.transpose_async(rows, weights, at_source=at_source,
+                                                 agree=lambda: self._finish_combine_flags(flags, message))
+        pending = PendingCombine(rows, weights, res.route, transfer)
         return pending if async_op else pending.wait()
+
+    def _check_expert_out(self, expert_out, res: DispatchResult) -> tuple[int, str | None]:
+        """(error kind, message) for this rank's ``expert_out``; (0, None) when valid."""
+        where = f"{self.name} combine on EP rank {self.groups.ep_rank}"
+        rows, hidden = res.tokens.shape
+        if not isinstance(expert_out, torch.Tensor):
+            return 1, f"{where}: expert_out must be a tensor [{rows}, {hidden}], got {type(expert_out).__name__}"
+        if expert_out.dim() != 2 or expert_out.shape[0] != rows:
+            return 1, (f"{where}: expert_out must be [{rows}, {hidden}] (one row per res.tokens row), "
+                       f"got {tuple(expert_out.shape)}")
+        if expert_out.shape[1] != hidden:
+            return 1, (f"{where}: expert_out has width {expert_out.shape[1]} but dispatch moved rows of hidden "
+                       f"size {hidden}; the experts must return rows of the dispatched hidden size")
+        if not expert_out.is_floating_point():
+            return 2, f"{where}: expert_out must be floating point, got {expert_out.dtype}"
+        if expert_out.device != res.tokens.device:
+            return 3, (f"{where}: expert_out is on {expert_out.device} but res.tokens is on {res.tokens.device}; "
+                       f"move it with .to('{res.tokens.device}')")
+        return 0, None
+
+    def _start_combine_flags(self, error: int, at_source: bool, needs_grad: bool) -> Transfer:
+        """Send every EP peer this rank's combine flags (error kind, weights applied on the source
+        side, needs gradients): one int64 row per peer, posted just before the rows.
+
+        The rows themselves cannot carry them: a rank in error still sends rows of the agreed
+        shape (zeros), and every rank reads the flags when the first reverse exchange has landed,
+        before anything else is sent, so all ranks stop at the same point. Cost: one small
+        message per peer beside the rows, no extra round trip (benchmarks/combine_flags.py).
+        """
+        p = self.groups.ep_size
+        row = torch.tensor([[error, int(at_source), int(needs_grad)]], dtype=torch.int64, device=self.groups.device)
+        return all_to_all_rows(row.expand(p, -1), [1] * p, [1] * p, self.groups.ep_group)
+
+    def _finish_combine_flags(self, flags: Transfer, message: str | None) -> torch.Tensor:
+        """Wait for the peers' combine flags; raise on every rank if any rank is in error or
+        the ranks disagree on gradients. Returns bool [P]: which peers left the routing weights
+        to the source side (see `Route.weights_at_source`)."""
+        received = flags.wait()
+        errors = received[:, 0].tolist()
+        if any(errors):
+            if message:
+                raise InvalidInputError(message)
+            bad = ", ".join(f"EP rank {r} ({ERROR_KINDS.get(c, c)})" for r, c in enumerate(errors) if c)
+            raise InvalidInputError(f"{self.name} combine aborted on EP rank {self.groups.ep_rank}: invalid "
+                                    f"expert_out on {bad}; see the error raised on that rank")
+        grads = received[:, 2].tolist()
+        if len(set(grads)) > 1:
+            shown = ", ".join(f"rank {r}={bool(g)}" for r, g in enumerate(grads))
+            raise InvalidInputError(
+                f"{self.name} combine: whether gradients are needed differs across EP ranks ({shown}); "
+                "combine's backward is collective, so every rank must combine with expert outputs (or weights) "
+                "that require grad alike, under the same torch.no_grad() setting")
+        return received[:, 1].bool()
 
     def moe(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, experts,
             num_chunks: int = 1, weighted: bool = True) -> torch.Tensor:
@@ -279,7 +349,7 @@ class Dispatcher:
         for field in (H_HIDDEN, H_TOPK, H_DTYPE, H_XGRAD, H_WGRAD):
             values = headers[:, field].tolist()
             if len(set(values)) > 1:
-                shown = ", ".join(f"rank {r}={v}" for r, v in enumerate(values))
+                shown = ", ".join(f"rank {r}={_header_value(field, v)}" for r, v in enumerate(values))
                 raise InvalidInputError(f"{self.name} dispatch: {HEADER[field]} differs across EP ranks ({shown}); "
                                         "every rank must call dispatch with the same hidden size, top-k, dtype and "
                                         "requires_grad")

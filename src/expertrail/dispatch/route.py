@@ -512,8 +512,11 @@ class Route:
         weights the caller replaced or modified in place."""
         self.dispatched_weights = (weakref.ref(weights), weights._version)
 
-    def _weights_unchanged(self, weights: torch.Tensor) -> bool:
-        if self.source_weights is None or self.dispatched_weights is None:
+    def weights_at_source(self, weights: torch.Tensor | None) -> bool:
+        """Whether a combine with ``weights`` leaves them to the source side: only on routes
+        with ``source_weights`` and only for the weights dispatch handed out, unchanged (the
+        caller's own or modified weights are applied on the expert side, as given)."""
+        if weights is None or self.source_weights is None or self.dispatched_weights is None:
             return False
         ref, version = self.dispatched_weights
         return ref() is weights and weights._version == version
@@ -525,24 +528,52 @@ class Route:
         return self.transpose_async(rows, weights, out_dtype).wait()
 
     def transpose_async(self, rows: torch.Tensor, weights: torch.Tensor | None = None,
-                        out_dtype: torch.dtype | None = None) -> Transfer:
-        """`transpose` with the first reverse exchange left in flight."""
+                        out_dtype: torch.dtype | None = None, at_source: bool | None = None,
+                        agree=None) -> Transfer:
+        """`transpose` with the first reverse exchange left in flight.
+
+        at_source: this rank leaves ``weights`` to the source side (default:
+        `weights_at_source`). agree: combine's cross-rank check, called on every rank once the
+        first reverse exchange has landed and before anything else is sent; it raises, or
+        returns bool [P]: which EP peers left their weights to the source side, so that the
+        rows each peer sends back are weighted exactly once.
+        """
         dtype = rows.dtype
-        at_source = weights is not None and self._weights_unchanged(weights)
+        at_source = self.weights_at_source(weights) if at_source is None else at_source
         last, *earlier = reversed(self.hops)
         rows = last.transpose(rows, None if at_source else weights, dtype)
         if not earlier:
+            if agree is not None:
+                agree()
             return Transfer(rows.to(out_dtype or dtype))
         transfer = earlier[0].send_back(rows)
 
         def finish(back):
+            peers_at_source = agree() if agree is not None else at_source
             for i, hop in enumerate(earlier):
                 if i:
                     back = hop.send_back(back).wait()
-                hop_weights = self.source_weights if at_source and hop is self.hops[0] else None
+                hop_weights = self._source_side_weights(peers_at_source) if hop is self.hops[0] else None
                 back = hop.reduce(back, hop_weights, dtype)
             return back.to(out_dtype or dtype)
         return Transfer(transfer, None, lambda t: finish(t.wait()))
+
+    def _source_side_weights(self, peers_at_source) -> torch.Tensor | None:
+        """The weights the first hop's reduce applies: ``source_weights`` for the rows of peers
+        that left the weighting to this side, 1 for the others (exact: x * 1.0 == x), None when
+        no peer did. peers_at_source: bool, or bool [P] per peer of the first hop."""
+        if self.source_weights is None:
+            return None
+        if isinstance(peers_at_source, bool):
+            return self.source_weights if peers_at_source else None
+        if bool(peers_at_source.all()):
+            return self.source_weights
+        if not bool(peers_at_source.any()):
+            return None
+        first = self.hops[0]
+        splits = torch.tensor(first.send_splits, device=self.source_weights.device)
+        weighted_here = peers_at_source.to(self.source_weights.device).repeat_interleave(splits)
+        return torch.where(weighted_here, self.source_weights, torch.ones_like(self.source_weights))
 
     def weights_transpose(self, grad_weights: torch.Tensor) -> torch.Tensor:
         """Gradient of the expert-row weights [M] -> gradient of ``topk_weights [N, K]``.
