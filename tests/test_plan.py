@@ -199,3 +199,13 @@ def test_plan_cli_json_and_emit(capsys):
     assert js["ep"] in (4, 8) and js["advice"] and isinstance(js["ep_overlap"], bool)
     assert main(["plan", "--hardware", "h100", "--model", "deepseek-v3", "--ep", "16", "--emit", "megatron"]) == 0
     assert "--moe-token-dispatcher-type" in capsys.readouterr().out
+
+
+def test_ep_choice_reason_is_true_when_every_ep_is_communication_bound():
+    from expertrail.plan.catalog import Hardware
+    slow = Hardware("slow", 1, 1.0, 1.0, 132, 80, 3.35, 989, 1979, "hopper")     # 1 GB/s links, one GPU per domain
+    r = plan(slow, MODELS["qwen3-30b-a3b"], tokens=512)
+    assert all(row["verdict"] == "communication-bound" for row in r["ep_table"])
+    reason = next(a for a in r["advice"] if a["topic"] == "EP size")["reason"]
+    assert r["ep"] == r["ep_table"][0]["ep"] and "every EP size of the table is communication-bound" in reason
+    assert "does not exceed" not in reason

@@ -140,10 +140,15 @@ def plan(hw: Hardware, model: MoEModel, tokens: int = 4096, ep: int | None = Non
         fitting = [r for r in table if r["verdict"] != "communication-bound"]
         row = fitting[-1] if fitting else table[0]
         ep = row["ep"]
-        advice.append(Advice("EP size", ep, f"--expert-model-parallel-size {ep}", f"the largest EP whose predicted dispatch + combine "
-                             f"({row['dispatch_combine_us']:.0f} us) does not exceed the expert GEMMs "
-                             f"({row['expert_gemm_us']:.0f} us): {row['verdict']}; more EP means fewer experts per "
-                             "GPU (memory) and more rows per expert (GEMM efficiency)"))
+        if fitting:
+            why = (f"the largest EP whose predicted dispatch + combine ({row['dispatch_combine_us']:.0f} us) does not "
+                   f"exceed the expert GEMMs ({row['expert_gemm_us']:.0f} us): {row['verdict']}; more EP means fewer "
+                   "experts per GPU (memory) and more rows per expert (GEMM efficiency)")
+        else:
+            why = (f"every EP size of the table is communication-bound; the smallest, EP {ep}, exposes the least "
+                   f"(dispatch + combine {row['dispatch_combine_us']:.0f} us vs expert GEMMs "
+                   f"{row['expert_gemm_us']:.0f} us)")
+        advice.append(Advice("EP size", ep, f"--expert-model-parallel-size {ep}", why))
     domain = domain_for(hw, ep)
     fastest, preds = best(hw, model, tokens, ep, topk_idx, precision, sms_start)
     total = {a: (p.dispatch_s + p.combine_s) for a, p in preds.items()}
@@ -176,7 +181,8 @@ def plan(hw: Hardware, model: MoEModel, tokens: int = 4096, ep: int | None = Non
         links = SATURATING_SMS.get(hw.arch, SATURATING_SMS["hopper"])
         saturating = max(links["nvlink"], links["nic"] if domain < ep else 0)
         start = DEFAULT_SMS[backend] if stage == "bringup" else max(saturating, 4)
-        sweep = [16, 32] if backend == "hybridep" else [max(4, saturating // 2), 2 * max(DEFAULT_SMS[backend], saturating)]
+        sweep = ([16, 32] if backend == "hybridep"
+                 else [max(4, saturating // 2), 2 * max(DEFAULT_SMS[backend], saturating)])
         sms = {"start": start, "sweep": sweep}
         advice.append(Advice("SM count", sms, f"start {start}, sweep {sweep[0]}..{sweep[1]} (moe_{backend}_num_sms)",
                              f"{backend} default {DEFAULT_SMS[backend]} is a sane start but rarely optimal; the "

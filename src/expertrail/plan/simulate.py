@@ -59,7 +59,8 @@ def simulate(hw: Hardware, model: MoEModel, tokens: int, eps: list, sms_list: li
     Every EP size must be usable (`usable_eps`); the command line skips the others with a note."""
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if unknown or not algorithms:
-        raise ConfigError(f"--backends {','.join(algorithms)}: unknown {unknown}; choose from {', '.join(ALGORITHMS)}")
+        raise ConfigError(f"--backends {','.join(algorithms)!r}: " + (f"unknown {', '.join(unknown)}; " if unknown else "")
+                          + f"give a comma-separated list of {', '.join(ALGORITHMS)}")
     if precision not in ("bf16", "fp8"):
         raise ConfigError(f"--precision {precision!r}; choose bf16 or fp8")
     if domain_size is not None and domain_size < 1:
