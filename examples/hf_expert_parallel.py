@@ -4,15 +4,19 @@
 
 Builds a tiny random Qwen3-MoE (no download), patches every sparse MoE block with
 `expertrail.hf.patch_model`, and checks the logits and one training step's gradients
-against the unpatched model on every rank.
+against the unpatched model on every rank. Then it takes the step, saves the checkpoint of
+the unpatched model (`full_state_dict`), loads it into a plain transformers model, and turns
+the patched model back (`unpatch_model`): all three give the same logits.
 """
 import copy
+import os
+import tempfile
 
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import expertrail as er
-from expertrail.hf import patch_model
+from expertrail.hf import ExpertParallelMoE, full_state_dict, patch_model, unpatch_model
 
 
 def run(rank: int, world: int) -> float:
@@ -34,7 +38,35 @@ def run(rank: int, world: int) -> float:
     if rank == 0:
         print(f"{blocks} MoE blocks expert parallel over {groups.ep_size} ranks ({8 // groups.ep_size} experts each); "
               f"max |logits - original| = {err:.1e}, max |embedding grad - original| = {emb:.1e}")
-    return max(err, emb)
+
+    # One SGD step on the mean of the ranks' losses. A rank's expert gradients already sum over
+    # every rank's tokens; the replicated rest (attention, routers...) must be summed over the
+    # ranks, as DDP would, or the replicas drift apart and no single checkpoint holds them.
+    sharded = {id(p) for m in ep_model.modules() if isinstance(m, ExpertParallelMoE) for p in m.experts.parameters()}
+    with torch.no_grad():
+        for p in ep_model.parameters():
+            if p.grad is not None:
+                if id(p) not in sharded:
+                    torch.distributed.all_reduce(p.grad)
+                p -= 0.1 * p.grad / world
+        trained = ep_model(ids).logits
+    state = full_state_dict(ep_model)                      # collective: original keys, all 8 experts
+    path = os.path.join(tempfile.gettempdir(), f"expertrail-hf-example-{os.getppid()}.pt")
+    if rank == 0:
+        torch.save(state, path)                             # one file, loadable without expertrail
+    torch.distributed.barrier()
+    plain = Qwen3MoeForCausalLM(config)
+    plain.load_state_dict(torch.load(path))
+    unpatch_model(ep_model)                                 # collective: plain transformers blocks again
+    with torch.no_grad():
+        saved = (plain(ids).logits - trained).abs().max().item()
+        back = (ep_model(ids).logits - trained).abs().max().item()
+    torch.distributed.barrier()
+    if rank == 0:
+        os.remove(path)
+        print(f"after a step: checkpoint loaded into the plain model: max |logits diff| = {saved:.1e}; "
+              f"unpatched: {back:.1e}")
+    return max(err, emb, saved, back)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ _EXPORTS = {
     "EPGroups": "topology",
 }
 
+# Submodules reachable as attributes (``er.hf``) without an import of their own.
+_SUBMODULES = {"hf"}
+
 __all__ = sorted(_EXPORTS)
 
 
@@ -28,8 +31,10 @@ def __getattr__(name: str):
         value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
         globals()[name] = value
         return value
+    if name in _SUBMODULES:
+        return import_module(f".{name}", __name__)      # importing binds it in globals()
     raise AttributeError(f"module 'expertrail' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(list(globals()) + __all__)
+    return sorted(set(globals()) | set(__all__) | _SUBMODULES)

@@ -6,16 +6,46 @@ transformers 5 keeps a sparse MoE block's experts fused in 3D parameters
 DeepSeek-V3 alike. `ExpertParallelMoE` keeps the block's own router (and shared experts),
 keeps this rank's slice of the experts as `GroupedExperts`, and moves tokens with an
 expertrail dispatcher. `patch_model` does it for every MoE block of a model.
+
+Checks made at patch time, so that a patched model is never silently wrong:
+
+- the block computes ``experts(gate(x)) [+ shared_experts(x)]`` with plain SwiGLU experts
+  (`why_unsupported` names what else it holds: a shared-expert gate, a clamped activation,
+  expert biases...), and a model without any such block is an error;
+- every rank of the EP group holds the same router, shared experts and full expert tensors
+  (a checksum compared across ranks), since each rank keeps only its slice of the experts.
+
+Saving: a patched model's ``state_dict()`` is this rank's shard (expert tensors of
+``E_local`` rows, plus ``_extra_state`` naming the rows); `full_state_dict` gathers the
+checkpoint of the unpatched model, and `unpatch_model` turns the blocks back.
 """
 from __future__ import annotations
+
+import copy
+import zlib
 
 import torch
 from torch import nn
 
 from .dispatch import make_dispatcher
-from .errors import ConfigError
+from .errors import ConfigError, ConfigMismatchError
 from .experts import GroupedExperts
-from .topology import EPGroups
+from .topology import EPGroups, all_gather_ints, all_gather_single, check_same_on_all_ranks, guarded
+
+# What ExpertParallelMoE reproduces. A block or experts module holding anything else may
+# compute something the adapter does not (a gated shared expert, a routed scaling factor,
+# a clamped SwiGLU...), so it is refused rather than patched into a different function.
+_BLOCK_CHILDREN = {"gate", "experts", "shared_experts"}
+_BLOCK_ATTRIBUTES = {"training", "config", "top_k", "jitter_noise", "hidden_dim", "num_experts"}
+_EXPERTS_ATTRIBUTES = {"training", "config", "num_experts", "hidden_dim", "intermediate_dim", "act_fn",
+                       "has_gate", "has_bias", "has_post_expert_norm", "is_transposed", "is_concatenated"}
+# Flags transformers' @use_experts_implementation sets: the layout GroupedExperts computes.
+_EXPERTS_FLAGS = {"has_gate": True, "has_bias": False, "has_post_expert_norm": False, "is_transposed": False,
+                  "is_concatenated": True}
+RECOGNISED = ("a module with a router `gate` (returning (logits, topk_weights, topk_idx)) and an `experts` "
+              "module holding fused 3D weights gate_up_proj [E, 2F, H] and down_proj [E, H, F], "
+              "and optionally `shared_experts` (transformers>=5; tested against the original: Qwen3MoeSparseMoeBlock, "
+              "MixtralSparseMoeBlock, DeepseekV3MoE)")
 
 
 def is_sparse_moe_block(module: nn.Module) -> bool:
@@ -25,26 +55,198 @@ def is_sparse_moe_block(module: nn.Module) -> bool:
     return hasattr(module, "gate") and isinstance(weight, torch.Tensor) and weight.dim() == 3
 
 
+def _public_attributes(module: nn.Module) -> dict:
+    return {k: v for k, v in vars(module).items() if not k.startswith("_")}
+
+
+def why_unsupported(block: nn.Module) -> str | None:
+    """Why `ExpertParallelMoE` cannot reproduce ``block``, or None when it can.
+
+    Supported: a `is_sparse_moe_block` whose forward is ``experts(gate(x)) [+ shared_experts(x)]``
+    with SwiGLU-style experts ``down @ (act(gate @ x) * (up @ x))``, no biases, gate rows first.
+    Anything else the block or its experts hold is refused by name.
+    """
+    if not is_sparse_moe_block(block):
+        experts = getattr(block, "experts", None)
+        if hasattr(block, "gate") and isinstance(experts, nn.ModuleList):
+            return ("its experts are an nn.ModuleList of per-expert MLPs (the transformers 4.x layout); "
+                    "install transformers>=5, which fuses them into 3D gate_up_proj / down_proj")
+        return f"it is not {RECOGNISED}"
+    reasons = []
+    extra_children = sorted(n for n, m in block.named_children() if n not in _BLOCK_CHILDREN and m is not None)
+    if extra_children:
+        reasons.append(f"the block has submodules {extra_children}")
+    own = sorted(n for n, _ in block.named_parameters(recurse=False)) + sorted(n for n, _ in block.named_buffers(recurse=False))
+    if own:
+        reasons.append(f"the block has its own parameters/buffers {own}")
+    attrs = sorted(k for k, v in _public_attributes(block).items() if k not in _BLOCK_ATTRIBUTES and v is not None)
+    if attrs:
+        reasons.append(f"the block has attributes {attrs}")
+    experts = block.experts
+    params = sorted(n for n, _ in experts.named_parameters())
+    if params != ["down_proj", "gate_up_proj"]:
+        reasons.append(f"its experts hold parameters {params}, not just gate_up_proj and down_proj")
+    buffers = sorted(n for n, _ in experts.named_buffers())
+    if buffers:
+        reasons.append(f"its experts hold buffers {buffers}")
+    extra = sorted(k for k, v in _public_attributes(experts).items() if k not in _EXPERTS_ATTRIBUTES and v is not None)
+    extra += sorted(n for n, _ in experts.named_children() if n != "act_fn")
+    if extra:
+        reasons.append(f"its experts have attributes {extra} (e.g. a clamped or biased activation)")
+    flags = {k: getattr(experts, k) for k in _EXPERTS_FLAGS if getattr(experts, k, _EXPERTS_FLAGS[k]) != _EXPERTS_FLAGS[k]}
+    if flags:
+        reasons.append(f"its experts use another layout: {flags} (expected {_EXPERTS_FLAGS})")
+    gate_up, down = experts.gate_up_proj, getattr(experts, "down_proj", None)
+    e, two_f, h = gate_up.shape
+    if not isinstance(down, torch.Tensor) or tuple(down.shape) != (e, h, two_f // 2) or two_f % 2:
+        shape = tuple(down.shape) if isinstance(down, torch.Tensor) else None
+        reasons.append(f"experts.gate_up_proj {tuple(gate_up.shape)} and experts.down_proj {shape} are not "
+                       "[E, 2F, H] and [E, H, F]")
+    if not reasons:
+        return None
+    return "; ".join(reasons) + ", which ExpertParallelMoE does not reproduce"
+
+
+# --- cross-rank checksum of the replicated weights ---------------------------------------
+
+_CHUNK = 1 << 22       # words per step: bounds the int64 temporaries to 32 MiB each
+_PRIME = 65521         # position weights 1..65521 keep every product below 2**31
+
+
+def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
+    """int64 [2]: the sum of ``t``'s bytes read as 16-bit words, and that sum weighted by
+    each word's position (mod 65521, plus 1).
+
+    Integer sums are exact, so ranks holding the same bytes agree bitwise whatever the
+    reduction order, device or thread count; one changed bit changes the first sum, swapped
+    rows change the second. Runs on ``t``'s device (one pass, no copy to the host).
+    Meta and empty tensors give zeros.
+    """
+    if t.device.type == "meta" or t.numel() == 0:
+        return torch.zeros(2, dtype=torch.int64)
+    flat = t.detach().contiguous().view(-1)
+    words = flat.view(torch.int16) if flat.element_size() % 2 == 0 else flat.view(torch.int8)
+    out = torch.zeros(2, dtype=torch.int64, device=t.device)
+    for start in range(0, words.numel(), _CHUNK):
+        chunk = words[start:start + _CHUNK].to(torch.int64)
+        pos = torch.arange(start, start + chunk.numel(), device=t.device) % _PRIME + 1
+        out[0] += chunk.sum()
+        out[1] += (chunk * pos).sum()
+    return out.cpu()
+
+
+def _replicated_tensors(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of what every EP rank must hold identically: the router, the shared
+    experts and the full expert tensors (each rank slices its own rows out of them)."""
+    named = []
+    for part in ("gate", "shared_experts"):
+        module = getattr(block, part, None)
+        if isinstance(module, nn.Module):
+            named += [(f"{part}.{n}", t) for n, t in [*module.named_parameters(), *module.named_buffers()]]
+    for name in ("gate_up_proj", "down_proj"):
+        t = getattr(block.experts, name, None)
+        if isinstance(t, torch.Tensor):
+            named.append((f"experts.{name}", t))
+    return named
+
+
+def _agree_on_structure(named_blocks: list[tuple[str, nn.Module]], groups: EPGroups) -> None:
+    """Raise ConfigMismatchError on every rank unless all ranks of the EP group found the same
+    blocks (paths, classes, tensor names, shapes, dtypes). Collective; run before any check
+    that may raise on one rank only, so that such a check raises on all ranks alike."""
+    text = ";".join(f"{path}:{type(b).__name__}:" + ",".join(f"{n}{tuple(t.shape)}{t.dtype}" for n, t in _replicated_tensors(b))
+                    for path, b in named_blocks)
+    check_same_on_all_ranks({"MoE blocks found": len(named_blocks),
+                             "their paths, classes and weight shapes (crc32)": zlib.crc32(text.encode())},
+                            groups.ep_group, groups.device, "the model being made expert parallel")
+
+
+def _differing(named: list[tuple[object, torch.Tensor]], groups: EPGroups) -> list[tuple[object, list[list[int]]]]:
+    """(key, global ranks grouped by the copy they hold) of every tensor whose `tensor_checksum`
+    differs across the EP group. Collective: one all-gather of two ints per tensor."""
+    if not named:
+        return []
+    mine = torch.stack([tensor_checksum(t) for _, t in named]).view(-1).tolist()
+    with guarded("the weight check's all_gather", groups.label, groups.timeout):
+        table = all_gather_ints(mine, groups.ep_group, groups.device)
+    out = []
+    for i, (key, _) in enumerate(named):
+        copies: dict[tuple, list[int]] = {}
+        for ep_rank, row in enumerate(table):
+            copies.setdefault(tuple(row[2 * i:2 * i + 2]), []).append(groups.ep_ranks[ep_rank])
+        if len(copies) > 1:
+            out.append((key, sorted(copies.values())))
+    return out
+
+
+def _compare_checksums(named_blocks: list[tuple[str, nn.Module]], groups: EPGroups) -> None:
+    entries = [((path, name), t) for path, b in named_blocks for name, t in _replicated_tensors(b)]
+    differing: dict[str, list[str]] = {}
+    holders: dict[str, set] = {}
+    for (path, name), copies in _differing(entries, groups):
+        differing.setdefault(path, []).append(name)
+        holders.setdefault(path, set()).update(tuple(r) for r in copies)
+    if not differing:
+        return
+    lines = [f"  {path}: {', '.join(names)} differ (ranks holding the same copy: "
+             f"{', '.join(str(list(r)) for r in sorted(holders[path]))})" for path, names in list(differing.items())[:8]]
+    if len(differing) > 8:
+        lines.append(f"  ... and {len(differing) - 8} more blocks")
+    raise ConfigMismatchError(
+        f"the MoE weights differ between ranks of {groups.label}; each rank keeps only its slice of the experts "
+        "and its own router, so the expert-parallel model would compute a different function from every rank's "
+        "original:\n" + "\n".join(lines) + "\nEvery rank must hold the same model before patching: seed every rank "
+        "the same (torch.manual_seed(seed) before building the model) or load the same checkpoint on every rank.")
+
+
+def check_same_weights(named_blocks: list[tuple[str, nn.Module]], groups: EPGroups) -> None:
+    """Raise ConfigMismatchError on every rank of the EP group unless all its ranks hold the
+    same blocks with the same router, shared experts and full expert tensors, compared by
+    `tensor_checksum`. ``named_blocks``: (path, block) pairs, in the same order on every rank;
+    the paths name the blocks in the error.
+
+    Collective over ``groups.ep_group``: two small all-gathers (structure, then checksums).
+    """
+    _agree_on_structure(named_blocks, groups)
+    _compare_checksums(named_blocks, groups)
+
+
+# --- the adapter ------------------------------------------------------------------------
+
 class ExpertParallelMoE(nn.Module):
     """A transformers sparse MoE block whose experts are sharded over ``groups``' EP group.
 
     ``forward(hidden_states [..., H]) -> [..., H]`` equals the original block's (within float
-    rounding) on every backend; each rank keeps experts ``[r * E_local, (r + 1) * E_local)``.
-    Every rank of the EP group must wrap the same block (same weights) and call forward
-    together.
+    rounding) on every backend; each rank keeps experts ``[r * E_local, (r + 1) * E_local)``
+    as ``experts.gate_up_proj [E_local, 2F, H]`` and ``experts.down_proj [E_local, H, F]``.
+
+    Collective: every rank of the EP group must wrap the same block (same weights: checked,
+    unless ``check_weights=False``) and call forward together. ``block`` itself is left as
+    it was. ``state_dict()`` is this rank's shard, tagged with its expert rows; loading a
+    full (unpatched) checkpoint slices this rank's rows. `full_expert_weights` and `unpatch`
+    gather the full experts back.
     """
 
-    def __init__(self, block: nn.Module, groups: EPGroups, backend: str = "alltoall", **dispatcher_options):
+    def __init__(self, block: nn.Module, groups: EPGroups, backend: str = "alltoall", check_weights: bool = True,
+                 **dispatcher_options):
         super().__init__()
-        if not is_sparse_moe_block(block):
-            raise ConfigError(f"{type(block).__name__} is not a sparse MoE block with fused 3D expert weights "
-                              "(transformers 5.x: .gate and .experts.gate_up_proj [E, 2F, H])")
+        named = [(type(block).__name__, block)]
+        if check_weights and is_sparse_moe_block(block):
+            _agree_on_structure(named, groups)    # so that the checks below raise on every rank alike
+        reason = why_unsupported(block)
+        if reason is not None:
+            raise ConfigError(f"cannot make {type(block).__name__} expert parallel: {reason}. "
+                              f"Supported: {RECOGNISED}")
+        if check_weights:
+            _compare_checksums(named, groups)
         fused = block.experts
         num_experts, two_f, hidden = fused.gate_up_proj.shape
         self.gate = block.gate
         self.shared_experts = getattr(block, "shared_experts", None)
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
         self.dispatcher = make_dispatcher(backend, groups, num_experts=num_experts, hidden=hidden, **dispatcher_options)
+        self.groups = groups
+        self.num_experts = num_experts
         local = self.dispatcher.num_local_experts
         first = groups.ep_rank * local
         weight = fused.gate_up_proj
@@ -53,7 +255,18 @@ class ExpertParallelMoE(nn.Module):
         with torch.no_grad():
             self.experts.gate_up_proj.copy_(fused.gate_up_proj[first:first + local])
             self.experts.down_proj.copy_(fused.down_proj[first:first + local])
+        self.experts.gate_up_proj.requires_grad_(fused.gate_up_proj.requires_grad)
+        self.experts.down_proj.requires_grad_(fused.down_proj.requires_grad)
         self.first_expert = first
+        # The block to give back on `unpatch`: the same router and shared experts objects (so
+        # it sees their training), the full expert tensors replaced by meta placeholders (so
+        # no rank keeps all experts). Kept out of the module tree: not a submodule, not saved.
+        memo = {id(self.gate): self.gate}
+        if self.shared_experts is not None:
+            memo[id(self.shared_experts)] = self.shared_experts
+        for p in (fused.gate_up_proj, fused.down_proj):
+            memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+        object.__setattr__(self, "_original", copy.deepcopy(block, memo))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -68,15 +281,179 @@ class ExpertParallelMoE(nn.Module):
         y = self.dispatcher.combine(self.experts(res.tokens, res.tokens_per_expert), res).view(shape)
         return y if shared is None else y + shared
 
+    # -- saving and loading --
 
-def patch_model(model: nn.Module, groups: EPGroups, backend: str = "alltoall", **dispatcher_options) -> int:
+    def get_extra_state(self) -> torch.Tensor:
+        """int64 [3]: (first expert, E_local, E) of the expert rows in this shard."""
+        return torch.tensor([self.first_expert, self.experts.num_local_experts, self.num_experts])
+
+    def set_extra_state(self, state) -> None:
+        have = [int(v) for v in torch.as_tensor(state).tolist()]
+        mine = self.get_extra_state().tolist()
+        if have != mine:
+            a, n, e = have
+            raise ConfigMismatchError(
+                f"this state dict holds experts [{a}, {a + n}) of {e}, but this rank holds experts "
+                f"[{mine[0]}, {mine[0] + mine[1]}) of {mine[2]}: a patched model's state_dict() is one rank's shard. "
+                "Load on each rank the shard that rank saved, with the same EP size, or save with "
+                "expertrail.hf.full_state_dict(model), which any rank (and the unpatched model) can load.")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # A full checkpoint (the unpatched block's, or full_state_dict's) has E expert rows and
+        # no expert-row tag: keep this rank's rows. load_state_dict hands children this dict
+        # (its own copy), so the rows replaced here are the ones experts loads.
+        local, first = self.experts.num_local_experts, self.first_expert
+        full = []
+        for name in ("gate_up_proj", "down_proj"):
+            key = f"{prefix}experts.{name}"
+            t = state_dict.get(key)
+            if t is not None and t.dim() == 3 and t.shape[0] == self.num_experts and local != self.num_experts:
+                state_dict[key] = t[first:first + local]
+                full.append(key)
+        tag = prefix + "_extra_state"
+        if full and tag in state_dict:
+            raise ConfigMismatchError(f"{', '.join(full)} hold all {self.num_experts} experts but the state dict also "
+                                      f"has {tag}, which marks a one-rank shard: the state dict mixes two formats")
+        if full or (local == self.num_experts and tag not in state_dict):
+            state_dict[tag] = self.get_extra_state()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def full_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full expert tensors, gathered from the EP group: ``gate_up_proj [E, 2F, H]`` and
+        ``down_proj [E, H, F]``, detached, on this rank's expert device. Collective."""
+        return self._gather(self.experts.gate_up_proj), self._gather(self.experts.down_proj)
+
+    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+        g = self.groups
+        src = local.detach().to(g.device).contiguous()
+        out = torch.empty((g.ep_size * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=g.device)
+        with guarded("the expert all_gather", g.label, g.timeout):
+            all_gather_single(out, src, group=g.ep_group)
+        return out.to(local.device)
+
+    def unpatch(self) -> nn.Module:
+        """The original transformers block with the full (current) expert weights, gathered
+        from the EP group, and this module's router and shared experts. Collective."""
+        gate_up, down = self.full_expert_weights()
+        block = self._original
+        block.experts.gate_up_proj = nn.Parameter(gate_up, requires_grad=self.experts.gate_up_proj.requires_grad)
+        block.experts.down_proj = nn.Parameter(down, requires_grad=self.experts.down_proj.requires_grad)
+        return block.to(gate_up.device).train(self.training)
+
+
+# --- whole models -------------------------------------------------------------------------
+
+def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_name, _, child = path.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def patch_model(model: nn.Module, groups: EPGroups, backend: str = "alltoall", check_weights: bool = True,
+                **dispatcher_options) -> int:
     """Replace every sparse MoE block of ``model`` by an `ExpertParallelMoE`; returns how many.
 
-    Collective: every rank of the EP group must patch the same model.
+    Collective: every rank of the EP group must patch the same model. Before anything is
+    replaced, the ranks agree on the blocks found, and (unless ``check_weights=False``) on
+    a checksum of each block's router, shared experts and full expert tensors.
+
+    Raises ConfigError (on every rank) if the model has no sparse MoE block (a dense model:
+    nothing to make expert parallel) or has one `ExpertParallelMoE` cannot reproduce
+    (`why_unsupported`), ConfigMismatchError if ranks hold different weights.
     """
+    if is_sparse_moe_block(model):
+        raise ConfigError(f"model is itself a sparse MoE block ({type(model).__name__}), which patch_model cannot "
+                          "replace in place: use ExpertParallelMoE(block, groups) instead")
     targets = [(name, m) for name, m in model.named_modules() if is_sparse_moe_block(m)]
+    _agree_on_structure(targets, groups)       # collective: from here on every rank raises alike
+    if not targets:
+        legacy = [name for name, m in model.named_modules()
+                  if hasattr(m, "gate") and isinstance(getattr(m, "experts", None), nn.ModuleList)]
+        hint = (f" {legacy[0]} looks like a transformers 4.x MoE block (experts in an nn.ModuleList): install "
+                "transformers>=5." if legacy else " A dense model has nothing to shard over experts: run it without "
+                "expert parallelism, or check the model class.")
+        raise ConfigError(f"patch_model found no transformers-5 sparse MoE block in {type(model).__name__}; it "
+                          f"recognises {RECOGNISED}.{hint}")
+    refused = [(name, type(m).__name__, why_unsupported(m)) for name, m in targets]
+    refused = [r for r in refused if r[2] is not None]
+    if refused:
+        raise ConfigError("patch_model cannot make these MoE blocks expert parallel without changing what they "
+                          "compute:\n" + "\n".join(f"  {name} ({cls}): {why}" for name, cls, why in refused[:8])
+                          + f"\nSupported: {RECOGNISED}")
+    if check_weights:
+        _compare_checksums(targets, groups)
     for name, block in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, ExpertParallelMoE(block, groups, backend, **dispatcher_options))
+        _replace(model, name, ExpertParallelMoE(block, groups, backend, check_weights=False, **dispatcher_options))
     return len(targets)
+
+
+def _patched_blocks(model: nn.Module) -> list[tuple[str, ExpertParallelMoE]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, ExpertParallelMoE)]
+
+
+def _agree_on_patched(blocks: list[tuple[str, ExpertParallelMoE]], what: str) -> None:
+    if blocks:
+        shapes = ";".join(f"{n}:{tuple(m.experts.gate_up_proj.shape)}:{m.num_experts}" for n, m in blocks)
+        g = blocks[0][1].groups
+        check_same_on_all_ranks({"patched MoE blocks": len(blocks), "their paths and shapes (crc32)": zlib.crc32(shapes.encode())},
+                                g.ep_group, g.device, what)
+
+
+def full_state_dict(model: nn.Module, check_replicas: bool = True) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` as the unpatched model has it: every `ExpertParallelMoE`'s
+    experts gathered to the full ``experts.gate_up_proj [E, 2F, H]`` and
+    ``experts.down_proj [E, H, F]`` under the original keys, without the shard tags.
+
+    Collective over the EP group; every rank gets the whole dict (so it costs the full
+    expert memory on every rank). Load it into the unpatched model (``load_state_dict``),
+    or into a patched one of any EP size (it takes its own rows), or save it from one rank.
+
+    The other entries (routers, shared experts, attention...) are this rank's copies. With
+    ``check_replicas`` (default) they must be bitwise equal on every rank of the EP group,
+    else ConfigMismatchError on every rank: replicas drift apart when their gradients are
+    not summed over the ranks (DDP or an all_reduce), and one rank's checkpoint then stands
+    for that rank only. Plain tensors are compared; tensor subclasses (DTensor) are not.
+    """
+    blocks = _patched_blocks(model)
+    _agree_on_patched(blocks, "full_state_dict's model")
+    state = model.state_dict()
+    if not blocks:
+        return state
+    sharded = {f"{name}.{key}" if name else key for name, _ in blocks
+               for key in ("experts.gate_up_proj", "experts.down_proj", "_extra_state")}
+    if check_replicas:
+        groups = blocks[0][1].groups
+        drift = _differing([(k, t) for k, t in state.items() if k not in sharded and type(t) is torch.Tensor], groups)
+        if drift:
+            lines = [f"  {key} (ranks holding the same copy: {', '.join(map(str, copies))})" for key, copies in drift[:8]]
+            if len(drift) > 8:
+                lines.append(f"  ... and {len(drift) - 8} more")
+            raise ConfigMismatchError(
+                f"full_state_dict: the replicated weights differ between ranks of {groups.label}, so this rank's "
+                "checkpoint would not hold the model the other ranks run:\n" + "\n".join(lines) + "\nSum the "
+                "gradients of every parameter but the experts' over the ranks before each step (DDP, or "
+                "torch.distributed.all_reduce), or pass check_replicas=False to save this rank's copy anyway.")
+    for name, block in blocks:
+        prefix = f"{name}." if name else ""
+        state[prefix + "experts.gate_up_proj"], state[prefix + "experts.down_proj"] = block.full_expert_weights()
+        state.pop(prefix + "_extra_state", None)
+    return state
+
+
+def unpatch_model(model: nn.Module) -> int:
+    """Turn every `ExpertParallelMoE` of ``model`` back into its original transformers block
+    with the full current expert weights (gathered from the EP group); returns how many.
+
+    Collective: every rank of the EP group must call it. The unpatched model runs on one
+    rank without any process group, and ``save_pretrained`` / ``state_dict`` give the
+    usual checkpoint.
+    """
+    blocks = _patched_blocks(model)
+    _agree_on_patched(blocks, "unpatch_model's model")
+    if blocks and blocks[0][0] == "":
+        raise ConfigError("model is itself an ExpertParallelMoE: call model.unpatch() to get the original block")
+    for name, block in blocks:
+        _replace(model, name, block.unpatch())
+    return len(blocks)

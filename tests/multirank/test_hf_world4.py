@@ -4,6 +4,7 @@ import torch
 
 import expertrail as er
 
+import hf_workers
 import workers
 
 pytest.importorskip("transformers")
@@ -39,3 +40,54 @@ def test_hf_block_equals_original_bf16(world4, kind, backend):
 
 def test_patch_model_replaces_every_moe_block(world4):
     assert world4.run(workers.patched_model_counts) == [(2, 2)] * 4
+
+
+WEIGHT_MISMATCHES = {
+    # how -> text every rank's error must contain
+    "unseeded": ["model.layers.0.mlp: gate.weight", "model.layers.1.mlp:", "experts.gate_up_proj",
+                 "ranks holding the same copy: [0], [1], [2], [3]", "seed every rank the same"],
+    "one_bit": ["model.layers.1.mlp: experts.gate_up_proj differ (ranks holding the same copy: [0, 1, 3], [2])"],
+    "block": ["DeepseekV3MoE: shared_experts.down_proj.weight differ (ranks holding the same copy: [0, 2, 3], [1])"],
+}
+
+
+@pytest.mark.parametrize("how", sorted(WEIGHT_MISMATCHES))
+def test_patch_refuses_ranks_with_different_weights(world4, how):
+    errors = world4.run_expect_error(hf_workers.patch_with_differing_weights, how)
+    for exc in errors.values():
+        assert isinstance(exc, er.ConfigMismatchError), repr(exc)
+        for text in WEIGHT_MISMATCHES[how]:
+            assert text in str(exc), str(exc)
+    if how == "one_bit":
+        assert "layers.0" not in str(errors[0])
+
+
+UNSUPPORTED = {
+    "dense_llama": (er.ConfigError, "found no transformers-5 sparse MoE block in LlamaForCausalLM"),
+    "qwen2_moe": (er.ConfigError, "model.layers.0.mlp (Qwen2MoeSparseMoeBlock): the block has submodules "
+                                  "['shared_expert', 'shared_expert_gate']"),
+    "layers_differ": (er.ConfigMismatchError, "MoE blocks found: rank 0=2, rank 1=2, rank 2=2, rank 3=1"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNSUPPORTED))
+def test_patch_refuses_models_it_cannot_reproduce_on_every_rank(world4, kind):
+    cls, text = UNSUPPORTED[kind]
+    errors = world4.run_expect_error(hf_workers.patch_unsupported_model, kind)
+    for exc in errors.values():
+        assert isinstance(exc, cls) and text in str(exc), repr(exc)
+
+
+def test_full_state_dict_loads_into_the_unpatched_model_and_unpatch_round_trips(world4):
+    assert world4.run(hf_workers.save_and_load_round_trip) == [(8, 32, 32)] * 4
+
+
+def test_unpatch_gives_back_the_original_model(world4):
+    world4.run(hf_workers.unpatch_gives_the_original)
+
+
+def test_state_dict_shard_of_another_rank_is_refused(world4):
+    refused = world4.run(hf_workers.load_other_ranks_shard)
+    assert refused[0] is None                     # rank 0 loads its own shard
+    for message in refused[1:]:
+        assert "this state dict holds experts [0, 2) of 8" in message and "full_state_dict" in message, message

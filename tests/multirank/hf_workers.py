@@ -1,0 +1,172 @@
+"""Functions run on every rank by the transformers tests: fn(rank, world, ...)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import expertrail as er
+from expertrail.hf import ExpertParallelMoE, full_state_dict, patch_model, unpatch_model
+
+from workers import groups_for, tiny_block
+
+
+def tiny_qwen3(seed: int = 0, layers: int = 2):
+    """A tiny random Qwen3-MoE language model (hidden 32, 8 experts, top-2), in eval mode."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=8, num_experts_per_tok=2, mlp_only_layers=[], decoder_sparse_step=1)
+    return Qwen3MoeForCausalLM(cfg).eval()
+
+
+def _ids(rank: int) -> torch.Tensor:
+    return torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
+
+
+def patch_with_differing_weights(rank, world, how):
+    """Patch models whose replicated weights differ between ranks; must raise everywhere."""
+    groups = groups_for(None, 2)
+    if how == "unseeded":                 # each rank builds its own random model
+        patch_model(tiny_qwen3(seed=rank), groups)
+    elif how == "one_bit":                # rank 2's layer-1 experts differ in one float's last bit
+        model = tiny_qwen3()
+        if rank == 2:
+            with torch.no_grad():
+                w = model.model.layers[1].mlp.experts.gate_up_proj.view(-1)
+                w[5] = torch.nextafter(w[5], torch.tensor(float("inf")))
+        patch_model(model, groups)
+    elif how == "block":                  # ExpertParallelMoE on its own checks too
+        block = tiny_block("deepseek_v3", torch.float32)
+        if rank == 1:
+            with torch.no_grad():
+                block.shared_experts.down_proj.weight[0, 0] += 1e-3
+        ExpertParallelMoE(block, groups)
+    else:
+        raise ValueError(how)
+
+
+def patch_unsupported_model(rank, world, kind):
+    """patch_model on a model it must refuse (on every rank)."""
+    groups = groups_for(None, 2)
+    if kind == "dense_llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    elif kind == "qwen2_moe":             # a gated shared expert the adapter would drop
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+        torch.manual_seed(0)
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                                   moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                   num_experts=8, num_experts_per_tok=2))
+    elif kind == "layers_differ":         # rank 3 holds a different model: must not hang
+        model = tiny_qwen3(layers=1 if rank == 3 else 2)
+    else:
+        raise ValueError(kind)
+    patch_model(model, groups)
+
+
+def save_and_load_round_trip(rank, world):
+    """patch -> train step -> full_state_dict -> load into the unpatched model and into a
+    patched model of another EP size -> same logits; unpatch -> the same model again."""
+    original = tiny_qwen3()
+    model = copy.deepcopy(original)
+    patch_model(model, groups_for(None, 2), backend="alltoall")
+    ids = _ids(rank)
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 0.5 * p.grad
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids).logits
+
+    # Each rank stepped on its own batch with no gradient sum: the replicas drifted apart.
+    try:
+        full_state_dict(model)
+        drift = None
+    except er.ConfigMismatchError as err:
+        drift = str(err)
+    assert drift is not None and "model.embed_tokens.weight (ranks holding the same copy: [0], [1], [2], [3])" in drift \
+        and "check_replicas=False" in drift, drift
+    state = full_state_dict(model, check_replicas=False)          # this rank's copy, knowingly
+    ref = original.state_dict()
+    assert list(state) == list(ref) or sorted(state) == sorted(ref), sorted(set(state) ^ set(ref))
+    for key, t in ref.items():
+        assert state[key].shape == t.shape, (key, state[key].shape, t.shape)
+    experts_key = "model.layers.0.mlp.experts.gate_up_proj"
+    assert not torch.equal(state[experts_key], ref[experts_key]), "the train step did not change the experts"
+
+    fresh = copy.deepcopy(original)
+    fresh.load_state_dict(state)                       # strict: same keys, same shapes
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids).logits, logits, rtol=1e-5, atol=1e-5)
+
+    other = copy.deepcopy(original)                    # a full checkpoint loads at any EP size
+    patch_model(other, groups_for(2, 1), backend="dedup")
+    other.load_state_dict(state)
+    with torch.no_grad():
+        torch.testing.assert_close(other(ids).logits, logits, rtol=1e-5, atol=1e-5)
+
+    assert unpatch_model(model) == 2
+    assert not any(isinstance(m, ExpertParallelMoE) for m in model.modules())
+    assert [type(m) for m in model.modules()] == [type(m) for m in original.modules()]
+    restored = model.state_dict()
+    assert sorted(restored) == sorted(state)
+    for key, t in state.items():
+        assert torch.equal(restored[key], t), key
+    with torch.no_grad():                              # runs alone: no collective any more
+        torch.testing.assert_close(model(ids).logits, logits, rtol=1e-5, atol=1e-5)
+    return tuple(state[experts_key].shape)
+
+
+def unpatch_gives_the_original(rank, world):
+    """patch then unpatch, no training: bitwise the original parameters, classes and logits."""
+    original = tiny_qwen3()
+    model = copy.deepcopy(original)
+    patch_model(model, groups_for(None, 2), backend="hierarchical")
+    assert unpatch_model(model) == 2
+    a, b = model.state_dict(), original.state_dict()
+    assert list(a) == list(b)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    assert [type(m) for m in model.modules()] == [type(m) for m in original.modules()]
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {n for n, _ in original.named_parameters()}
+    with torch.no_grad():
+        assert torch.equal(model(_ids(rank)).logits, original(_ids(rank)).logits)
+    return len(a)
+
+
+def load_other_ranks_shard(rank, world):
+    """A patched state_dict() is this rank's shard: it reloads on its own rank, another
+    rank's shard is refused, and a full checkpoint loads (this rank's rows)."""
+    original = tiny_qwen3()
+    model = copy.deepcopy(original)
+    groups = groups_for(None, 2)
+    patch_model(model, groups)
+    shard = model.state_dict()
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    assert shard[key].shape[0] == 2 and "model.layers.0.mlp._extra_state" in shard
+    target = copy.deepcopy(original)
+    patch_model(target, groups)
+    target.load_state_dict(shard)                      # its own shard
+    shards = [None] * world
+    dist.all_gather_object(shards, shard)
+    try:
+        target.load_state_dict(shards[0])              # "saved on rank 0, loaded everywhere"
+        refused = None
+    except er.ConfigMismatchError as err:
+        refused = str(err)
+    fresh = copy.deepcopy(original)
+    patch_model(fresh, groups)
+    with torch.no_grad():
+        fresh.model.layers[0].mlp.experts.gate_up_proj.zero_()
+    fresh.load_state_dict(original.state_dict())       # the unpatched checkpoint: rows sliced
+    assert torch.equal(fresh.model.layers[0].mlp.experts.gate_up_proj,
+                       original.model.layers[0].mlp.experts.gate_up_proj[2 * rank:2 * rank + 2])
+    return refused
