@@ -1,7 +1,10 @@
 """Dispatch, run experts, combine: on 4 local CPU ranks, or under torchrun.
 
-    python examples/quickstart.py                               # spawns 4 gloo ranks
-    torchrun --nproc-per-node 4 examples/quickstart.py          # uses torchrun's ranks
+    .venv/bin/python examples/quickstart.py                          # spawns 4 gloo ranks
+    .venv/bin/torchrun --nproc-per-node 4 examples/quickstart.py     # uses torchrun's ranks
+
+Either way every rank checks its result against the same computation done locally, and the
+script prints "ok" only if every rank agrees within 1e-5 (it exits non-zero otherwise).
 """
 import os
 
@@ -42,8 +45,13 @@ def moe_step(rank: int, world: int) -> float:
 if __name__ == "__main__":
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
-        moe_step(dist.get_rank(), dist.get_world_size())
+        worst = torch.tensor([moe_step(dist.get_rank(), dist.get_world_size())])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)       # every rank's error, so that all agree
+        dist.barrier()               # leave together: gloo aborts a rank whose peer tears down first
         dist.destroy_process_group()
+        assert worst.item() < 1e-5, f"max |y - reference| = {worst.item():.2e} on some rank"
+        if os.environ["RANK"] == "0":
+            print("ok")
     else:
         from expertrail.launch import LocalRanks
         with LocalRanks(4) as ranks:

@@ -1,48 +1,17 @@
 """The planner's command line (`plan`, `simulate`, `validate`): clear errors instead of tracebacks,
 JSON with real types, help texts that list the catalogs and both names of each algorithm, a
-closed pipe, and every command the planner docs show."""
+closed pipe. (Every command the docs show runs in tests/test_documented_commands.py.)"""
 import argparse
 import json
 import re
-import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from expertrail import cli
 from expertrail.cli import main
 from expertrail.plan.catalog import HARDWARE, MODELS
-
-ROOT = Path(__file__).resolve().parents[1]
-PLANNER_DOCS = [ROOT / "docs" / "planner.md", ROOT / "docs" / "cost-model.md"]
-
-
-def doc_commands(path, program: str = "expertrail") -> list:
-    """The ``program`` commands in a Markdown file's fenced code blocks, as (argv, expected exit
-    status, line number): a line that starts with ``$ program`` or ``program``, joined with its
-    backslash-continued lines and split as the shell would. A trailing ``# exit N`` comment gives
-    the status the command is expected to end with (0 without one). Lines of output are skipped."""
-    commands, fenced, lines = [], False, Path(path).read_text().splitlines()
-    i = 0
-    while i < len(lines):
-        line, number = lines[i].strip(), i + 1
-        i += 1
-        if line.startswith("```"):
-            fenced = not fenced
-            continue
-        text = line[2:] if line.startswith("$ ") else line
-        if not fenced or not re.match(rf"{re.escape(program)}(\s|$)", text):
-            continue
-        while text.endswith("\\") and i < len(lines):
-            text = text[:-1] + " " + lines[i].strip()
-            i += 1
-        status = re.search(r"#\s*exit\s+(\d+)\s*$", text)
-        argv = shlex.split(text, comments=True)
-        commands.append((argv[1:], int(status.group(1)) if status else 0, number))
-    return commands
-
 
 def run(capsys, *argv):
     """`expertrail ARGV` in this process: (exit status, stdout, stderr)."""
@@ -175,22 +144,3 @@ def test_a_closed_pipe_ends_quietly():
         rc, err = _broken_pipe(argv)
         # the command's own status if it had finished writing, else 141 (128 + SIGPIPE, as the shell reports)
         assert err == "" and rc in (0, 141), (argv, rc, err)
-
-
-def test_doc_commands_are_found():
-    found = {path.name: doc_commands(path) for path in PLANNER_DOCS}
-    assert all(found.values()), found
-    assert any(argv[0] == "validate" and status == 1 for argv, status, _ in found["planner.md"])
-    assert all(argv and argv[0] in ("plan", "simulate", "validate") for cmds in found.values() for argv, _, _ in cmds)
-
-
-@pytest.mark.parametrize("doc,argv,status,line", [(p.name, argv, status, line) for p in PLANNER_DOCS
-                                                  for argv, status, line in doc_commands(p)],
-                         ids=lambda v: v if isinstance(v, str) else None)
-def test_every_planner_doc_command_runs(doc, argv, status, line, tmp_path, monkeypatch, capsys):
-    """Issue 15.15: every `expertrail ...` command of docs/planner.md and docs/cost-model.md runs
-    (in this process, in a scratch directory for the files it writes) and ends as the doc says."""
-    monkeypatch.chdir(tmp_path)
-    rc, out, err = run(capsys, *argv)
-    assert rc == status, f"{doc}:{line}: expertrail {shlex.join(argv)} -> {rc}\n{out}\n{err}"
-    assert "Traceback" not in err

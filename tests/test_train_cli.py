@@ -16,3 +16,30 @@ def test_train_matches_single_process_for_every_backend(tmp_path):
         assert len(r["losses"]) == 20
         assert r["max_abs_diff"] <= 1e-4, name
         assert r["losses"][-1] < 0.5 * r["losses"][0], name      # it learns the token rule
+
+
+def test_summary_names_the_first_step_beyond_the_tolerance():
+    from expertrail.configs import TrainConfig
+    from expertrail.train import summarize
+    report = summarize(TrainConfig(tolerance=1e-4), [4.0, 3.0, 2.0, 1.0],
+                       {"ok": [4.0, 3.0, 2.0, 1.0 + 5e-5], "off": [4.0, 3.0, 2.1, 1.0],
+                        "nan": [4.0, float("nan"), 2.0, 1.0]})["backends"]
+    assert report["ok"]["matches_reference"] and report["ok"]["first_bad_step"] is None
+    assert report["off"]["first_bad_step"] == 2 and not report["off"]["matches_reference"]
+    assert report["nan"]["first_bad_step"] == 1
+
+
+def test_failing_train_names_the_backend_and_says_why():
+    out = subprocess.run([sys.executable, "-m", "expertrail", "train", "--world", "2", "--steps", "1",
+                          "--experts", "3", "--backends", "dedup"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert "FAILED: dedup raised on rank(s) [0, 1]" in out.stderr and "num_experts=3" in out.stderr, out.stderr
+
+
+def test_train_help_describes_every_option_with_its_default():
+    out = subprocess.run([sys.executable, "-m", "expertrail", "train", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for option, default in (("--steps", "20"), ("--tolerance", "0.0001"), ("--world", "4"), ("--lr", "0.3")):
+        options = out.stdout[out.stdout.index("options:"):]
+        described = " ".join(options[options.index(f"  {option} "):].split()[:40])
+        assert f"default {default}" in described, (option, described)

@@ -46,3 +46,4 @@ class TrainConfig:
     lr: float = 0.3
     aux_loss_coeff: float = 1e-2
     seed: int = 0
+    tolerance: float = 1e-4   # largest |loss - single-process loss| `expertrail train` accepts

@@ -1,0 +1,129 @@
+"""Every command shown in README.md and docs/ runs, at small sizes, and ends as the text says.
+
+A command is a line of a fenced code block (a leading ``$ `` dropped, backslash-continued lines
+joined) or an inline code span that `COMMAND` matches: `./run.sh <verb>`, a program under
+`.venv/bin/`, `torchrun ...`, `python ...`, or `expertrail <command>` with arguments (a bare
+`expertrail plan` in a sentence names the command, it is not one to copy). A trailing
+``# exit N`` says the status it must end with (0 otherwise).
+
+Each runs from the repository root as written, with `.venv/bin/` pointed at this test's Python
+environment, output files (`--json`, `--plot`) sent to a temporary folder, and the size options
+of `SMALL` appended (argparse keeps the last value of an option), so the whole list takes a few
+minutes on 2 cores. The planner's commands (torch-free, milliseconds each) run in this process.
+A command that cannot run here says why in `NOT_RUN`.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from expertrail.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+COMMAND = re.compile(r"^([A-Z_]+=\S* )*(\./run\.sh [a-z]|\.venv/bin/[a-z]|torchrun |python3? |expertrail [a-z-]+ )")
+IN_PROCESS = ("plan", "simulate", "validate", "balance")
+
+# Appended to a command that matches the pattern (first match wins): the sizes that keep it quick.
+SMALL = [
+    (r"expertrail bench|run\.sh bench", "--tokens 32 --hidden 16 --iters 1 --warmup 1 --no-progress"),
+    (r"expertrail train", "--steps 20 --world 2 --backends dedup"),
+    (r"benchmarks/(phases|cpu_time|combine_flags)\.py", "--tokens 64 --hidden 8 --iters 2 --warmup 1"),
+    (r"benchmarks/layouts\.py", "--shrink 256 --iters 2 --warmup 1"),
+    (r"benchmarks/messages\.py", "--rows-per-peer 16 --hidden 8 --iters 2 --warmup 1"),
+    (r"benchmarks/soak\.py", "--iters 30 --warmup 10"),
+]
+# Commands shown in the docs that this test does not run, and why.
+NOT_RUN = {
+    "./run.sh test": "the suite itself",
+    ".venv/bin/python benchmarks/gpu_kernels.py": "needs a CUDA device",
+    ".venv/bin/python -m pytest tests/multirank/test_hf_world4.py tests/test_hf.py -q": "part of the suite itself",
+}
+
+
+def documented_commands(path: Path) -> list[tuple[str, int]]:
+    """(command, expected exit status) for every command a reader of ``path`` would copy, in
+    order of appearance, each once."""
+    lines, found, fenced, i = path.read_text().splitlines(), [], False, 0
+    while i < len(lines):
+        line = lines[i].strip()
+        i += 1
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            line = line[2:] if line.startswith("$ ") else line
+            while line.endswith("\\") and i < len(lines):
+                line = line[:-1].rstrip() + " " + lines[i].strip()
+                i += 1
+            found.append(line)
+        else:
+            found += re.findall(r"(?<!`)`([^`]+)`(?!`)", line)
+    commands = []
+    for line in found:
+        status = re.search(r"#\s*exit\s+(\d+)\s*$", line)
+        command = re.sub(r"\s+#.*$", "", line).strip()
+        entry = (command, int(status.group(1)) if status else 0)
+        if COMMAND.match(command) and entry not in commands:
+            commands.append(entry)
+    return commands
+
+
+def runnable(command: str, tmp: Path) -> list[str]:
+    """``command`` as argv, run from the repository root with this test's environment."""
+    bin_dir = str(Path(sys.executable).parent) + "/"
+    argv = shlex.split(command)
+    if argv[0].startswith(".venv/bin/"):
+        argv[0] = bin_dir + argv[0][len(".venv/bin/"):]
+    elif argv[0] in ("expertrail", "torchrun", "python", "python3"):
+        argv[0] = bin_dir + argv[0]
+    for i, arg in enumerate(argv[:-1]):
+        if arg in ("--json", "--plot"):
+            argv[i + 1] = str(tmp / Path(argv[i + 1]).name)
+    for pattern, extra in SMALL:
+        if re.search(pattern, command):
+            argv += extra.split()
+            break
+    return argv
+
+
+ALL = sorted({entry for doc in DOCUMENTS for entry in documented_commands(doc)})
+
+
+def test_the_docs_show_commands_and_every_exclusion_is_still_shown():
+    commands = {c for c, _ in ALL}
+    assert len(commands) > 25 and any(status for _, status in ALL), ALL
+    assert set(NOT_RUN) <= commands, set(NOT_RUN) - commands
+    assert {"./run.sh bench", ".venv/bin/python examples/quickstart.py"} <= commands
+
+
+def test_extraction_joins_continuations_and_reads_the_expected_status(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("Run `expertrail plan --ep 8` or `expertrail plan` (a name).\n\n```\n"
+                   "$ expertrail validate a=1 \\\n    b=2   # exit 1\noutput line\n```\n")
+    assert documented_commands(doc) == [("expertrail plan --ep 8", 0), ("expertrail validate a=1 b=2", 1)]
+
+
+@pytest.mark.parametrize("command,status", [e for e in ALL if e[0] not in NOT_RUN], ids=lambda v: str(v))
+def test_documented_command_runs(command, status, tmp_path, monkeypatch, capsys):
+    argv = runnable(command, tmp_path)
+    if Path(argv[0]).name == "expertrail" and argv[1] in IN_PROCESS:
+        monkeypatch.chdir(ROOT)
+        try:
+            rc = main(argv[1:])
+        except SystemExit as exit_:
+            rc = exit_.code
+        out = capsys.readouterr()
+        stdout, stderr = out.out, out.err
+    else:
+        done = subprocess.run(argv, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True,
+                              text=True, timeout=600, stdin=subprocess.DEVNULL)
+        rc, stdout, stderr = done.returncode, done.stdout, done.stderr
+    assert rc == status, f"{command} -> {rc}\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    assert "Traceback" not in stderr, stderr[-3000:]
