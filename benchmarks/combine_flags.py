@@ -1,20 +1,23 @@
 """What combine's cross-rank agreement costs: ``Dispatcher.combine`` (rows plus one small flags
-message per peer) against the same reverse route without the flags, on 4 local gloo ranks.
+message per peer) against the same combine whose flags are not exchanged, on 4 local gloo ranks.
 
     .venv/bin/python benchmarks/combine_flags.py [--dtype bf16|fp32] [--backend alltoall] [--iters 20]
 
 The two variants alternate call by call on the same dispatch result (this machine is shared
-and noisy); a third column times the flags exchange alone. The table gives the median over
+and noisy); a third column times the flags exchange alone (after a barrier, so it also holds
+the ranks' skew on leaving it). The table gives the median over
 ranks of each rank's median wall time (ms).
 """
 import statistics
 import time
 
+import torch
 import torch.distributed as dist
 
 import expertrail as er
 from bar_options import bar_configuration
 from expertrail.bench import DTYPES
+from expertrail.dispatch.route import Transfer
 from expertrail.launch import LocalRanks
 from expertrail.workload import make_routing, make_tokens
 
@@ -26,9 +29,14 @@ def alternate(rank, world, args):
     d = er.make_dispatcher(args.backend, groups, num_experts=args.experts)
     res = d.dispatch(x, idx, w)
     at_source = res.route.weights_at_source(res.weights)
+    # The same combine, its flags row handed to itself instead of exchanged: everything else
+    # (checks, stats, autograd wrapper, the agreement's reading) stays as it is.
+    unexchanged = er.make_dispatcher(args.backend, groups, num_experts=args.experts)
+    unexchanged._start_combine_flags = lambda error, source, grad: Transfer(
+        torch.tensor([[error, int(source), int(grad)]]).expand(groups.ep_size, -1))
     variants = {
         "combine": lambda: d.combine(res.tokens, res),
-        "no flags": lambda: res.route.transpose_async(res.tokens, res.weights, at_source=at_source).wait(),
+        "no flags": lambda: unexchanged.combine(res.tokens, res),
         "flags alone": lambda: d._finish_combine_flags(d._start_combine_flags(0, at_source, False), None),
     }
     samples = {name: [] for name in variants}

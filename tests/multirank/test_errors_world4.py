@@ -85,6 +85,12 @@ def test_bad_expert_out_on_one_rank_raises_on_every_rank(world4, kind, backend):
 
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
+def test_wider_expert_out_on_every_rank_raises_on_every_rank(world4, backend):
+    for message in world4.run(workers.bad_combine, "wider", None, backend):
+        assert COMBINE_ERRORS["wider"] in message, message
+
+
+@pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 def test_combine_needing_grad_on_one_rank_only_raises_everywhere(world4, backend):
     for message in world4.run(workers.bad_combine, "needs_grad", 2, backend):
         assert "whether gradients are needed differs across EP ranks" in message

@@ -745,7 +745,7 @@ def bad_combine(rank, world, kind, bad_rank=2, backend="alltoall"):
     """Combine where only ``bad_rank`` passes a bad expert_out (or differs in its call); every
     rank must raise InvalidInputError (not time out), and the group must still work after."""
     d, res, out, _ = _combine_case(backend, rank, world)
-    if rank == bad_rank:
+    if rank == bad_rank or bad_rank is None:        # None: every rank
         if kind == "wider":
             out = torch.cat([out, out], 1)
         elif kind == "fewer_rows":

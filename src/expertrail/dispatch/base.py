@@ -271,13 +271,7 @@ class Dispatcher:
         the ranks disagree on gradients. Returns bool [P]: which peers left the routing weights
         to the source side (see `Route.weights_at_source`)."""
         received = flags.wait()
-        errors = received[:, 0].tolist()
-        if any(errors):
-            if message:
-                raise InvalidInputError(message)
-            bad = ", ".join(f"EP rank {r} ({ERROR_KINDS.get(c, c)})" for r, c in enumerate(errors) if c)
-            raise InvalidInputError(f"{self.name} combine aborted on EP rank {self.groups.ep_rank}: invalid "
-                                    f"expert_out on {bad}; see the error raised on that rank")
+        self._raise_agreed_error(received[:, 0].tolist(), message, "combine", "expert_out")
         grads = received[:, 2].tolist()
         if len(set(grads)) > 1:
             shown = ", ".join(f"rank {r}={bool(g)}" for r, g in enumerate(grads))
@@ -339,13 +333,7 @@ class Dispatcher:
         raise on every rank if any rank is in error or the calls do not match."""
         recv = transfer.wait()
         recv_counts, headers = recv[:, :-len(HEADER)], recv[:, -len(HEADER):]
-        errors = headers[:, H_ERROR].tolist()
-        if any(errors):
-            if message:
-                raise InvalidInputError(message)
-            bad = ", ".join(f"EP rank {r} ({ERROR_KINDS.get(c, c)})" for r, c in enumerate(errors) if c)
-            raise InvalidInputError(f"{self.name} dispatch aborted on EP rank {self.groups.ep_rank}: invalid input "
-                                    f"on {bad}; see the error raised on that rank")
+        self._raise_agreed_error(headers[:, H_ERROR].tolist(), message, "dispatch", "input")
         for field in (H_HIDDEN, H_TOPK, H_DTYPE, H_XGRAD, H_WGRAD):
             values = headers[:, field].tolist()
             if len(set(values)) > 1:
@@ -354,6 +342,16 @@ class Dispatcher:
                                         "every rank must call dispatch with the same hidden size, top-k, dtype and "
                                         "requires_grad")
         return recv_counts, headers
+
+    def _raise_agreed_error(self, errors: list, message: str | None, verb: str, subject: str) -> None:
+        """Raise on every rank if any EP rank reported an error kind (``errors``, one per EP
+        rank): this rank's own ``message`` where it is the one in error, else the ranks to look at."""
+        if any(errors):
+            if message:
+                raise InvalidInputError(message)
+            bad = ", ".join(f"EP rank {r} ({ERROR_KINDS.get(c, c)})" for r, c in enumerate(errors) if c)
+            raise InvalidInputError(f"{self.name} {verb} aborted on EP rank {self.groups.ep_rank}: invalid {subject} "
+                                    f"on {bad}; see the error raised on that rank")
 
     def _check_inputs(self, x, topk_idx, topk_weights) -> tuple[int, str | None]:
         """(error kind, message) for this rank's inputs; (0, None) when valid."""

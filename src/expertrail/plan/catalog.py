@@ -62,7 +62,7 @@ MODELS = {m.name: m for m in [
 ]}
 
 
-def _read(path: Path, what: str) -> dict:
+def read_mapping(path: Path, what: str) -> dict:
     """The mapping in a YAML/JSON file; every way it can be unreadable is a `ConfigError`."""
     try:
         text = path.read_text()
@@ -125,7 +125,7 @@ def load_hardware(name_or_file: str) -> Hardware:
     if not path.is_file():
         raise ConfigError(f"--hardware {name_or_file!r}: " + ("a directory; " if path.is_dir() else "")
                           + f"choose one of {', '.join(HARDWARE)} or give a YAML/JSON file")
-    data = _read(path, "--hardware")
+    data = read_mapping(path, "--hardware")
     if isinstance(data.get("hardware"), list):
         if not data["hardware"] or not isinstance(data["hardware"][0], dict):
             raise ConfigError(f"--hardware {name_or_file!r}: 'hardware' holds no entry")
@@ -143,11 +143,11 @@ def load_model(name_or_file: str) -> MoEModel:
         if not (path / "config.json").is_file():
             raise ConfigError(f"--model {name_or_file!r} is a directory without a config.json: give a Hugging Face "
                               f"model directory, its config.json, a YAML/JSON file, or one of {', '.join(MODELS)}")
-        return from_hf_config(_read(path / "config.json", "--model"), path.name)
+        return from_hf_config(read_mapping(path / "config.json", "--model"), path.name)
     if not path.is_file():
         raise ConfigError(f"--model {name_or_file!r}: choose one of {', '.join(MODELS)}, a YAML/JSON file, "
                           "a Hugging Face config.json or model directory")
-    data = _read(path, "--model")
+    data = read_mapping(path, "--model")
     if "hidden_size" in data:
         return from_hf_config(data, path.parent.name if path.name == "config.json" and path.parent.name else path.stem)
     return _build(MoEModel, data, str(path))

@@ -19,14 +19,13 @@ Three kinds of finding:
 from __future__ import annotations
 
 import difflib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from ..errors import ConfigError
 from . import megatron_fields as mf
-from .catalog import HARDWARE, load_hardware
+from .catalog import HARDWARE, load_hardware, read_mapping
 from .simulate import domain_for
 
 FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
@@ -197,26 +196,7 @@ def read_file(source: str) -> dict:
     if not path.exists():
         raise ConfigError(f"config file {source!r} not found (give a YAML/JSON file, key=value overrides or "
                           "Megatron flags such as --expert-model-parallel-size 8)")
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"config file {source!r}: cannot read it ({err})") from None
-    if not text.strip():
-        raise ConfigError(f"config file {source!r} is empty: nothing to validate")
-    yaml_file = path.suffix in (".yaml", ".yml")
-    try:
-        if yaml_file:
-            import yaml
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except Exception as err:                          # yaml.YAMLError, json.JSONDecodeError
-        raise ConfigError(f"config file {source!r} is not valid {'YAML' if yaml_file else 'JSON'}: "
-                          f"{str(err).splitlines()[0]}") from None
-    if data is None:
-        raise ConfigError(f"config file {source!r} holds no fields: nothing to validate")
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {source!r}: expected a mapping of config fields, got {type(data).__name__}")
+    data = read_mapping(path, "config file")
     cfg = _flatten(data, {})
     if not cfg:
         raise ConfigError(f"config file {source!r} holds no fields: nothing to validate")
