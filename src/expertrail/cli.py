@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from .errors import ExpertrailError
+from .errors import ConfigError, ExpertrailError
 from .names import BACKEND_NAMES as BACKENDS
 
 
@@ -385,6 +385,84 @@ def _report(report, args) -> None:
         print(f"wrote {args.plot}")
 
 
+def _cluster_parser(sub) -> None:
+    p = sub.add_parser("cluster", help="an emulated multi-node cluster on this machine (network namespaces, "
+                                       "shaped links)",
+                       description="N emulated nodes: network namespaces joined by veth links to a bridge, the "
+                                   "inter-node links shaped with tc (token bucket) in both directions; ranks of a "
+                                   "node share its loopback. Needs root (CAP_NET_ADMIN) and iproute2. See "
+                                   "docs/emulated-cluster.md.")
+    verbs = p.add_subparsers(dest="verb", required=True)
+    up = verbs.add_parser("up", help="bring a cluster up and leave it up (until `cluster down`)")
+    run = verbs.add_parser("run", help="run a command on every node under torchrun's multi-node launch",
+                           description="Runs `torchrun --nnodes N --node-rank i --nproc-per-node R --rdzv-endpoint "
+                                       "<node 0>:PORT COMMAND` inside each node's namespace (a python script, "
+                                       "-m module, or any program). Without --name, a cluster is brought up for "
+                                       "the run and torn down after it, also on failure or Ctrl-C.")
+    for q in (up, run):
+        q.add_argument("--nodes", type=_positive_int(2), default=2, help="emulated nodes (default %(default)s)")
+        q.add_argument("--inter-link", default="1gbit",
+                       help="each node's link, both directions: RATE[,delay=T][,loss=P] (default %(default)s; "
+                            "delay and loss need the kernel's netem)")
+    run.add_argument("--ranks-per-node", type=_positive_int(2), default=2,
+                     help="ranks per node (torchrun --nproc-per-node; the EP domain size by default) "
+                          "(default %(default)s)")
+    run.add_argument("--name", help="run on this cluster (from `cluster up`) instead of a new one")
+    run.add_argument("--port", type=_positive_int(29400), default=29400,
+                     help="rendezvous port on node 0 (default %(default)s)")
+    run.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped (default: none)")
+    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                     help="the command each rank runs, after --")
+    down = verbs.add_parser("down", help="remove clusters: the named ones, or with --all every one (also "
+                                         "what a killed run left behind)")
+    down.add_argument("names", nargs="*", help="cluster names, as `cluster status` lists them")
+    down.add_argument("--all", action="store_true", help="every emulated cluster on this machine")
+    verbs.add_parser("status", help="list the emulated clusters on this machine")
+
+
+def _run_cluster(args) -> int:
+    from . import cluster as cl
+    if args.verb == "status":
+        records = cl.list_clusters()
+        for name, r in sorted(records.items()):
+            owner = r.get("owner_pid")
+            state = "kept up" if owner == 0 else (f"owned by pid {owner}" if cl._alive(int(owner or -1))
+                                                  else "left behind (owner gone)")
+            link = cl.LinkSpec(**r["inter_link"]) if "inter_link" in r else "?"
+            print(f"{name}: {r.get('nodes', '?')} nodes {', '.join(r.get('address', []))}, inter-link {link}, {state}")
+        stray = sorted({n[:6] for n in cl.leftovers()} - set(records))
+        for name in stray:
+            print(f"{name}: namespaces or links with no record (remove with `expertrail cluster down {name}`)")
+        if not records and not stray:
+            print("no emulated cluster")
+        return 0
+    if args.verb == "down":
+        names = sorted(set(cl.list_clusters()) | {n[:6] for n in cl.leftovers()}) if args.all else args.names
+        if not names:
+            raise ConfigError("name the clusters to remove (see `expertrail cluster status`), or give --all")
+        for name in names:
+            removed = cl.teardown(name)
+            print(f"{name}: removed {len(removed)} namespaces, links and records" if removed else f"{name}: nothing left")
+        return 0
+    link = cl.LinkSpec.parse(args.inter_link)
+    if args.verb == "up":
+        c = cl.Cluster(args.nodes, link).up(keep=True)
+        print(f"{c.prefix}: {c.nodes} nodes ({', '.join(c.address)}), inter-link {link}; "
+              f"run with `expertrail cluster run --name {c.prefix} -- ...`, remove with `expertrail cluster down {c.prefix}`")
+        return 0
+    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not command:
+        raise ConfigError("give the command after --, e.g. expertrail cluster run -- my_script.py --steps 10")
+    if args.name:
+        cl.Cluster.attach(args.name).run(command, args.ranks_per_node, args.timeout, args.port)
+        return 0
+    with cl.Cluster(args.nodes, link) as c:
+        print(f"cluster {c.prefix}: {c.nodes} nodes x {args.ranks_per_node} ranks, inter-link {link} (emulated)",
+              file=sys.stderr)
+        c.run(command, args.ranks_per_node, args.timeout, args.port)
+    return 0
+
+
 def main(argv=None) -> int:
     """The `expertrail` command. A reader that leaves early (``expertrail plan ... | head -1``)
     ends it quietly: no traceback, the command's own status if it had finished, else 141 (128 +
@@ -412,6 +490,7 @@ def _main(argv=None) -> int:
     _simulate_parser(sub)
     _plan_parser(sub)
     _balance_parser(sub)
+    _cluster_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "bench":
@@ -427,6 +506,8 @@ def _main(argv=None) -> int:
         if args.command == "balance":
             from .balance.report import run
             return run(args)
+        if args.command == "cluster":
+            return _run_cluster(args)
     except ExpertrailError as err:
         print(f"expertrail {args.command}: {err}", file=sys.stderr)
         return 2

@@ -1,0 +1,144 @@
+"""The emulated multi-node cluster: real namespaces, real shaped links, real torchrun launches,
+and nothing left behind. Skipped, with the reason, where namespaces cannot be made."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from expertrail import cluster as cl
+from expertrail.cli import main
+from expertrail.errors import ConfigError
+
+PROBE = str(Path(__file__).parent / "cluster_scripts" / "probe.py")
+
+
+def _can_make_namespaces() -> str | None:
+    try:
+        cl.check_prerequisites()
+    except cl.ClusterError as err:
+        return str(err)
+    return None
+
+
+needs_root = pytest.mark.skipif(_can_make_namespaces() is not None,
+                                reason=f"no emulated cluster here: {_can_make_namespaces()}")
+
+
+@pytest.fixture
+def no_leftovers():
+    """Fail the test if it leaves a namespace, link or record of its own behind."""
+    before = set(cl.leftovers()) | set(cl.list_clusters())
+    yield
+    after = set(cl.leftovers()) | set(cl.list_clusters())
+    assert after <= before, f"left behind: {sorted(after - before)}"
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("1gbit", cl.LinkSpec(1e9)), ("200mbit", cl.LinkSpec(2e8)), ("100mbps", cl.LinkSpec(8e8)),
+    ("1gbit,delay=100us,loss=0", cl.LinkSpec(1e9, 1e-4, 0.0)), ("10gbit,loss=1%", cl.LinkSpec(1e10, 0.0, 0.01)),
+])
+def test_link_specs_parse(text, expected):
+    assert cl.LinkSpec.parse(text) == expected
+
+
+@pytest.mark.parametrize("text,message", [
+    ("", "is empty"), ("fast", "write a number and a unit"), ("1gbit,jitter=1ms", "unknown setting 'jitter'"),
+    ("1gbit,loss=2", "loss must be in [0, 1)"), ("10kbit", "below 100kbit"), ("1gbit,delay=5", "100us or 1ms"),
+])
+def test_bad_link_specs_say_what_to_write(text, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(")", r"\)")):
+        cl.LinkSpec.parse(text)
+
+
+def test_missing_iproute2_is_named(monkeypatch):
+    monkeypatch.setattr(cl.shutil, "which", lambda tool: None)
+    with pytest.raises(cl.ClusterError, match=r"needs iproute2 \(ip, tc not found\)"):
+        cl.check_prerequisites()
+
+
+@needs_root
+def test_two_nodes_launch_like_a_multinode_job_and_shape_the_inter_node_link(no_leftovers):
+    with cl.Cluster(2, cl.LinkSpec.parse("100mbit")) as c:
+        results = c.run([PROBE], ranks_per_node=2, timeout=240, capture=True)
+        assert c.prefix in cl.list_clusters() and len(cl.leftovers()) >= 5
+    rows = [json.loads(line) for r in results for line in r.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in rows) == [0, 1, 2, 3]
+    for r in rows:   # torchrun's multi-node numbering: node i holds ranks [2i, 2i+2), LOCAL_WORLD_SIZE 2
+        assert r["world"] == 4 and r["local_world"] == 2 and r["domain_size"] == 2 and r["domain"] == r["rank"] // 2
+        assert r["y_finite"] and r["node"] == c.prefix
+    for node, result in enumerate(results):
+        node_ranks = {json.loads(line)["rank"] for line in result.stdout.splitlines() if line.startswith("{")}
+        assert node_ranks == {2 * node, 2 * node + 1}
+    # 4 MiB each way per rank; two ranks share a node's 100 Mbit/s link: >= 0.6 s inter-node,
+    # while the same bytes inside a node take milliseconds
+    intra = max(r["intra_s"] for r in rows)
+    inter = min(r["inter_s"] for r in rows)
+    assert inter > 0.3 and inter > 5 * intra, rows
+
+
+@needs_root
+def test_a_failing_node_stops_the_run_and_the_cluster_still_goes(no_leftovers):
+    with pytest.raises(cl.ClusterError, match=r"node 1 of cluster er[0-9a-f]{4} exited with status"):
+        with cl.Cluster(2, cl.LinkSpec.parse("1gbit")) as c:
+            c.run([PROBE, "fail"], ranks_per_node=1, timeout=120, capture=True)
+
+
+@needs_root
+def test_two_clusters_at_once_do_not_clash(no_leftovers):
+    with cl.Cluster(1, cl.LinkSpec.parse("1gbit")) as a, cl.Cluster(2, cl.LinkSpec.parse("1gbit")) as b:
+        assert a.prefix != b.prefix and a.subnet != b.subnet
+        assert not set(a.netns) & set(b.netns)
+        assert {a.prefix, b.prefix} <= set(cl.list_clusters())
+    assert not {a.prefix, b.prefix} & set(cl.list_clusters())
+
+
+OWNER = textwrap.dedent("""
+    import sys, time
+    from expertrail import cluster as cl
+    c = cl.Cluster(2, cl.LinkSpec.parse("1gbit")).up()
+    print(c.prefix, flush=True)
+    time.sleep(120)
+""")
+
+
+@needs_root
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
+def test_a_killed_owner_leaves_nothing_behind(how, no_leftovers):
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+    prefix = owner.stdout.readline().strip()
+    assert prefix in cl.list_clusters()
+    owner.send_signal(getattr(signal, how))
+    owner.wait(timeout=30)
+    if how == "SIGKILL":          # no handler runs: the next cluster (or `cluster down`) removes it
+        assert prefix in cl.list_clusters()
+        assert prefix in cl.remove_stale_clusters()
+    assert prefix not in cl.list_clusters()
+    assert not [n for n in cl.leftovers() if n.startswith(prefix)]
+
+
+@needs_root
+def test_cli_up_status_run_down(capsys, no_leftovers):
+    assert main(["cluster", "up", "--nodes", "2", "--inter-link", "1gbit"]) == 0
+    prefix = capsys.readouterr().out.split(":")[0]
+    try:
+        assert main(["cluster", "status"]) == 0
+        assert f"{prefix}: 2 nodes" in capsys.readouterr().out
+        script = Path(os.environ.get("TMPDIR", "/tmp")) / f"{prefix}_hello.py"
+        script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+        rc = subprocess.run([sys.executable, "-m", "expertrail", "cluster", "run", "--name", prefix,
+                             "--ranks-per-node", "1", "--", str(script)], capture_output=True, text=True,
+                            timeout=120)
+        assert rc.returncode == 0, rc.stderr
+        assert sorted(line for line in rc.stdout.splitlines() if line.startswith("rank")) == \
+            ["rank 0 of 2", "rank 1 of 2"]
+    finally:
+        assert main(["cluster", "down", prefix]) == 0
+    assert "removed" in capsys.readouterr().out
+    assert main(["cluster", "down"]) == 2
+    assert "give --all" in capsys.readouterr().err
