@@ -285,6 +285,46 @@ def format_table(report: dict) -> str:
                       "x bare: total / bare collectives moving the same bytes"])
 
 
+def predict_backends(report: dict, links: dict, topk_idx: torch.Tensor) -> None:
+    """Add to every backend of ``report`` the planner's predicted times on this machine (its
+    measured links as a `Hardware` entry, this run's shape, layout and rank 0's routing):
+    ``predicted_dispatch_s``, ``predicted_combine_s``, ``predicted_total_s``."""
+    from .links import measured_hardware
+    from .plan.catalog import MoEModel
+    from .plan.cost import Layout, predict
+    cfg = report["config"]
+    hw = measured_hardware(links, cfg["domain_size"])
+    model = MoEModel("bench", cfg["hidden"], cfg["experts"], cfg["topk"], cfg["expert_ffn"], 1)
+    precision = "fp32" if cfg["dtype"] == "fp32" else "bf16"        # fp16 rows are as wide as bf16
+    for name, r in report["results"].items():
+        p = predict(hw, model, Layout(cfg["world"], cfg["domain_size"]), name, topk_idx.cpu().numpy(),
+                    precision=precision, pipelined=False)       # this engine runs a route's hops in turn
+        r.update(predicted_dispatch_s=p.dispatch_s, predicted_combine_s=p.combine_s,
+                 predicted_total_s=p.dispatch_s + p.combine_s)
+
+
+def format_links(report: dict) -> str:
+    """The emulated links as set and as measured, and measured against predicted time."""
+    lines = []
+    emulated = report.get("emulated")
+    if emulated:
+        lines.append(f"links emulated: {emulated['nodes']} nodes x {emulated['ranks_per_node']} ranks (network "
+                     f"namespaces on this machine, cluster {emulated['cluster']}); inside a node: loopback; "
+                     f"between nodes: veth shaped by tc tbf to {emulated['inter_link']} each way")
+    for name, link in report.get("links", {}).items():
+        lines.append(f"measured {name}-{'node' if emulated else 'domain'} link: {link['GBps']:.3f} GB/s per rank each "
+                     f"way, latency {link['latency_us']:.0f} us (bare all_to_all_single, "
+                     f"{', '.join(f'{b / 1e6:.2f}' for b in link['bytes_per_rank'])} MB per rank)")
+    rows = [(n, r) for n, r in report["results"].items() if "predicted_total_s" in r]
+    if rows:
+        lines.append(f"{'backend':<14}{'measured ms':>12}{'predicted ms':>13}{'predicted/measured':>20}")
+        for name, r in rows:
+            measured = r["total_s"]["median"]
+            lines.append(f"{name:<14}{measured * 1e3:>12.1f}{r['predicted_total_s'] * 1e3:>13.1f}"
+                         f"{r['predicted_total_s'] / measured:>20.2f}")
+    return "\n".join(lines)
+
+
 def format_overlap(report: dict) -> str:
     rows = [(name, r["overlap"]) for name, r in report["results"].items() if "overlap" in r]
     if not rows:

@@ -40,6 +40,46 @@ def _bench_parser(sub) -> None:
     p.add_argument("--json", metavar="PATH", help="write every figure and the configuration as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot time per backend and bytes per link class")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c = p.add_argument_group("on an emulated multi-node cluster (docs/emulated-cluster.md; needs root)")
+    c.add_argument("--nodes", type=_positive_int(2), default=None,
+                   help="run on this many emulated nodes, launched by torchrun per node (default: local ranks)")
+    c.add_argument("--ranks-per-node", type=_positive_int(2), default=2,
+                   help="ranks per node; the domain size unless --domain-size is given (default %(default)s)")
+    c.add_argument("--inter-link", default="1gbit",
+                   help="each node's link, both directions: RATE[,delay=T][,loss=P] (default %(default)s)")
+    c.add_argument("--emit-hardware", metavar="PATH.yaml",
+                   help="write the measured links as a planner hardware entry (`expertrail plan --hardware PATH`)")
+
+
+_CLUSTER_OPTIONS = ("--nodes", "--ranks-per-node", "--inter-link")
+
+
+def _bench_on_cluster(args, argv: list) -> int:
+    """`bench --nodes N`: bring an emulated cluster up, run this same bench on it under
+    torchrun (one launcher per node), tear it down."""
+    from .cluster import Cluster, LinkSpec
+    link = LinkSpec.parse(args.inter_link)
+    inner, skip = [], False
+    for arg in argv:                      # the same options, less the cluster's own
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _CLUSTER_OPTIONS:
+            skip = "=" not in arg
+            continue
+        inner.append(arg)
+    if "--domain-size" not in {a.split("=", 1)[0] for a in inner}:
+        inner += ["--domain-size", str(args.ranks_per_node)]
+    with Cluster(args.nodes, link) as c:
+        env = {"EXPERTRAIL_NODES": str(args.nodes), "EXPERTRAIL_RANKS_PER_NODE": str(args.ranks_per_node)}
+        os.environ.update(env)
+        try:
+            c.run(["-m", "expertrail", "bench", *inner, "--no-progress"], args.ranks_per_node)
+        finally:
+            for key in env:
+                os.environ.pop(key, None)
+    return 0
 
 
 def _train_parser(sub) -> None:
@@ -357,11 +397,15 @@ def _run_bench(args) -> int:
         dist.init_process_group("nccl" if use_nccl else "gloo")
         cfg.world = dist.get_world_size()
         report = bench_rank(dist.get_rank(), cfg.world, cfg)
+        if os.environ.get("EXPERTRAIL_CLUSTER") or args.emit_hardware:
+            _measure_and_predict(report, cfg, args)
         if dist.get_rank() == 0:
             _report(report, args)
         dist.barrier()              # tear down together: a rank that leaves early aborts its peers' gloo threads
         dist.destroy_process_group()
         return 0
+    if args.nodes:
+        return _bench_on_cluster(args, list(args.argv_seen))
     import torch
     from .launch import LocalRanks
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= cfg.world else "gloo"
@@ -371,9 +415,36 @@ def _run_bench(args) -> int:
     return 0
 
 
+def _measure_and_predict(report: dict, cfg, args) -> None:
+    """Under torchrun: measure this run's links, add the planner's predictions (and with
+    --emit-hardware write the hardware entry). Collective."""
+    import torch.distributed as dist
+
+    from .bench import predict_backends
+    from .links import measure_links, measured_hardware, write_hardware
+    from .topology import EPGroups
+    from .workload import make_routing
+    groups = EPGroups.from_default(domain_size=cfg.domain_size)
+    links = measure_links(groups)
+    report["links"] = links
+    if os.environ.get("EXPERTRAIL_CLUSTER"):
+        report["emulated"] = {"cluster": os.environ["EXPERTRAIL_CLUSTER"],
+                              "inter_link": os.environ.get("EXPERTRAIL_INTER_LINK", "?"),
+                              "nodes": int(os.environ.get("EXPERTRAIL_NODES", cfg.world // groups.domain_size)),
+                              "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", groups.domain_size))}
+    idx, _ = make_routing(cfg.routing, cfg.tokens, cfg.experts, cfg.topk, 0, cfg.world, cfg.seed)
+    predict_backends(report, links, idx)
+    if args.emit_hardware and dist.get_rank() == 0:
+        write_hardware(measured_hardware(links, cfg.domain_size), args.emit_hardware)
+        print(f"wrote {args.emit_hardware}")
+
+
 def _report(report, args) -> None:
-    from .bench import format_overlap, format_table, write_json, write_plot
+    from .bench import format_links, format_overlap, format_table, write_json, write_plot
     print(format_table(report))
+    links = format_links(report)
+    if links:
+        print(links)
     overlap = format_overlap(report)
     if overlap:
         print(overlap)
@@ -492,6 +563,7 @@ def _main(argv=None) -> int:
     _balance_parser(sub)
     _cluster_parser(sub)
     args = parser.parse_args(argv)
+    args.argv_seen = list(sys.argv[1:] if argv is None else argv)[1:]     # after the command's name
     try:
         if args.command == "bench":
             return _run_bench(args)

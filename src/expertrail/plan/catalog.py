@@ -26,6 +26,12 @@ class Hardware:
     bf16_TFLOPS: float          # dense
     fp8_TFLOPS: float           # dense
     arch: str                   # ampere / hopper / blackwell
+    # Measured machines (`expertrail bench --nodes ... --emit-hardware`): the link figures are
+    # achieved bandwidths, taken as they are (no efficiency factor, no SM saturation), and each
+    # exchange stage costs the measured latency instead of the GPU kernels' default.
+    measured: bool = False
+    nvlink_latency_us: float | None = None
+    nic_latency_us: float | None = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,7 @@ def _check(obj, source: str) -> None:
     """Numbers the models divide by must be numbers, and positive."""
     for f in fields(obj):
         value = getattr(obj, f.name)
-        if f.name in ("name", "arch") or (value is None and f.default is None):
+        if f.name in ("name", "arch", "measured") or (value is None and f.default is None):
             continue
         if f.name in ("fp8_TFLOPS", "shared_experts") and value == 0:    # a GPU without FP8; no shared expert
             continue

@@ -145,7 +145,10 @@ def count_traffic(topk_idx: np.ndarray, model: MoEModel, layout: Layout, algorit
 
 
 def link_bandwidth(hw: Hardware, link: str, sms: int | None) -> float:
-    """Effective bytes/s of one GPU's link with ``sms`` SMs driving it (None: NCCL, not SM-bound)."""
+    """Effective bytes/s of one GPU's link with ``sms`` SMs driving it (None: NCCL, not SM-bound).
+    A measured machine's figures are achieved bandwidths already."""
+    if hw.measured:
+        return (hw.nvlink_GBps if link == "nvlink" else hw.nic_GBps) * 1e9
     if link == "nvlink":
         peak = hw.nvlink_GBps * NVLINK_EFFICIENCY.get(hw.name, NVLINK_EFFICIENCY_DEFAULT)
     else:
@@ -158,10 +161,17 @@ def link_bandwidth(hw: Hardware, link: str, sms: int | None) -> float:
 
 def row_bytes(model: MoEModel, precision: str, direction: str) -> int:
     """Bytes of one token row: BF16, or FP8 with one fp32 scale per 128 values (dispatch only;
-    combine is BF16 as in DeepEP and Hybrid-EP)."""
+    combine is BF16 as in DeepEP and Hybrid-EP), or FP32 (the CPU bench's other dtype)."""
     if precision == "fp8" and direction == "dispatch":
         return model.hidden + 4 * (model.hidden // 128)
-    return 2 * model.hidden
+    return 4 * model.hidden if precision == "fp32" else 2 * model.hidden
+
+
+def stage_latency(hw: Hardware, kind: str, link: str) -> float:
+    """Fixed seconds of one exchange stage over ``link``: measured on a measured machine, else
+    the kernel family's default (``STAGE_LATENCY_S``)."""
+    measured = hw.nvlink_latency_us if link == "nvlink" else hw.nic_latency_us
+    return measured * 1e-6 if measured is not None else STAGE_LATENCY_S[kind]
 
 
 @dataclass
@@ -177,8 +187,12 @@ class Prediction:
 
 
 def predict(hw: Hardware, model: MoEModel, layout: Layout, algorithm: str, topk_idx: np.ndarray,
-            sms: int | None = None, precision: str = "bf16") -> Prediction:
-    """Predicted dispatch and combine time of ``algorithm`` for rank 0's ``topk_idx``."""
+            sms: int | None = None, precision: str = "bf16", pipelined: bool = True) -> Prediction:
+    """Predicted dispatch and combine time of ``algorithm`` for rank 0's ``topk_idx``.
+
+    pipelined: the stages of a two-level route overlap (DeepEP's and Hybrid-EP's kernels stream
+    chunks from the NIC stage into the NVLink stage); False for an engine that runs them one
+    after the other (expertrail's own hierarchical route: rail hop, then domain hop)."""
     if layout.ep < 1 or layout.domain < 1 or model.num_experts % layout.ep or layout.ep % layout.domain:
         raise ConfigError(f"EP {layout.ep} must divide {model.num_experts} experts and be a multiple of the "
                           f"domain size {layout.domain}")
@@ -199,7 +213,9 @@ def predict(hw: Hardware, model: MoEModel, layout: Layout, algorithm: str, topk_
             return 0.0, "none"
         # Links work concurrently (pipelined chunks on the two-level path); each stage adds latency.
         overhead = rows * FP8_ROW_OVERHEAD_S if size < 2 * model.hidden else 0.0
-        return max(times.values()) + overhead + STAGE_LATENCY_S[kind] * len(times), max(times, key=times.get)
+        transfer = max(times.values()) if pipelined else sum(times.values())
+        return transfer + overhead + sum(stage_latency(hw, kind, link) for link in times), \
+            max(times, key=times.get)
 
     dispatch, bottleneck = phase("dispatch")
     combine, _ = phase("combine")

@@ -1,0 +1,82 @@
+"""Measure the two link classes of a run (inside a domain, between domains) with bare
+collectives, and describe the machine to the planner.
+
+`measure_links` times ``all_to_all_single`` over every rank's domain group and, separately,
+over every rank's rail group (all groups of a class at once, as in a dispatch), at several
+sizes: the latency is the time of the smallest exchange, the bandwidth the slope between the
+two largest (so neither is skewed by the other; a least-squares fit over all sizes let noise
+at the large sizes push the latency below zero). Bandwidth is per rank, each
+way: what one rank pushes through its share of the link while every rank does the same, which
+is what the planner calls a GPU's NVLink and NIC bandwidth. `measured_hardware` turns that into
+a planner `Hardware` entry (``measured=True``: the figures are used as they are).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .topology import EPGroups
+
+SIZES_BYTES = (4 * 1024, 1024 * 1024, 8 * 1024 * 1024)      # per peer
+
+
+def _time_exchange(group, size: int, repeats: int, device) -> float:
+    """Slowest rank's median seconds of one all_to_all_single of ``size`` bytes per peer."""
+    peers = dist.get_world_size(group)
+    rows = torch.empty(peers * size // 2, dtype=torch.bfloat16, device=device)
+    out = torch.empty_like(rows)
+    samples = []
+    for it in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_to_all_single(out, rows, group=group)
+        if it:                                   # the first one opens the connections
+            samples.append(time.perf_counter() - start)
+    slowest = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item()
+
+
+def measure_links(groups: EPGroups, sizes=SIZES_BYTES, repeats: int = 5) -> dict:
+    """{"intra" | "inter": {"bytes_per_rank": [...], "seconds": [...], "GBps": b, "latency_us": l}}.
+
+    Collective over the default group. A class with one member per group (domain of one rank,
+    or one domain) is absent."""
+    out = {}
+    for name, group, members in (("intra", groups.domain_group, groups.domain_size),
+                                 ("inter", groups.rail_group, groups.num_domains)):
+        if members < 2:
+            continue
+        sent = [size * (members - 1) for size in sizes]
+        seconds = [_time_exchange(group, size, repeats, groups.device) for size in sizes]
+        slope = (seconds[-1] - seconds[-2]) / (sent[-1] - sent[-2])
+        out[name] = {"bytes_per_rank": sent, "seconds": seconds,
+                     "GBps": float(1 / slope / 1e9) if slope > 0 else float(sent[-1] / seconds[-1] / 1e9),
+                     "latency_us": float(seconds[0] * 1e6)}
+    return out
+
+
+def measured_hardware(links: dict, domain_size: int, name: str = "emulated"):
+    """A planner `Hardware` for this machine: the measured link figures, and for the parts the
+    communication model does not read, figures that say so (compute and memory of one core)."""
+    from .plan.catalog import Hardware
+    intra, inter = links.get("intra"), links.get("inter")
+    return Hardware(name=name, domain_size=domain_size,
+                    nvlink_GBps=round(float(intra["GBps"]), 4) if intra else 1.0,
+                    nic_GBps=round(float(inter["GBps"]), 4) if inter else 1.0,
+                    sms=1, hbm_GB=1.0, hbm_TBps=0.01, bf16_TFLOPS=0.1, fp8_TFLOPS=0, arch="cpu", measured=True,
+                    nvlink_latency_us=round(float(intra["latency_us"]), 1) if intra else None,
+                    nic_latency_us=round(float(inter["latency_us"]), 1) if inter else None)
+
+
+def write_hardware(hw, path: str) -> None:
+    """Write ``hw`` as a YAML entry `expertrail plan/simulate --hardware PATH` reads."""
+    import dataclasses
+
+    import yaml
+    with open(path, "w") as f:
+        f.write("# measured by `expertrail bench --nodes ... --emit-hardware`: link figures are per rank, each way\n")
+        yaml.safe_dump(dataclasses.asdict(hw), f, sort_keys=False)
