@@ -142,3 +142,36 @@ def test_cli_up_status_run_down(capsys, no_leftovers):
     assert "removed" in capsys.readouterr().out
     assert main(["cluster", "down"]) == 2
     assert "give --all" in capsys.readouterr().err
+
+
+@needs_root
+def test_bench_on_two_nodes_measures_links_predicts_and_counts_rows_like_the_planner(tmp_path, no_leftovers):
+    report, hw_path = tmp_path / "bench.json", tmp_path / "emulated.yaml"
+    done = subprocess.run([sys.executable, "-m", "expertrail", "bench", "--nodes", "2", "--ranks-per-node", "2",
+                           "--inter-link", "1gbit", "--tokens", "64", "--hidden", "32", "--iters", "1",
+                           "--json", str(report), "--emit-hardware", str(hw_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "links emulated: 2 nodes x 2 ranks" in done.stdout and "tbf to 1gbit" in done.stdout
+    data = json.loads(report.read_text())
+    assert data["config"]["world"] == 4 and data["config"]["domain_size"] == 2
+    assert data["emulated"]["inter_link"] == "1gbit"
+    assert set(data["links"]) == {"intra", "inter"} and all(v["GBps"] > 0 for v in data["links"].values())
+    for name, r in data["results"].items():
+        assert r["check"] == "passed" and r["predicted_total_s"] > 0, name
+        assert r["planner_rows_match"], (name, r["planner_rows"], r["dispatch_rows"])
+    from expertrail.plan.catalog import load_hardware
+    hw = load_hardware(str(hw_path))
+    assert hw.measured and hw.domain_size == 2 and hw.nic_GBps == round(data["links"]["inter"]["GBps"], 4)
+
+
+@needs_root
+def test_bench_on_four_nodes_of_two_is_correct(no_leftovers):
+    done = subprocess.run([sys.executable, "-m", "expertrail", "bench", "--nodes", "4", "--ranks-per-node", "2",
+                           "--tokens", "16", "--hidden", "16", "--iters", "1", "--warmup", "1"],
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    table = [line.split() for line in done.stdout.splitlines() if line.split()[:1] and line.split()[0] in
+             ("allgather", "alltoall", "dedup", "hierarchical") and line.split()[-1] in ("passed", "FAILED")]
+    assert len(table) == 4 and all(row[-1] == "passed" for row in table), done.stdout
+    assert "world 8, domain 2" in done.stdout

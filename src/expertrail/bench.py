@@ -285,6 +285,16 @@ def format_table(report: dict) -> str:
                       "x bare: total / bare collectives moving the same bytes"])
 
 
+def count_rows(cfg: dict) -> dict:
+    """backend -> the planner's count of dispatch rows per link class for this run's routing
+    (`plan.cost.rows_by_link`, every rank's routing), to set beside the rows the engine sent."""
+    from .plan.cost import Layout, rows_by_link
+    idx = [make_routing(cfg["routing"], cfg["tokens"], cfg["experts"], cfg["topk"], r, cfg["world"], cfg["seed"])[0]
+           for r in range(cfg["world"])]
+    layout = Layout(cfg["world"], cfg["domain_size"])
+    return {b: rows_by_link([i.numpy() for i in idx], cfg["experts"], layout, b) for b in cfg["backends"]}
+
+
 def predict_backends(report: dict, links: dict, topk_idx: torch.Tensor) -> None:
     """Add to every backend of ``report`` the planner's predicted times on this machine (its
     measured links as a `Hardware` entry, this run's shape, layout and rank 0's routing):
@@ -294,13 +304,15 @@ def predict_backends(report: dict, links: dict, topk_idx: torch.Tensor) -> None:
     from .plan.cost import Layout, predict
     cfg = report["config"]
     hw = measured_hardware(links, cfg["domain_size"])
+    counted = count_rows(cfg)
     model = MoEModel("bench", cfg["hidden"], cfg["experts"], cfg["topk"], cfg["expert_ffn"], 1)
     precision = "fp32" if cfg["dtype"] == "fp32" else "bf16"        # fp16 rows are as wide as bf16
     for name, r in report["results"].items():
         p = predict(hw, model, Layout(cfg["world"], cfg["domain_size"]), name, topk_idx.cpu().numpy(),
                     precision=precision, pipelined=False)       # this engine runs a route's hops in turn
         r.update(predicted_dispatch_s=p.dispatch_s, predicted_combine_s=p.combine_s,
-                 predicted_total_s=p.dispatch_s + p.combine_s)
+                 predicted_total_s=p.dispatch_s + p.combine_s, planner_rows=counted[name],
+                 planner_rows_match=counted[name] == r["dispatch_rows"])
 
 
 def format_links(report: dict) -> str:
@@ -317,11 +329,13 @@ def format_links(report: dict) -> str:
                      f"{', '.join(f'{b / 1e6:.2f}' for b in link['bytes_per_rank'])} MB per rank)")
     rows = [(n, r) for n, r in report["results"].items() if "predicted_total_s" in r]
     if rows:
-        lines.append(f"{'backend':<14}{'measured ms':>12}{'predicted ms':>13}{'predicted/measured':>20}")
+        lines.append(f"{'backend':<14}{'measured ms':>12}{'predicted ms':>13}{'predicted/measured':>20}"
+                     f"  planner rows = engine rows")
         for name, r in rows:
             measured = r["total_s"]["median"]
             lines.append(f"{name:<14}{measured * 1e3:>12.1f}{r['predicted_total_s'] * 1e3:>13.1f}"
-                         f"{r['predicted_total_s'] / measured:>20.2f}")
+                         f"{r['predicted_total_s'] / measured:>20.2f}  "
+                         + ("yes" if r["planner_rows_match"] else f"NO: {r['planner_rows']} vs {r['dispatch_rows']}"))
     return "\n".join(lines)
 
 

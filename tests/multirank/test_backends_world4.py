@@ -110,3 +110,16 @@ def test_chunked_overlap_gives_identical_results(world4, backend):
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 def test_combine_uses_weights_the_caller_changed(world4, backend):
     world4.run(workers.replaced_weights_are_used, backend)
+
+
+@pytest.mark.parametrize("backend", sorted(er.BACKENDS))
+def test_planner_counts_the_rows_the_engine_sends(world4, backend):
+    """One traffic model: the planner's per-link row count equals what every backend handed to
+    its collectives, summed over ranks (random routing with -1 slots and an empty rank; one expert)."""
+    from expertrail.plan.cost import Layout, rows_by_link
+    for domain_size in (1, 2, 4):
+        for scenario in ("random", "one_expert", "duplicates_free_full"):
+            results = world4.run(workers.rows_per_link, backend, domain_size, scenario)
+            engine = {c: sum(r[0][c] for r in results) for c in ("self", "intra", "inter")}
+            planner = rows_by_link(results[0][1], 16, Layout(4, domain_size), backend)
+            assert planner == engine, (domain_size, scenario, planner, engine)

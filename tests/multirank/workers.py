@@ -801,3 +801,12 @@ def weights_changed_on_one_rank(rank, world, backend):
 def from_default_timeout(rank, world, timeouts):
     """EPGroups.from_default with ``timeouts[rank]``."""
     er.EPGroups.from_default(timeout=timeouts[rank])
+
+
+def rows_per_link(rank, world, backend, domain_size, scenario):
+    """(this rank's dispatch rows per link class as the engine counted them, every rank's topk_idx)."""
+    groups = groups_for(None, domain_size)
+    d = er.make_dispatcher(backend, groups, num_experts=16)
+    xs, idxs, ws = make_inputs(scenario, world, 8, 16, 4, 5)
+    res = d.dispatch(xs[rank], idxs[rank], ws[rank])
+    return dict(res.stats.rows), [i.numpy() for i in idxs]

@@ -144,6 +144,55 @@ def count_traffic(topk_idx: np.ndarray, model: MoEModel, layout: Layout, algorit
     return tr
 
 
+def rows_by_link(topk_idx_per_rank: list, num_experts: int, layout: Layout, algorithm: str) -> dict:
+    """Rows every rank hands to collectives in one dispatch, summed over ranks, per link class
+    (``self`` / ``intra`` / ``inter``), from every rank's own routing: the exact form of
+    `count_traffic` (which samples one rank), as expertrail's engine sends them, so the bench
+    can check one against the other.
+
+    topk_idx_per_rank: P arrays [N_r, K] (-1 = none). Per algorithm, rows from source s to q:
+    alltoall one per (token, expert on q); dedup one per (token, q holding one of its experts);
+    allgather the most tokens of any rank (padded) to every q; hierarchical first one per (token, domain D holding one of
+    its experts) to the rank of D with s's local index, then, from there, one per (row, rank of D
+    holding an expert of the token).
+    """
+    p, d = layout.ep, layout.domain
+    local = num_experts // p
+    totals = {"self": 0, "intra": 0, "inter": 0}
+
+    def add(src: int, dst: np.ndarray, rows: np.ndarray) -> None:
+        same_domain = dst // d == src // d
+        totals["self"] += int(rows[dst == src].sum())
+        totals["intra"] += int(rows[same_domain & (dst != src)].sum())
+        totals["inter"] += int(rows[~same_domain].sum())
+
+    ranks = np.arange(p)
+    for src, idx in enumerate(topk_idx_per_rank):
+        idx = np.asarray(idx)
+        valid = idx >= 0
+        owner = np.where(valid, idx // local, p)
+        member = np.zeros((idx.shape[0], p + 1), bool)
+        np.put_along_axis(member, owner, True, axis=1)
+        member = member[:, :p]                                   # [N, P]: token has an expert on rank q
+        if algorithm in ("alltoall", "deepep-ll"):
+            add(src, ranks, np.bincount(owner[valid], minlength=p)[:p])
+        elif algorithm == "dedup":
+            add(src, ranks, member.sum(0))
+        elif algorithm == "allgather":          # the all-gather pads every rank to the most tokens
+            add(src, ranks, np.full(p, max(np.shape(i)[0] for i in topk_idx_per_rank)))
+        elif algorithm == "hierarchical":
+            in_domain = member.reshape(-1, p // d, d).any(2)     # [N, domains]
+            rail_peers = np.arange(p // d) * d + src % d
+            add(src, rail_peers, in_domain.sum(0))
+            for dom in range(p // d):                            # hop 2, from the rail peer in dom
+                via = rail_peers[dom]
+                rows = member[in_domain[:, dom]][:, dom * d:(dom + 1) * d].sum(0)
+                add(via, np.arange(dom * d, (dom + 1) * d), rows)
+        else:
+            raise ConfigError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    return totals
+
+
 def link_bandwidth(hw: Hardware, link: str, sms: int | None) -> float:
     """Effective bytes/s of one GPU's link with ``sms`` SMs driving it (None: NCCL, not SM-bound).
     A measured machine's figures are achieved bandwidths already."""
