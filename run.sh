@@ -18,6 +18,11 @@ cmd=${1:-}
 case "$cmd" in
   bench) exec "$venv/bin/expertrail" bench "$@" ;;
   test)
+    # The emulated-cluster tests apply packet loss with nftables: install it where we may.
+    if [ "$(id -u)" = 0 ] && ! command -v nft >/dev/null && command -v apt-get >/dev/null; then
+      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables) >/dev/null 2>&1 \
+        || echo "run.sh: nftables could not be installed; the packet-loss test will skip" >&2
+    fi
     set +e
     "$venv/bin/python" -m pytest "$@"
     rc=$?

@@ -2,6 +2,7 @@
 and nothing left behind. Skipped, with the reason, where namespaces cannot be made."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -175,3 +176,65 @@ def test_bench_on_four_nodes_of_two_is_correct(no_leftovers):
              ("allgather", "alltoall", "dedup", "hierarchical") and line.split()[-1] in ("passed", "FAILED")]
     assert len(table) == 4 and all(row[-1] == "passed" for row in table), done.stdout
     assert "world 8, domain 2" in done.stdout
+
+
+@needs_root
+def test_a_node_link_going_down_mid_run_raises_collective_error_everywhere(tmp_path, no_leftovers):
+    """`ip link set ... down` on node 1's link while ranks dispatch in a loop: every rank raises
+    CollectiveError within 2x the group timeout, nothing hangs, and the cluster goes."""
+    timeout = 5.0
+    ready, down = tmp_path / "ready", tmp_path / "down"
+    script = str(Path(__file__).parent / "cluster_scripts" / "link_down.py")
+    with cl.Cluster(2, cl.LinkSpec.parse("1gbit")) as c:
+        launchers = [subprocess.Popen(argv, env=c.node_env(i), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, start_new_session=True)
+                     for i, argv in enumerate(c.torchrun_commands([script, str(timeout), str(ready), str(down)], 2))]
+        try:
+            start = time.monotonic()
+            while not ready.exists():
+                assert time.monotonic() - start < 120, "the ranks never got going"
+                assert all(p.poll() is None for p in launchers), [p.communicate() for p in launchers]
+                time.sleep(0.1)
+            down.write_text(repr(time.time()))
+            subprocess.run(["ip", "link", "set", f"{c.prefix}b1", "down"], check=True)
+            reports = [tmp_path / f"rank{r}.json" for r in range(4)]
+            while not all(f.exists() for f in reports) and time.monotonic() - start < 240:
+                time.sleep(0.2)
+        finally:
+            for p in launchers:           # their agents wait for each other across the dead link
+                cl._kill_session(p)
+    rows = [json.loads(f.read_text()) for f in reports if f.exists()]
+    print("link down:", [(r["rank"], r["error"], round(r["after_down_s"], 2)) for r in rows])
+    assert sorted(r["rank"] for r in rows) == [0, 1, 2, 3], rows
+    for r in rows:
+        assert r["error"] == "CollectiveError", r
+        assert r["after_down_s"] <= 2 * timeout, r
+
+
+@needs_root
+def test_one_percent_loss_leaves_results_bitwise_identical(tmp_path, no_leftovers):
+    if cl.shutil.which("nft") is None:
+        pytest.skip("packet loss needs nftables (apt-get install nftables); ./run.sh test installs it as root")
+    script = str(Path(__file__).parent / "cluster_scripts" / "digest.py")
+    digests = {}
+    for spec in ("1gbit", "1gbit,loss=1%"):
+        out = tmp_path / spec.replace(",", "_").replace("%", "")
+        out.mkdir()
+        with cl.Cluster(2, cl.LinkSpec.parse(spec)) as c:
+            c.run([script, str(out)], ranks_per_node=2, timeout=240, capture=True)
+            if "loss" in spec:       # the drop rule is in force, and dropped packets
+                rules = subprocess.run(["nft", "list", "table", "netdev", f"{c.prefix}loss"], capture_output=True,
+                                       text=True).stdout
+                dropped = re.search(r"numgen random mod 1000000 < 10000 counter packets (\d+)", rules)
+                assert dropped and int(dropped.group(1)) > 0, rules
+        digests[spec] = [(out / f"rank{r}.sha").read_text() for r in range(4)]
+    assert digests["1gbit"] == digests["1gbit,loss=1%"]
+    assert len(set(digests["1gbit"])) == 4          # ranks differ: the digest covers their own data
+
+
+@needs_root
+def test_a_delay_without_netem_says_what_is_missing(no_leftovers):
+    if cl.kernel_has_qdisc("netem"):
+        pytest.skip("this kernel has netem")
+    with pytest.raises(cl.ClusterError, match="a delay needs tc's netem qdisc, which this kernel does not have"):
+        cl.Cluster(2, cl.LinkSpec.parse("1gbit,delay=100us")).up()

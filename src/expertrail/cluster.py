@@ -20,8 +20,9 @@ records itself in `STATE_DIR` with its owner's pid, and `down` (or ``expertrail 
 removes any cluster whose owner is gone. Teardown runs on context exit, at interpreter exit and
 on SIGTERM / SIGINT / SIGHUP.
 
-Needs root (CAP_NET_ADMIN) and iproute2 (`ip`, `tc`). This kernel's tc may lack netem, so link
-delay and loss are offered only where the kernel has them (`LinkSpec`).
+Needs root (CAP_NET_ADMIN) and iproute2 (`ip`, `tc`). Packet loss is a random drop on each
+link's egress with nftables (`nft`); a delay needs tc's netem, which many kernels (this
+machine's among them) are built without: asking for one there raises and says so.
 """
 from __future__ import annotations
 
@@ -202,11 +203,13 @@ class Cluster:
         ``keep``: leave it up when this process ends (``expertrail cluster up``); it stays
         until `down` / ``expertrail cluster down``. Otherwise it goes with this process."""
         check_prerequisites()
-        if self.inter_link.delay or self.inter_link.loss:
-            if not kernel_has_qdisc("netem"):
-                raise ClusterError(
-                    f"--inter-link {self.inter_link}: delay and loss need tc's netem qdisc, which this kernel "
-                    "does not have (CONFIG_NET_SCH_NETEM is not set); give a rate only, e.g. 1gbit")
+        if self.inter_link.delay and not kernel_has_qdisc("netem"):
+            raise ClusterError(
+                f"--inter-link {self.inter_link}: a delay needs tc's netem qdisc, which this kernel does not have "
+                "(CONFIG_NET_SCH_NETEM is not set); give a rate, and a loss if wanted, e.g. 1gbit,loss=1%")
+        if self.inter_link.loss and shutil.which("nft") is None:
+            raise ClusterError(f"--inter-link {self.inter_link}: packet loss is applied with nftables (a random "
+                               "drop on each link's egress); install it: apt-get install nftables")
         remove_stale_clusters()
         self.prefix = self.prefix or _new_prefix()
         self.subnet = self.subnet or _free_subnet()
@@ -244,8 +247,21 @@ class Cluster:
         64 KiB GSO segment (veths hand over up to 64 KiB at once), else tbf would split it."""
         rate = self.inter_link.rate
         burst = max(64 * 1024 + 1514, int(rate / 8 / 250))     # ~4 ms of line rate, >= one GSO segment
-        _sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(rate)}bit", "burst", str(burst),
+        _sh("tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", f"{int(rate)}bit", "burst", str(burst),
             "latency", "50ms", netns=netns)
+        if self.inter_link.delay:
+            _sh("tc", "qdisc", "add", "dev", dev, "parent", "1:1", "netem", "delay",
+                f"{self.inter_link.delay * 1e6:g}us", netns=netns)
+        if self.inter_link.loss:
+            # A random drop on the device's egress (nftables netdev egress hook, numgen): the
+            # kernel's netem would do it, but is often built out. Per-namespace tables; the
+            # root namespace's is removed by `teardown`.
+            table, per_million = f"{self.prefix}loss", round(self.inter_link.loss * 1e6)
+            _sh("nft", "add", "table", "netdev", table, netns=netns)
+            _sh("nft", "add", "chain", "netdev", table, dev,
+                f"{{ type filter hook egress device {dev} priority 0 ; }}", netns=netns)
+            _sh("nft", "add", "rule", "netdev", table, dev, "numgen", "random", "mod", "1000000", "<",
+                str(per_million), "counter", "drop", netns=netns)
 
     def down(self) -> None:
         """Remove everything of this cluster: processes in its namespaces, namespaces (their
@@ -435,6 +451,10 @@ def teardown(prefix: str) -> list:
     for name in re.findall(rf"^\d+: ({prefix}(?:br|b\d+|v\d+))[@:]", links, flags=re.M):
         subprocess.run(["ip", "link", "del", name], capture_output=True)
         removed.append(name)
+    if shutil.which("nft") and subprocess.run(["nft", "list", "table", "netdev", f"{prefix}loss"],
+                                              capture_output=True).returncode == 0:
+        subprocess.run(["nft", "delete", "table", "netdev", f"{prefix}loss"], capture_output=True)
+        removed.append(f"nft table netdev {prefix}loss")
     record = STATE_DIR / f"{prefix}.json"
     if record.exists():
         record.unlink()
