@@ -131,7 +131,8 @@ def test_cli_up_status_run_down(capsys, no_leftovers):
         assert main(["cluster", "status"]) == 0
         assert f"{prefix}: 2 nodes" in capsys.readouterr().out
         script = Path(os.environ.get("TMPDIR", "/tmp")) / f"{prefix}_hello.py"
-        script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+        # one write per line: two nodes share the pipe, and unbuffered print writes piece by piece
+        script.write_text("import os, sys\nsys.stdout.write(f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n\")\n")
         rc = subprocess.run([sys.executable, "-m", "expertrail", "cluster", "run", "--name", prefix,
                              "--ranks-per-node", "1", "--", str(script)], capture_output=True, text=True,
                             timeout=120)

@@ -171,7 +171,6 @@ class Cluster:
     netns: list = field(default_factory=list)
     ifname: list = field(default_factory=list)
     address: list = field(default_factory=list)
-    _handlers: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if int(self.nodes) < 1:
@@ -220,8 +219,8 @@ class Cluster:
         self.address = [str(net.network_address + i + 1) for i in range(self.nodes)]
         self._save()                      # recorded first, so a crash half-way is still cleaned up
         if not keep:
+            _install_signal_handlers()
             _LIVE[self.prefix] = self
-            self._install_teardown()
         try:
             bridge = f"{self.prefix}br"
             _sh("ip", "link", "add", bridge, "type", "bridge")
@@ -269,11 +268,9 @@ class Cluster:
         if not self.prefix:
             return
         teardown(self.prefix)
-        for sig, handler in self._handlers.items():
-            if signal.getsignal(sig) is _on_signal:
-                signal.signal(sig, handler)
-        self._handlers.clear()
         _LIVE.pop(self.prefix, None)
+        if not _LIVE:
+            _restore_signal_handlers()
 
     # ---- running ranks
     def torchrun_commands(self, command: list, ranks_per_node: int, port: int = 29400) -> list:
@@ -340,25 +337,44 @@ class Cluster:
         record["inter_link"] = asdict(self.inter_link)
         (STATE_DIR / f"{self.prefix}.json").write_text(json.dumps(record))
 
-    def _install_teardown(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            try:
-                previous = signal.getsignal(sig)
-                if previous is not _on_signal:
-                    self._handlers[sig] = previous
-                    signal.signal(sig, _on_signal)
-            except ValueError:            # not the main thread: atexit and `cluster down` still apply
-                pass
-
 
 _LIVE: dict = {}
 
 
+_PREVIOUS: dict = {}     # signal -> the handler before the first live cluster took it
+
+
+def _install_signal_handlers() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if sig in _PREVIOUS:
+            continue
+        try:
+            _PREVIOUS[sig] = signal.signal(sig, _on_signal)
+        except ValueError:            # not the main thread: atexit and `cluster down` still apply
+            pass
+
+
+def _restore_signal_handlers() -> None:
+    for sig, handler in _PREVIOUS.items():
+        try:
+            signal.signal(sig, handler)
+        except ValueError:
+            pass
+    _PREVIOUS.clear()
+
+
 def _on_signal(signum, frame):
+    """Tear every live cluster down, then do what the signal did before (raise
+    KeyboardInterrupt for SIGINT, end the process for SIGTERM...)."""
+    previous = _PREVIOUS.get(signum, signal.SIG_DFL)
     for cluster in list(_LIVE.values()):
         cluster.down()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+    _restore_signal_handlers()
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 @atexit.register
