@@ -381,9 +381,17 @@ def write_plot(report: dict, path: str) -> None:
     ax_b.set_ylabel("dispatch MB, all ranks")
     ax_b.set_title("bytes per link class")
     ax_b.legend(fontsize=8)
+    if all("predicted_total_s" in res[n] for n in names):
+        predicted = [res[n]["predicted_total_s"] * 1e3 for n in names]
+        ax_t.scatter(names, predicted, marker="_", s=900, color="black", zorder=3, label="planner's prediction")
+        ax_t.set_ylim(0, 1.35 * max(total + predicted))           # room for the legend above the bars
+        ax_t.legend(fontsize=8)
     cfg = report["config"]
+    emulated = report.get("emulated")
+    where = (f"; emulated: {emulated['nodes']} nodes x {emulated['ranks_per_node']} ranks, inter-node link "
+             f"{emulated['inter_link']} (tc tbf), intra-node loopback" if emulated else "")
     fig.suptitle(f"expertrail bench: {cfg['world']} ranks, domain {cfg['domain_size']}, {cfg['tokens']} tokens/rank, "
-                 f"H {cfg['hidden']}, E {cfg['experts']}, top-{cfg['topk']}, {cfg['dtype']}, {cfg['routing']}",
+                 f"H {cfg['hidden']}, E {cfg['experts']}, top-{cfg['topk']}, {cfg['dtype']}, {cfg['routing']}{where}",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
