@@ -149,7 +149,7 @@ def test_cli_up_status_run_down(capsys, no_leftovers):
 
 
 @needs_root
-def test_bench_on_two_nodes_measures_links_predicts_and_counts_rows_like_the_planner(tmp_path, no_leftovers):
+def test_bench_on_two_nodes_measures_links_predicts_and_counts_bytes_like_the_planner(tmp_path, no_leftovers):
     report, hw_path = tmp_path / "bench.json", tmp_path / "emulated.yaml"
     done = subprocess.run([sys.executable, "-m", "expertrail", "bench", "--nodes", "2", "--ranks-per-node", "2",
                            "--inter-link", "1gbit", "--tokens", "64", "--hidden", "32", "--iters", "1",
@@ -163,7 +163,8 @@ def test_bench_on_two_nodes_measures_links_predicts_and_counts_rows_like_the_pla
     assert set(data["links"]) == {"intra", "inter"} and all(v["GBps"] > 0 for v in data["links"].values())
     for name, r in data["results"].items():
         assert r["check"] == "passed" and r["predicted_total_s"] > 0, name
-        assert r["planner_rows_match"], (name, r["planner_rows"], r["dispatch_rows"])
+        assert r["planner_bytes_match"], (name, r["planner_bytes"], r["dispatch_bytes"])
+        assert r["planner_rows"] == r["dispatch_rows"], name
     from expertrail.plan.catalog import load_hardware
     hw = load_hardware(str(hw_path))
     assert hw.measured and hw.domain_size == 2 and hw.nic_GBps == round(data["links"]["inter"]["GBps"], 4)

@@ -301,18 +301,21 @@ def predict_backends(report: dict, links: dict, topk_idx: torch.Tensor) -> None:
     ``predicted_dispatch_s``, ``predicted_combine_s``, ``predicted_total_s``."""
     from .links import measured_hardware
     from .plan.catalog import MoEModel
-    from .plan.cost import Layout, predict
+    from .plan.cost import Layout, metadata_bytes, predict
     cfg = report["config"]
     hw = measured_hardware(links, cfg["domain_size"])
     counted = count_rows(cfg)
     model = MoEModel("bench", cfg["hidden"], cfg["experts"], cfg["topk"], cfg["expert_ffn"], 1)
     precision = "fp32" if cfg["dtype"] == "fp32" else "bf16"        # fp16 rows are as wide as bf16
     for name, r in report["results"].items():
+        # this engine: a route's hops run in turn, and rows carry its metadata
         p = predict(hw, model, Layout(cfg["world"], cfg["domain_size"]), name, topk_idx.cpu().numpy(),
-                    precision=precision, pipelined=False)       # this engine runs a route's hops in turn
+                    precision=precision, pipelined=False, engine_metadata=True)
+        row = cfg["hidden"] * DTYPES[cfg["dtype"]].itemsize + metadata_bytes(name, cfg["topk"])
+        planner_bytes = {link: rows * row for link, rows in counted[name].items()}
         r.update(predicted_dispatch_s=p.dispatch_s, predicted_combine_s=p.combine_s,
                  predicted_total_s=p.dispatch_s + p.combine_s, planner_rows=counted[name],
-                 planner_rows_match=counted[name] == r["dispatch_rows"])
+                 planner_bytes=planner_bytes, planner_bytes_match=planner_bytes == r["dispatch_bytes"])
 
 
 def format_links(report: dict) -> str:
@@ -330,12 +333,12 @@ def format_links(report: dict) -> str:
     rows = [(n, r) for n, r in report["results"].items() if "predicted_total_s" in r]
     if rows:
         lines.append(f"{'backend':<14}{'measured ms':>12}{'predicted ms':>13}{'predicted/measured':>20}"
-                     f"  planner rows = engine rows")
+                     f"  planner bytes = engine bytes")
         for name, r in rows:
             measured = r["total_s"]["median"]
             lines.append(f"{name:<14}{measured * 1e3:>12.1f}{r['predicted_total_s'] * 1e3:>13.1f}"
                          f"{r['predicted_total_s'] / measured:>20.2f}  "
-                         + ("yes" if r["planner_rows_match"] else f"NO: {r['planner_rows']} vs {r['dispatch_rows']}"))
+                         + ("yes" if r["planner_bytes_match"] else f"NO: {r['planner_bytes']} vs {r['dispatch_bytes']}"))
     return "\n".join(lines)
 
 

@@ -113,13 +113,16 @@ def test_combine_uses_weights_the_caller_changed(world4, backend):
 
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
-def test_planner_counts_the_rows_the_engine_sends(world4, backend):
-    """One traffic model: the planner's per-link row count equals what every backend handed to
-    its collectives, summed over ranks (random routing with -1 slots and an empty rank; one expert)."""
-    from expertrail.plan.cost import Layout, rows_by_link
+def test_planner_counts_the_rows_and_bytes_the_engine_sends(world4, backend):
+    """One traffic model: the planner's per-link rows and bytes (payload plus the engine's
+    metadata) equal what every backend handed to its collectives, summed over ranks (random routing with -1 slots and an empty rank; one expert)."""
+    from expertrail.plan.cost import Layout, metadata_bytes, rows_by_link
+    row_bytes = 8 * 4 + metadata_bytes(backend, 4)          # hidden 8, fp32, top-4
     for domain_size in (1, 2, 4):
         for scenario in ("random", "one_expert", "duplicates_free_full"):
             results = world4.run(workers.rows_per_link, backend, domain_size, scenario)
-            engine = {c: sum(r[0][c] for r in results) for c in ("self", "intra", "inter")}
-            planner = rows_by_link(results[0][1], 16, Layout(4, domain_size), backend)
-            assert planner == engine, (domain_size, scenario, planner, engine)
+            engine_rows = {c: sum(r[0][c] for r in results) for c in ("self", "intra", "inter")}
+            engine_bytes = {c: sum(r[1][c] for r in results) for c in ("self", "intra", "inter")}
+            planner = rows_by_link(results[0][2], 16, Layout(4, domain_size), backend)
+            assert planner == engine_rows, (domain_size, scenario, planner, engine_rows)
+            assert {c: n * row_bytes for c, n in planner.items()} == engine_bytes, (domain_size, scenario)

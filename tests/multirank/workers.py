@@ -804,9 +804,10 @@ def from_default_timeout(rank, world, timeouts):
 
 
 def rows_per_link(rank, world, backend, domain_size, scenario):
-    """(this rank's dispatch rows per link class as the engine counted them, every rank's topk_idx)."""
+    """(this rank's dispatch rows and bytes per link class as the engine counted them, every
+    rank's topk_idx)."""
     groups = groups_for(None, domain_size)
     d = er.make_dispatcher(backend, groups, num_experts=16)
     xs, idxs, ws = make_inputs(scenario, world, 8, 16, 4, 5)
     res = d.dispatch(xs[rank], idxs[rank], ws[rank])
-    return dict(res.stats.rows), [i.numpy() for i in idxs]
+    return dict(res.stats.rows), dict(res.stats.bytes), [i.numpy() for i in idxs]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..plan.cost import metadata_bytes
 from .base import H_TOKENS, Dispatcher, bits_weight, expand_local, weight_bits
 from .dedup import local_ids_for
 from .route import Hop, Route, all_gather_rows
@@ -28,7 +29,7 @@ class AllGatherDispatcher(Dispatcher):
                   slot=torch.arange(g.ep_size, device=dev).repeat_interleave(n),
                   num_src=n, num_slots=g.ep_size, group=g.ep_group, send_splits=[n] * g.ep_size,
                   recv_splits=counts, peers=list(range(g.ep_size)), gathered=True,
-                  meta_bytes=16 * topk)
+                  meta_bytes=metadata_bytes(self.name, topk))
         route = Route(hops=[hop], topk=topk)
 
         def expand(meta):

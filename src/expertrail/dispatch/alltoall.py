@@ -20,6 +20,7 @@ import torch
 
 from ..errors import ConfigError
 from ..kernels.reference import CopyPositions, stable_argsort
+from ..plan.cost import metadata_bytes
 from .base import (CODE_DTYPES, H_DTYPE, H_HIDDEN, H_TOKENS, H_TOPK, Dispatcher, bits_weight, padded_positions,
                    weight_bits)
 from .route import Hop, LandingRuns, Route, own_block
@@ -90,7 +91,7 @@ class AllToAllDispatcher(Dispatcher):
         at.scatter_(0, slots, torch.arange(slots.numel(), device=slots.device))
         hop = Hop(index=token, slot=k, num_src=n, num_slots=max(topk, 1),          # copies summed in k order
                   group=g.ep_group, send_splits=send_splits, recv_splits=recv_counts.sum(1).tolist(),
-                  peers=list(range(p)), meta_bytes=16,
+                  peers=list(range(p)), meta_bytes=metadata_bytes(self.name, topk),
                   positions=CopyPositions.from_dense(at.view(n, max(topk, 1))) if topk else None)
         # Rows arrive by (source, expert); the real output rows are ordered by (expert, source): real
         # row i of run (e, s) is received row i of that run, received row from_received[i] overall.

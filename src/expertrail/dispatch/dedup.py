@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..plan.cost import metadata_bytes
 from ..routing import token_membership
 from .base import Dispatcher, bits_weight, expand_local, number_copies, weight_bits
 from .route import Hop, Route, own_block
@@ -40,7 +41,7 @@ class DedupDispatcher(Dispatcher):
         slot, positions = number_copies(token, n, max(1, min(topk, g.ep_size)))
         hop = Hop(index=token, slot=slot, num_src=n, num_slots=positions.num_slots, positions=positions,
                   group=g.ep_group, send_splits=send_splits, recv_splits=recv_counts[:, 0].tolist(),
-                  peers=list(range(g.ep_size)), meta_bytes=16 * topk, me=g.ep_rank)
+                  peers=list(range(g.ep_size)), meta_bytes=metadata_bytes(self.name, topk), me=g.ep_rank)
         route = Route(hops=[hop], topk=topk)
 
         def expand(meta):                      # rows arrive in (source, token) order

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..plan.cost import metadata_bytes
 from ..routing import token_membership
 from .base import H_TOKENS, Dispatcher, bits_weight, expand_local, number_copies, weight_bits
 from .dedup import local_ids_for
@@ -47,8 +48,8 @@ class HierarchicalDispatcher(Dispatcher):
         hop1 = Hop(index=token, slot=slot, num_src=n, num_slots=positions.num_slots, positions=positions,
                    group=g.rail_group, send_splits=send_splits,
                    recv_splits=recv_counts[g.domain_rank::size, 1].tolist(),
-                   peers=[d * size + g.domain_rank for d in range(g.num_domains)], meta_bytes=8 * (2 + 2 * topk),
-                   me=g.domain_index)
+                   peers=[d * size + g.domain_rank for d in range(g.num_domains)],
+                   meta_bytes=metadata_bytes(self.name, topk), me=g.domain_index)
         route = Route(hops=[hop1], topk=topk)
 
         def plan_hop2(meta):
@@ -61,7 +62,8 @@ class HierarchicalDispatcher(Dispatcher):
             hop2 = Hop(index=row1, slot=slot2, num_src=meta.shape[0], num_slots=positions2.num_slots,
                        positions=positions2, group=g.domain_group, send_splits=member.sum(0).tolist(),
                        recv_splits=recv_counts[:, 0].view(g.num_domains, size).sum(0).tolist(),
-                       peers=[first + r for r in range(size)], meta_bytes=8 * (2 + 2 * topk), me=g.domain_rank)
+                       peers=[first + r for r in range(size)], meta_bytes=metadata_bytes(self.name, topk),
+                       me=g.domain_rank)
             route.hops.append(hop2)
             local = local_ids_for(ids[row1], first + local_rank, self.rank_of_expert, self.local_of_expert)
             self._send_meta(hop2, torch.cat([meta[row1, :2], local, meta[row1, 2 + topk:]], 1), expand)

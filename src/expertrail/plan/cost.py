@@ -144,6 +144,15 @@ def count_traffic(topk_idx: np.ndarray, model: MoEModel, layout: Layout, algorit
     return tr
 
 
+def metadata_bytes(algorithm: str, topk: int) -> int:
+    """Bytes of int64 metadata expertrail's engine sends beside each dispatched row: alltoall a
+    row's k and weight; dedup and allgather the token's K expert ids and K weights;
+    hierarchical (both hops) its source rank and token, K ids and K weights. The backends take
+    their ``Hop.meta_bytes`` from here, so the planner and the engine count alike."""
+    per_row = {"alltoall": 2, "dedup": 2 * topk, "allgather": 2 * topk, "hierarchical": 2 + 2 * topk}
+    return 8 * per_row.get(algorithm, 0)
+
+
 def rows_by_link(topk_idx_per_rank: list, num_experts: int, layout: Layout, algorithm: str) -> dict:
     """Rows every rank hands to collectives in one dispatch, summed over ranks, per link class
     (``self`` / ``intra`` / ``inter``), from every rank's own routing: the exact form of
@@ -236,12 +245,15 @@ class Prediction:
 
 
 def predict(hw: Hardware, model: MoEModel, layout: Layout, algorithm: str, topk_idx: np.ndarray,
-            sms: int | None = None, precision: str = "bf16", pipelined: bool = True) -> Prediction:
+            sms: int | None = None, precision: str = "bf16", pipelined: bool = True,
+            engine_metadata: bool = False) -> Prediction:
     """Predicted dispatch and combine time of ``algorithm`` for rank 0's ``topk_idx``.
 
     pipelined: the stages of a two-level route overlap (DeepEP's and Hybrid-EP's kernels stream
     chunks from the NIC stage into the NVLink stage); False for an engine that runs them one
-    after the other (expertrail's own hierarchical route: rail hop, then domain hop)."""
+    after the other (expertrail's own hierarchical route: rail hop, then domain hop).
+    engine_metadata: dispatch rows carry expertrail's metadata (`metadata_bytes`), for
+    predicting expertrail's own engine rather than DeepEP's or Hybrid-EP's kernels."""
     if layout.ep < 1 or layout.domain < 1 or model.num_experts % layout.ep or layout.ep % layout.domain:
         raise ConfigError(f"EP {layout.ep} must divide {model.num_experts} experts and be a multiple of the "
                           f"domain size {layout.domain}")
@@ -251,6 +263,8 @@ def predict(hw: Hardware, model: MoEModel, layout: Layout, algorithm: str, topk_
 
     def phase(direction):
         size = row_bytes(model, precision, direction)
+        if engine_metadata and direction == "dispatch":
+            size += metadata_bytes(algorithm, model.topk)
         times, rows = {}, 0
         for st in tr.stages:
             busiest = max(st["send"], st["recv"])
