@@ -57,6 +57,12 @@ def test_bad_link_specs_say_what_to_write(text, message):
         cl.LinkSpec.parse(text)
 
 
+@pytest.mark.parametrize("nodes", [0, 251])
+def test_node_count_out_of_range_is_refused(nodes):
+    with pytest.raises(ConfigError, match=r"must be in 1\.\.250"):
+        cl.Cluster(nodes, cl.LinkSpec.parse("1gbit"))
+
+
 def test_missing_iproute2_is_named(monkeypatch):
     monkeypatch.setattr(cl.shutil, "which", lambda tool: None)
     with pytest.raises(cl.ClusterError, match=r"needs iproute2 \(ip, tc not found\)"):

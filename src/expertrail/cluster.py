@@ -173,8 +173,8 @@ class Cluster:
     address: list = field(default_factory=list)
 
     def __post_init__(self):
-        if int(self.nodes) < 1:
-            raise ConfigError(f"nodes={self.nodes} must be at least 1")
+        if not 1 <= int(self.nodes) <= 250:
+            raise ConfigError(f"nodes={self.nodes} must be in 1..250 (one /24 of addresses per cluster)")
         self.nodes = int(self.nodes)
 
     # ---- lifecycle
