@@ -262,9 +262,8 @@ class Dispatcher:
         before anything else is sent, so all ranks stop at the same point. Cost: one small
         message per peer beside the rows, no extra round trip (benchmarks/combine_flags.py).
         """
-        p = self.groups.ep_size
-        row = torch.tensor([[error, int(at_source), int(needs_grad)]], dtype=torch.int64, device=self.groups.device)
-        return all_to_all_rows(row.expand(p, -1), [1] * p, [1] * p, self.groups.ep_group)
+        no_counts = torch.empty(self.groups.ep_size, 0, dtype=torch.int64, device=self.groups.device)
+        return self._start_control(no_counts, [error, int(at_source), int(needs_grad)])
 
     def _finish_combine_flags(self, flags: Transfer, message: str | None) -> torch.Tensor:
         """Wait for the peers' combine flags; raise on every rank if any rank is in error or
