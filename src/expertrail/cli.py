@@ -45,10 +45,15 @@ def _bench_parser(sub) -> None:
                    help="run on this many emulated nodes, launched by torchrun per node (default: local ranks)")
     c.add_argument("--ranks-per-node", type=_positive_int(2), default=2,
                    help="ranks per node; the domain size unless --domain-size is given (default %(default)s)")
-    c.add_argument("--inter-link", default="1gbit",
-                   help="each node's link, both directions: RATE[,delay=T][,loss=P] (default %(default)s)")
+    _inter_link_argument(c)
     c.add_argument("--emit-hardware", metavar="PATH.yaml",
                    help="write the measured links as a planner hardware entry (`expertrail plan --hardware PATH`)")
+
+
+def _inter_link_argument(parser) -> None:
+    parser.add_argument("--inter-link", default="1gbit",
+                        help="each node's link, both directions: RATE[,loss=P][,delay=T], e.g. 200mbit,loss=1%% "
+                             "(loss needs nftables; a delay needs the kernel's netem) (default %(default)s)")
 
 
 _CLUSTER_OPTIONS = ("--nodes", "--ranks-per-node", "--inter-link")
@@ -72,13 +77,7 @@ def _bench_on_cluster(args, argv: list) -> int:
     if "--domain-size" not in {a.split("=", 1)[0] for a in inner}:
         inner += ["--domain-size", str(args.ranks_per_node)]
     with Cluster(args.nodes, link) as c:
-        env = {"EXPERTRAIL_NODES": str(args.nodes), "EXPERTRAIL_RANKS_PER_NODE": str(args.ranks_per_node)}
-        os.environ.update(env)
-        try:
-            c.run(["-m", "expertrail", "bench", *inner, "--no-progress"], args.ranks_per_node)
-        finally:
-            for key in env:
-                os.environ.pop(key, None)
+        c.run(["-m", "expertrail", "bench", *inner, "--no-progress"], args.ranks_per_node)
     return 0
 
 
@@ -472,9 +471,7 @@ def _cluster_parser(sub) -> None:
                                        "the run and torn down after it, also on failure or Ctrl-C.")
     for q in (up, run):
         q.add_argument("--nodes", type=_positive_int(2), default=2, help="emulated nodes (default %(default)s)")
-        q.add_argument("--inter-link", default="1gbit",
-                       help="each node's link, both directions: RATE[,delay=T][,loss=P] (default %(default)s; "
-                            "delay and loss need the kernel's netem)")
+        _inter_link_argument(q)
     run.add_argument("--ranks-per-node", type=_positive_int(2), default=2,
                      help="ranks per node (torchrun --nproc-per-node; the EP domain size by default) "
                           "(default %(default)s)")

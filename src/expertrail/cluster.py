@@ -290,9 +290,11 @@ class Cluster:
 
     def node_env(self, i: int) -> dict:
         """Environment of node i's ranks: gloo bound to the node's link, so traffic to another
-        node crosses it (and traffic inside the node stays on its loopback)."""
+        node crosses it (and traffic inside the node stays on its loopback), and the cluster's
+        name, link and node count for reports."""
         return dict(os.environ, GLOO_SOCKET_IFNAME=self.ifname[i], TP_SOCKET_IFNAME=self.ifname[i],
-                    EXPERTRAIL_CLUSTER=self.prefix, EXPERTRAIL_INTER_LINK=str(self.inter_link))
+                    EXPERTRAIL_CLUSTER=self.prefix, EXPERTRAIL_INTER_LINK=str(self.inter_link),
+                    EXPERTRAIL_NODES=str(self.nodes))
 
     def run(self, command: list, ranks_per_node: int, timeout: float | None = None, port: int = 29400,
             capture: bool = False) -> list:
