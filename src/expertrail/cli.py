@@ -494,18 +494,18 @@ def _run_cluster(args) -> int:
         records = cl.list_clusters()
         for name, r in sorted(records.items()):
             owner = r.get("owner_pid")
-            state = "kept up" if owner == 0 else (f"owned by pid {owner}" if cl._alive(int(owner or -1))
+            state = "kept up" if owner == 0 else (f"owned by pid {owner}" if cl.process_alive(int(owner or -1))
                                                   else "left behind (owner gone)")
             link = cl.LinkSpec(**r["inter_link"]) if "inter_link" in r else "?"
             print(f"{name}: {r.get('nodes', '?')} nodes {', '.join(r.get('address', []))}, inter-link {link}, {state}")
-        stray = sorted({n[:6] for n in cl.leftovers()} - set(records))
+        stray = sorted(cl.leftover_prefixes() - set(records))
         for name in stray:
             print(f"{name}: namespaces or links with no record (remove with `expertrail cluster down {name}`)")
         if not records and not stray:
             print("no emulated cluster")
         return 0
     if args.verb == "down":
-        names = sorted(set(cl.list_clusters()) | {n[:6] for n in cl.leftovers()}) if args.all else args.names
+        names = sorted(set(cl.list_clusters()) | cl.leftover_prefixes()) if args.all else args.names
         if not names:
             raise ConfigError("name the clusters to remove (see `expertrail cluster status`), or give --all")
         for name in names:

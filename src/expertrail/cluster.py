@@ -43,7 +43,8 @@ from pathlib import Path
 from .errors import ConfigError, ExpertrailError
 
 STATE_DIR = Path(os.environ.get("EXPERTRAIL_CLUSTER_DIR", "/run/expertrail-clusters"))
-PREFIX_PATTERN = re.compile(r"^er[0-9a-f]{4}$")
+ANY_PREFIX = r"er[0-9a-f]{4}"
+PREFIX_PATTERN = re.compile(rf"^{ANY_PREFIX}$")
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
           "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
 _TIME_UNITS = {"s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9}      # divisors: 100us -> 100 / 1e6 exactly
@@ -335,9 +336,7 @@ class Cluster:
     # ---- records
     def _save(self) -> None:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
-        record = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
-        record["inter_link"] = asdict(self.inter_link)
-        (STATE_DIR / f"{self.prefix}.json").write_text(json.dumps(record))
+        (STATE_DIR / f"{self.prefix}.json").write_text(json.dumps(asdict(self)))     # inter_link as a dict too
 
 
 _LIVE: dict = {}
@@ -369,8 +368,7 @@ def _on_signal(signum, frame):
     """Tear every live cluster down, then do what the signal did before (raise
     KeyboardInterrupt for SIGINT, end the process for SIGTERM...)."""
     previous = _PREVIOUS.get(signum, signal.SIG_DFL)
-    for cluster in list(_LIVE.values()):
-        cluster.down()
+    _down_all()
     _restore_signal_handlers()
     if callable(previous):
         previous(signum, frame)
@@ -380,7 +378,8 @@ def _on_signal(signum, frame):
 
 
 @atexit.register
-def _down_at_exit() -> None:
+def _down_all() -> None:
+    """Tear down every cluster this process owns (at exit, and on a signal)."""
     for cluster in list(_LIVE.values()):
         cluster.down()
 
@@ -400,7 +399,7 @@ def _kill_session(proc: subprocess.Popen) -> None:
 
 
 def _new_prefix() -> str:
-    taken = set(list_clusters()) | {name[:6] for name in _netns_names()}
+    taken = set(list_clusters()) | leftover_prefixes()
     while True:
         prefix = "er" + secrets.token_hex(2)
         if prefix not in taken:
@@ -438,7 +437,8 @@ def list_clusters() -> dict:
     return out
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a cluster's owner; 0 and below: none)."""
     if pid <= 0:
         return False
     try:
@@ -450,13 +450,26 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _resources(prefix: str = ANY_PREFIX) -> tuple[list, list, list]:
+    """(namespaces, links, nftables tables) on this machine of the clusters whose name matches
+    the regex ``prefix``: every name a cluster creates is its prefix plus one of these forms."""
+    netns = [n for n in _netns_names() if re.fullmatch(rf"{prefix}n\d+", n)]
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    links = re.findall(rf"^\d+: ({prefix}(?:br|b\d+|v\d+))[@:]", links, flags=re.M)
+    tables = []
+    if shutil.which("nft"):
+        listed = subprocess.run(["nft", "list", "tables", "netdev"], capture_output=True, text=True).stdout
+        tables = re.findall(rf"^table netdev ({prefix}loss)$", listed, flags=re.M)
+    return netns, links, tables
+
+
 def teardown(prefix: str) -> list:
     """Remove cluster ``prefix``: end the processes in its namespaces, delete namespaces,
-    veths and bridge, drop its record. Returns what was removed."""
+    veths, bridge and loss table, drop its record. Returns what was removed."""
     if not PREFIX_PATTERN.match(prefix):
         raise ConfigError(f"{prefix!r} is not an emulated cluster's name (er + 4 hex digits)")
-    removed = []
-    for ns in [n for n in _netns_names() if re.fullmatch(rf"{prefix}n\d+", n)]:
+    netns, _, _ = _resources(prefix)
+    for ns in netns:
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
         for pid in pids:                       # processes inside our namespace are ours
             try:
@@ -464,15 +477,12 @@ def teardown(prefix: str) -> list:
             except (ProcessLookupError, ValueError):
                 pass
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        removed.append(ns)
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-    for name in re.findall(rf"^\d+: ({prefix}(?:br|b\d+|v\d+))[@:]", links, flags=re.M):
+    _, links, tables = _resources(prefix)       # the namespaces took their veths with them
+    for name in links:
         subprocess.run(["ip", "link", "del", name], capture_output=True)
-        removed.append(name)
-    if shutil.which("nft") and subprocess.run(["nft", "list", "table", "netdev", f"{prefix}loss"],
-                                              capture_output=True).returncode == 0:
-        subprocess.run(["nft", "delete", "table", "netdev", f"{prefix}loss"], capture_output=True)
-        removed.append(f"nft table netdev {prefix}loss")
+    for table in tables:
+        subprocess.run(["nft", "delete", "table", "netdev", table], capture_output=True)
+    removed = netns + links + [f"nft table netdev {t}" for t in tables]
     record = STATE_DIR / f"{prefix}.json"
     if record.exists():
         record.unlink()
@@ -484,15 +494,18 @@ def remove_stale_clusters() -> list:
     """Tear down every recorded cluster whose owner process is gone (a killed run); returns
     their names."""
     stale = [p for p, r in list_clusters().items()
-             if r.get("owner_pid") != 0 and not _alive(int(r.get("owner_pid") or -1))]
+             if r.get("owner_pid") != 0 and not process_alive(int(r.get("owner_pid") or -1))]
     for prefix in stale:
         teardown(prefix)
     return stale
 
 
 def leftovers() -> list:
-    """Names of emulated-cluster namespaces and links on this machine (none after a clean run)."""
-    names = [n for n in _netns_names() if re.fullmatch(r"er[0-9a-f]{4}n\d+", n)]
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-    names += re.findall(r"^\d+: (er[0-9a-f]{4}(?:br|b\d+|v\d+))[@:]", links, flags=re.M)
-    return names
+    """Names of emulated-cluster namespaces, links and nftables tables on this machine (none
+    after a clean run)."""
+    return [name for names in _resources() for name in names]
+
+
+def leftover_prefixes() -> set:
+    """The cluster names those leftovers belong to."""
+    return {name[:6] for name in leftovers()}
