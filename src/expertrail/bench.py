@@ -285,36 +285,31 @@ def format_table(report: dict) -> str:
                       "x bare: total / bare collectives moving the same bytes"])
 
 
-def count_rows(cfg: dict) -> dict:
-    """backend -> the planner's count of dispatch rows per link class for this run's routing
-    (`plan.cost.rows_by_link`, every rank's routing), to set beside the rows the engine sent."""
-    from .plan.cost import Layout, rows_by_link
-    idx = [make_routing(cfg["routing"], cfg["tokens"], cfg["experts"], cfg["topk"], r, cfg["world"], cfg["seed"])[0]
-           for r in range(cfg["world"])]
-    layout = Layout(cfg["world"], cfg["domain_size"])
-    return {b: rows_by_link([i.numpy() for i in idx], cfg["experts"], layout, b) for b in cfg["backends"]}
-
-
-def predict_backends(report: dict, links: dict, topk_idx: torch.Tensor) -> None:
+def predict_backends(report: dict, links: dict) -> None:
     """Add to every backend of ``report`` the planner's predicted times on this machine (its
-    measured links as a `Hardware` entry, this run's shape, layout and rank 0's routing):
-    ``predicted_dispatch_s``, ``predicted_combine_s``, ``predicted_total_s``."""
+    measured links as a `Hardware` entry, this run's shape, layout and rank 0's routing) and
+    its count of this run's dispatch rows and bytes per link class from every rank's routing
+    (`plan.cost.rows_by_link`), to set beside what the engine sent: ``predicted_dispatch_s``,
+    ``predicted_combine_s``, ``predicted_total_s``, ``planner_rows``, ``planner_bytes``,
+    ``planner_bytes_match``."""
     from .links import measured_hardware
     from .plan.catalog import MoEModel
-    from .plan.cost import Layout, metadata_bytes, predict
+    from .plan.cost import Layout, metadata_bytes, predict, rows_by_link
     cfg = report["config"]
+    idx = [make_routing(cfg["routing"], cfg["tokens"], cfg["experts"], cfg["topk"], r, cfg["world"],
+                        cfg["seed"])[0].numpy() for r in range(cfg["world"])]
     hw = measured_hardware(links, cfg["domain_size"])
-    counted = count_rows(cfg)
+    layout = Layout(cfg["world"], cfg["domain_size"])
     model = MoEModel("bench", cfg["hidden"], cfg["experts"], cfg["topk"], cfg["expert_ffn"], 1)
     precision = "fp32" if cfg["dtype"] == "fp32" else "bf16"        # fp16 rows are as wide as bf16
     for name, r in report["results"].items():
         # this engine: a route's hops run in turn, and rows carry its metadata
-        p = predict(hw, model, Layout(cfg["world"], cfg["domain_size"]), name, topk_idx.cpu().numpy(),
-                    precision=precision, pipelined=False, engine_metadata=True)
+        p = predict(hw, model, layout, name, idx[0], precision=precision, pipelined=False, engine_metadata=True)
+        rows = rows_by_link(idx, cfg["experts"], layout, name)
         row = cfg["hidden"] * DTYPES[cfg["dtype"]].itemsize + metadata_bytes(name, cfg["topk"])
-        planner_bytes = {link: rows * row for link, rows in counted[name].items()}
+        planner_bytes = {link: n * row for link, n in rows.items()}
         r.update(predicted_dispatch_s=p.dispatch_s, predicted_combine_s=p.combine_s,
-                 predicted_total_s=p.dispatch_s + p.combine_s, planner_rows=counted[name],
+                 predicted_total_s=p.dispatch_s + p.combine_s, planner_rows=rows,
                  planner_bytes=planner_bytes, planner_bytes_match=planner_bytes == r["dispatch_bytes"])
 
 

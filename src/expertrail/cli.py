@@ -422,7 +422,6 @@ def _measure_and_predict(report: dict, cfg, args) -> None:
     from .bench import predict_backends
     from .links import measure_links, measured_hardware, write_hardware
     from .topology import EPGroups
-    from .workload import make_routing
     groups = EPGroups.from_default(domain_size=cfg.domain_size)
     links = measure_links(groups)
     report["links"] = links
@@ -431,8 +430,7 @@ def _measure_and_predict(report: dict, cfg, args) -> None:
                               "inter_link": os.environ.get("EXPERTRAIL_INTER_LINK", "?"),
                               "nodes": int(os.environ.get("EXPERTRAIL_NODES", cfg.world // groups.domain_size)),
                               "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", groups.domain_size))}
-    idx, _ = make_routing(cfg.routing, cfg.tokens, cfg.experts, cfg.topk, 0, cfg.world, cfg.seed)
-    predict_backends(report, links, idx)
+    predict_backends(report, links)
     if args.emit_hardware and dist.get_rank() == 0:
         write_hardware(measured_hardware(links, cfg.domain_size), args.emit_hardware)
         print(f"wrote {args.emit_hardware}")

@@ -103,17 +103,22 @@ class Traffic:
     logical_rows: int = 0                          # (token, destination rank) pairs, for algorithm bandwidth
 
 
+def _rank_members(topk_idx: np.ndarray, local: int, p: int) -> tuple[np.ndarray, np.ndarray]:
+    """For ``topk_idx [T, K]`` (-1 = none) and ``local`` experts per rank: (pairs [P], the
+    (token, expert) pairs each rank gets; member bool [T, P], whether a token has an expert on
+    each rank)."""
+    valid = topk_idx >= 0
+    owner = np.where(valid, topk_idx // local, p)
+    member = np.zeros((topk_idx.shape[0], p + 1), bool)
+    np.put_along_axis(member, owner, True, axis=1)
+    return np.bincount(owner[valid], minlength=p)[:p], member[:, :p]
+
+
 def count_traffic(topk_idx: np.ndarray, model: MoEModel, layout: Layout, algorithm: str) -> Traffic:
     """Rows on each link for rank 0 sending ``topk_idx [T, K]`` (all ranks route alike)."""
     p, d = layout.ep, layout.domain
-    local = model.num_experts // p
     t = topk_idx.shape[0]
-    valid = topk_idx >= 0
-    rank = np.where(valid, topk_idx // local, -1)
-    member = np.zeros((t, p + 1), bool)
-    np.put_along_axis(member, np.where(valid, rank, p), True, axis=1)
-    member = member[:, :p]                                        # token has an expert on rank q
-    pairs = np.bincount(rank[valid], minlength=p)                 # (token, expert) pairs per rank
+    pairs, member = _rank_members(topk_idx, model.num_experts // p, p)
     in_domain = member.reshape(t, p // d, d).any(2)
     logical = int(member.sum())
     same = np.arange(p) < d                                       # rank 0's domain
@@ -161,9 +166,9 @@ def rows_by_link(topk_idx_per_rank: list, num_experts: int, layout: Layout, algo
 
     topk_idx_per_rank: P arrays [N_r, K] (-1 = none). Per algorithm, rows from source s to q:
     alltoall one per (token, expert on q); dedup one per (token, q holding one of its experts);
-    allgather the most tokens of any rank (padded) to every q; hierarchical first one per (token, domain D holding one of
-    its experts) to the rank of D with s's local index, then, from there, one per (row, rank of D
-    holding an expert of the token).
+    allgather the most tokens of any rank (padded) to every q; hierarchical first one per
+    (token, domain D holding one of its experts) to the rank of D with s's local index, then,
+    from there, one per (row, rank of D holding an expert of the token).
     """
     p, d = layout.ep, layout.domain
     local = num_experts // p
@@ -177,14 +182,9 @@ def rows_by_link(topk_idx_per_rank: list, num_experts: int, layout: Layout, algo
 
     ranks = np.arange(p)
     for src, idx in enumerate(topk_idx_per_rank):
-        idx = np.asarray(idx)
-        valid = idx >= 0
-        owner = np.where(valid, idx // local, p)
-        member = np.zeros((idx.shape[0], p + 1), bool)
-        np.put_along_axis(member, owner, True, axis=1)
-        member = member[:, :p]                                   # [N, P]: token has an expert on rank q
+        pairs, member = _rank_members(np.asarray(idx), local, p)
         if algorithm in ("alltoall", "deepep-ll"):
-            add(src, ranks, np.bincount(owner[valid], minlength=p)[:p])
+            add(src, ranks, pairs)
         elif algorithm == "dedup":
             add(src, ranks, member.sum(0))
         elif algorithm == "allgather":          # the all-gather pads every rank to the most tokens
