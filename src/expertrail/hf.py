@@ -179,7 +179,17 @@ def _differing(named: list[tuple[object, torch.Tensor]], groups: EPGroups) -> li
     return out
 
 
+def _listed(lines: list, what: str, most: int = 8) -> str:
+    """The first ``most`` lines of an error's list, and how many ``what`` were left out."""
+    extra = [f"  ... and {len(lines) - most} more {what}"] if len(lines) > most else []
+    return "\n".join(lines[:most] + extra)
+
+
 def _compare_checksums(named_blocks: list[tuple[str, nn.Module]], groups: EPGroups) -> None:
+    """Raise ConfigMismatchError on every rank of the EP group unless all its ranks hold the
+    same router, shared experts and full expert tensors in ``named_blocks`` ((path, block)
+    pairs, in the same order on every rank, as `_agree_on_structure` checked), compared by
+    `tensor_checksum`. Collective: one small all-gather."""
     entries = [((path, name), t) for path, b in named_blocks for name, t in _replicated_tensors(b)]
     differing: dict[str, list[str]] = {}
     holders: dict[str, set] = {}
@@ -189,26 +199,12 @@ def _compare_checksums(named_blocks: list[tuple[str, nn.Module]], groups: EPGrou
     if not differing:
         return
     lines = [f"  {path}: {', '.join(names)} differ (ranks holding the same copy: "
-             f"{', '.join(str(list(r)) for r in sorted(holders[path]))})" for path, names in list(differing.items())[:8]]
-    if len(differing) > 8:
-        lines.append(f"  ... and {len(differing) - 8} more blocks")
+             f"{', '.join(str(list(r)) for r in sorted(holders[path]))})" for path, names in differing.items()]
     raise ConfigMismatchError(
         f"the MoE weights differ between ranks of {groups.label}; each rank keeps only its slice of the experts "
         "and its own router, so the expert-parallel model would compute a different function from every rank's "
-        "original:\n" + "\n".join(lines) + "\nEvery rank must hold the same model before patching: seed every rank "
+        "original:\n" + _listed(lines, "blocks") + "\nEvery rank must hold the same model before patching: seed every rank "
         "the same (torch.manual_seed(seed) before building the model) or load the same checkpoint on every rank.")
-
-
-def check_same_weights(named_blocks: list[tuple[str, nn.Module]], groups: EPGroups) -> None:
-    """Raise ConfigMismatchError on every rank of the EP group unless all its ranks hold the
-    same blocks with the same router, shared experts and full expert tensors, compared by
-    `tensor_checksum`. ``named_blocks``: (path, block) pairs, in the same order on every rank;
-    the paths name the blocks in the error.
-
-    Collective over ``groups.ep_group``: two small all-gathers (structure, then checksums).
-    """
-    _agree_on_structure(named_blocks, groups)
-    _compare_checksums(named_blocks, groups)
 
 
 # --- the adapter ------------------------------------------------------------------------
@@ -427,12 +423,10 @@ def full_state_dict(model: nn.Module, check_replicas: bool = True) -> dict[str, 
         groups = blocks[0][1].groups
         drift = _differing([(k, t) for k, t in state.items() if k not in sharded and type(t) is torch.Tensor], groups)
         if drift:
-            lines = [f"  {key} (ranks holding the same copy: {', '.join(map(str, copies))})" for key, copies in drift[:8]]
-            if len(drift) > 8:
-                lines.append(f"  ... and {len(drift) - 8} more")
+            lines = [f"  {key} (ranks holding the same copy: {', '.join(map(str, copies))})" for key, copies in drift]
             raise ConfigMismatchError(
                 f"full_state_dict: the replicated weights differ between ranks of {groups.label}, so this rank's "
-                "checkpoint would not hold the model the other ranks run:\n" + "\n".join(lines) + "\nSum the "
+                "checkpoint would not hold the model the other ranks run:\n" + _listed(lines, "tensors") + "\nSum the "
                 "gradients of every parameter but the experts' over the ranks before each step (DDP, or "
                 "torch.distributed.all_reduce), or pass check_replicas=False to save this rank's copy anyway.")
     for name, block in blocks:
