@@ -174,6 +174,9 @@ def test_bench_on_two_nodes_measures_links_predicts_and_counts_bytes_like_the_pl
     from expertrail.plan.catalog import load_hardware
     hw = load_hardware(str(hw_path))
     assert hw.measured and hw.domain_size == 2 and hw.nic_GBps == round(data["links"]["inter"]["GBps"], 4)
+    local = data["local_passes"]
+    assert local["copy_GBps"] > 0 and local["reduce_GBps"] > 0 and "measured local passes: copy" in done.stdout
+    assert hw.local_copy_GBps == round(local["copy_GBps"], 3) and hw.local_reduce_GBps == round(local["reduce_GBps"], 3)
 
 
 @needs_root

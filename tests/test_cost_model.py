@@ -205,3 +205,40 @@ def test_simulate_skips_non_dividing_eps_with_a_note(capsys):
     assert sorted({r["ep"] for r in js["rows"]}) == [8, 16, 32, 64]
     assert [s["ep"] for s in js["skipped"]] == [24, 40, 48, 56]
     assert "note: skipped EP 24, 40, 48, 56: not a divisor of the 256 experts of deepseek-v3" in captured.err
+
+
+@pytest.mark.parametrize("algorithm", ["alltoall", "dedup", "hierarchical", "allgather"])
+def test_engine_local_passes_take_the_measured_pass_time(algorithm):
+    """On a measured machine with local pass figures, predicting expertrail's engine adds its
+    copies to dispatch and its sums to combine at those speeds; other predictions do not."""
+    from dataclasses import replace
+    bare = replace(HARDWARE["h100"], measured=True, nvlink_latency_us=500.0, nic_latency_us=700.0)
+    timed = replace(bare, local_copy_GBps=3.0, local_reduce_GBps=6.0)
+    model = MoEModel("m", 1024, 32, 8, 512, 1)
+    layout = Layout(4, 2)
+    idx = Routing("uniform").sample(model, 1024)
+    tr = count_traffic(idx, model, layout, algorithm)
+    row = row_bytes(model, "bf16", "dispatch")
+    without = predict(bare, model, layout, algorithm, idx, engine=True)
+    with_passes = predict(timed, model, layout, algorithm, idx, engine=True)
+    assert with_passes.dispatch_s - without.dispatch_s == pytest.approx(tr.local["copy"] * row / 3e9)
+    assert with_passes.combine_s - without.combine_s == pytest.approx(tr.local["reduce"] * row / 6e9)
+    kernels = predict(timed, model, layout, algorithm, idx)
+    assert kernels.dispatch_s < with_passes.dispatch_s
+
+
+def test_engine_local_rows_follow_each_backends_passes():
+    """alltoall copies and sums each sent (token, expert) row once; dedup also expands and
+    pre-sums on the expert side; hierarchical does so for its rail rows, its domain rows and
+    the expert rows."""
+    model = MoEModel("m", 64, 32, 8, 64, 1)
+    layout = Layout(4, 2)
+    idx = Routing("uniform").sample(model, 512)
+    pairs = int((idx >= 0).sum())
+    member = np.zeros((512, 4), bool)
+    np.put_along_axis(member, idx // 8, True, axis=1)
+    in_domain = member.reshape(512, 2, 2).any(2)
+    assert count_traffic(idx, model, layout, "alltoall").local == {"copy": pairs, "reduce": pairs}
+    assert count_traffic(idx, model, layout, "dedup").local["copy"] == int(member.sum()) + pairs
+    assert count_traffic(idx, model, layout, "hierarchical").local["reduce"] == \
+        int(in_domain.sum()) + int(member.sum()) + pairs

@@ -285,9 +285,10 @@ def format_table(report: dict) -> str:
                       "x bare: total / bare collectives moving the same bytes"])
 
 
-def predict_backends(report: dict, links: dict) -> None:
+def predict_backends(report: dict, links: dict, local: dict | None = None) -> None:
     """Add to every backend of ``report`` the planner's predicted times on this machine (its
-    measured links as a `Hardware` entry, this run's shape, layout and rank 0's routing) and
+    measured links and local pass figures, ``local``, as a `Hardware` entry, this run's shape,
+    layout and rank 0's routing) and
     its count of this run's dispatch rows and bytes per link class from every rank's routing
     (`plan.cost.rows_by_link`), to set beside what the engine sent: ``predicted_dispatch_s``,
     ``predicted_combine_s``, ``predicted_total_s``, ``planner_rows``, ``planner_bytes``,
@@ -298,13 +299,15 @@ def predict_backends(report: dict, links: dict) -> None:
     cfg = report["config"]
     idx = [make_routing(cfg["routing"], cfg["tokens"], cfg["experts"], cfg["topk"], r, cfg["world"],
                         cfg["seed"])[0].numpy() for r in range(cfg["world"])]
-    hw = measured_hardware(links, cfg["domain_size"])
+    hw = measured_hardware(links, cfg["domain_size"], local=local)
     layout = Layout(cfg["world"], cfg["domain_size"])
     model = MoEModel("bench", cfg["hidden"], cfg["experts"], cfg["topk"], cfg["expert_ffn"], 1)
     precision = "fp32" if cfg["dtype"] == "fp32" else "bf16"        # fp16 rows are as wide as bf16
     for name, r in report["results"].items():
-        # this engine: a route's hops run in turn, and rows carry its metadata
-        p = predict(hw, model, layout, name, idx[0], precision=precision, pipelined=False, engine_metadata=True)
+        # this engine: a route's hops run in turn (hierarchical overlaps only the rows a rank
+        # forwards of its own), rows carry its metadata, and its local passes take the
+        # measured time
+        p = predict(hw, model, layout, name, idx[0], precision=precision, pipelined=False, engine=True)
         rows = rows_by_link(idx, cfg["experts"], layout, name)
         row = cfg["hidden"] * DTYPES[cfg["dtype"]].itemsize + metadata_bytes(name, cfg["topk"])
         planner_bytes = {link: n * row for link, n in rows.items()}
@@ -325,6 +328,11 @@ def format_links(report: dict) -> str:
         lines.append(f"measured {name}-{'node' if emulated else 'domain'} link: {link['GBps']:.3f} GB/s per rank each "
                      f"way, latency {link['latency_us']:.0f} us (bare all_to_all_single, "
                      f"{', '.join(f'{b / 1e6:.2f}' for b in link['bytes_per_rank'])} MB per rank)")
+    local = report.get("local_passes")
+    if local:
+        lines.append(f"measured local passes: copy {local['copy_GBps']:.2f} GB/s, weighted sum "
+                     f"{local['reduce_GBps']:.2f} GB/s per rank, every rank at once ({local['rows']} rows of "
+                     f"{local['hidden']} {local['dtype']})")
     rows = [(n, r) for n, r in report["results"].items() if "predicted_total_s" in r]
     if rows:
         lines.append(f"{'backend':<14}{'measured ms':>12}{'predicted ms':>13}{'predicted/measured':>20}"

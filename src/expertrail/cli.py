@@ -419,20 +419,21 @@ def _measure_and_predict(report: dict, cfg, args) -> None:
     --emit-hardware write the hardware entry). Collective."""
     import torch.distributed as dist
 
-    from .bench import predict_backends
-    from .links import measure_links, measured_hardware, write_hardware
+    from .bench import DTYPES, predict_backends
+    from .links import measure_links, measure_local_passes, measured_hardware, write_hardware
     from .topology import EPGroups
     groups = EPGroups.from_default(domain_size=cfg.domain_size)
     links = measure_links(groups)
     report["links"] = links
+    report["local_passes"] = local = measure_local_passes(groups.device, DTYPES[cfg.dtype], hidden=cfg.hidden)
     if os.environ.get("EXPERTRAIL_CLUSTER"):
         report["emulated"] = {"cluster": os.environ["EXPERTRAIL_CLUSTER"],
                               "inter_link": os.environ.get("EXPERTRAIL_INTER_LINK", "?"),
                               "nodes": int(os.environ.get("EXPERTRAIL_NODES", cfg.world // groups.domain_size)),
                               "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", groups.domain_size))}
-    predict_backends(report, links)
+    predict_backends(report, links, local)
     if args.emit_hardware and dist.get_rank() == 0:
-        write_hardware(measured_hardware(links, cfg.domain_size), args.emit_hardware)
+        write_hardware(measured_hardware(links, cfg.domain_size, local=local), args.emit_hardware)
         print(f"wrote {args.emit_hardware}")
 
 

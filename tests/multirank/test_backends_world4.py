@@ -54,6 +54,15 @@ def test_alltoall_lands_in_place_from_the_threshold_run_size(world4):
         assert not small and landed     # a tiny dispatch sends blocks unless told to land in place
 
 
+def test_hierarchical_splits_its_domain_hop_only_across_domains(world4):
+    """With several domains of several ranks, the domain hop is a SplitHop whose early part
+    forwards only the rail hop's own block; with one domain, or domains of one rank, it is not."""
+    for domain_size, split in ((2, True), (1, False), (4, False)):
+        for kinds, early_ok in world4.run(workers.hierarchical_hop_kinds, domain_size):
+            assert ("SplitHop" in kinds) == split, (domain_size, kinds)
+            assert early_ok is (True if split else None)
+
+
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 @pytest.mark.parametrize("alignment,capacity_factor,policy,pad", [
     (4, None, "probs", False), (1, 0.5, "probs", False), (1, 0.5, "position", False),

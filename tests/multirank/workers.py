@@ -811,3 +811,21 @@ def rows_per_link(rank, world, backend, domain_size, scenario):
     xs, idxs, ws = make_inputs(scenario, world, 8, 16, 4, 5)
     res = d.dispatch(xs[rank], idxs[rank], ws[rank])
     return dict(res.stats.rows), dict(res.stats.bytes), [i.numpy() for i in idxs]
+
+
+def hierarchical_hop_kinds(rank, world, domain_size):
+    """The kinds of hierarchical's hops for one dispatch, and whether its split domain hop's early
+    part forwards only rows this rank sent itself in the rail hop."""
+    from expertrail.dispatch.route import SplitHop
+    groups = groups_for(None, domain_size)
+    d = er.make_dispatcher("hierarchical", groups, num_experts=16)
+    xs, idxs, ws = make_inputs("random", world, 8, 16, 4, 5, torch.float32)
+    route = d.dispatch(xs[rank], idxs[rank], ws[rank]).route
+    split = next((h for h in route.hops if isinstance(h, SplitHop)), None)
+    early_in_own_block = None
+    if split is not None:
+        start, end = split.own
+        early_in_own_block = (start, end) == route.hops[0].own_block_received() and \
+            bool((split.early.index < end - start).all()) and \
+            not bool(((split.late.index >= start) & (split.late.index < end)).any())
+    return [type(h).__name__ for h in route.hops], early_in_own_block

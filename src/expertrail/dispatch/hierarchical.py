@@ -13,7 +13,7 @@ from ..plan.cost import metadata_bytes
 from ..routing import token_membership
 from .base import H_TOKENS, Dispatcher, bits_weight, expand_local, number_copies, weight_bits
 from .dedup import local_ids_for
-from .route import Hop, Route, own_block
+from .route import Hop, Route, SplitHop, all_to_all_rows, concat_transfers, own_block
 
 
 class HierarchicalDispatcher(Dispatcher):
@@ -52,21 +52,47 @@ class HierarchicalDispatcher(Dispatcher):
                    meta_bytes=metadata_bytes(self.name, topk), me=g.domain_index)
         route = Route(hops=[hop1], topk=topk)
 
+        # Rows each rank of my domain receives in hop 2, by the domain they come from.
+        hop2_recv = recv_counts[:, 0].view(g.num_domains, size)
+
+        def hop2_part(meta, ids, member, rows, start, num_src, recv_splits):
+            """The hop-2 exchange of hop-1 rows ``rows`` (of ``member [R1, size]``) from a level
+            of ``num_src`` rows starting at hop-1 row ``start``, and the metadata it sends."""
+            local_rank, row1 = torch.nonzero(member[rows].t()).unbind(1)
+            row1 = rows.index_select(0, row1)
+            slot2, positions2 = number_copies(row1 - start, num_src, max(1, min(topk, size)))
+            hop = Hop(index=row1 - start, slot=slot2, num_src=positions2.num_src, num_slots=positions2.num_slots,
+                      positions=positions2, group=g.domain_group,
+                      send_splits=torch.bincount(local_rank, minlength=size).tolist(), recv_splits=recv_splits,
+                      peers=[first + r for r in range(size)], meta_bytes=metadata_bytes(self.name, topk),
+                      me=g.domain_rank)
+            local = local_ids_for(ids[row1], first + local_rank, self.rank_of_expert, self.local_of_expert)
+            return hop, torch.cat([meta[row1, :2], local, meta[row1, 2 + topk:]], 1)
+
         def plan_hop2(meta):
-            # Hop 2: inside the domain, one row per (token, rank).
+            # Hop 2: inside the domain, one row per (token, rank). With several domains it is
+            # split (`SplitHop`): the rows this rank sent itself in hop 1 are forwarded while
+            # the other domains' rows still cross the slow link.
             ids = meta[:, 2:2 + topk]
             member = token_membership(ids, self.rank_of_expert - first, size) if ids.numel() else \
                 torch.zeros(0, size, dtype=torch.bool, device=dev)
-            local_rank, row1 = torch.nonzero(member.t()).unbind(1)
-            slot2, positions2 = number_copies(row1, meta.shape[0], max(1, min(topk, size)))
-            hop2 = Hop(index=row1, slot=slot2, num_src=meta.shape[0], num_slots=positions2.num_slots,
-                       positions=positions2, group=g.domain_group, send_splits=member.sum(0).tolist(),
-                       recv_splits=recv_counts[:, 0].view(g.num_domains, size).sum(0).tolist(),
-                       peers=[first + r for r in range(size)], meta_bytes=metadata_bytes(self.name, topk),
-                       me=g.domain_rank)
+            rows = torch.arange(meta.shape[0], device=dev)
+            if g.num_domains == 1 or size == 1:
+                hop2, meta2 = hop2_part(meta, ids, member, rows, 0, rows.numel(), hop2_recv.sum(0).tolist())
+                route.hops.append(hop2)
+                self._send_meta(hop2, meta2, expand)
+                return
+            start, end = hop1.own_block_received()
+            mine = (rows >= start) & (rows < end)
+            early, early_meta = hop2_part(meta, ids, member, rows[mine], start, end - start,
+                                          hop2_recv[g.domain_index].tolist())
+            late, late_meta = hop2_part(meta, ids, member, rows[~mine], 0, rows.numel(),
+                                        (hop2_recv.sum(0) - hop2_recv[g.domain_index]).tolist())
+            hop2 = SplitHop(early, late, (start, end))
             route.hops.append(hop2)
-            local = local_ids_for(ids[row1], first + local_rank, self.rank_of_expert, self.local_of_expert)
-            self._send_meta(hop2, torch.cat([meta[row1, :2], local, meta[row1, 2 + topk:]], 1), expand)
+            hop2.meta = concat_transfers([all_to_all_rows(m, h.send_splits, h.recv_splits, h.group)
+                                          for h, m in ((early, early_meta), (late, late_meta))])
+            hop2.then = expand
 
         def expand(meta2):
             # Rows arrive grouped by forwarding rank; sort each expert's rows by (source, token).

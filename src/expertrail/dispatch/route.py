@@ -102,10 +102,12 @@ class Hop:
     def local(self) -> bool:
         return self.group is None
 
-    def forward(self, rows: torch.Tensor, async_op: bool = False, sent: torch.Tensor | None = None):
+    def forward(self, rows: torch.Tensor, async_op: bool = False, sent: torch.Tensor | None = None,
+                out: torch.Tensor | None = None):
         """[num_src, C] -> rows received (or, for the last hop, the padded output).
         With ``async_op`` a communicating hop returns a `Transfer` to wait on. ``sent``: the
-        rows this hop sends, ``rows[index]``, when the caller gathered them already."""
+        rows this hop sends, ``rows[index]``, when the caller gathered them already. ``out``:
+        where an all-to-all hop receives its rows (default: a new tensor)."""
         if self.runs is not None:
             if sent is None and kernels.use_triton(rows):
                 transfer = self.runs.exchange(kernels.permute_rows(rows, self.destinations(), self.index.numel()),
@@ -125,17 +127,21 @@ class Hop:
         if self.gathered:
             return self.exchange(rows, async_op)
         if sent is None and kernels.use_triton(rows):
-            return self.exchange(kernels.permute_rows(rows, self.destinations(), self.index.numel()), async_op)
+            return self.exchange(kernels.permute_rows(rows, self.destinations(), self.index.numel()), async_op, out)
         own = None if self.me is None else (rows, self.index)
         if sent is None:
             sent = gather_rows(rows, self.index, self.own_block())
-        transfer = all_to_all_rows(sent, self.send_splits, self.recv_splits, self.group, own)
+        transfer = all_to_all_rows(sent, self.send_splits, self.recv_splits, self.group, own, out)
         return transfer if async_op else transfer.wait()
 
     def own_block(self) -> tuple | None:
         """(start, end) of the sent rows that stay on this rank, when they are gathered straight
         into place (see ``me``), else None."""
         return None if self.me is None else own_block(self.send_splits, self.me)
+
+    def own_block_received(self) -> tuple:
+        """(start, end) of the received rows that this rank sent itself (all-to-all hops)."""
+        return own_block(self.recv_splits, self.me)
 
     def destinations(self) -> torch.Tensor:
         """int64 [num_src, num_slots]: output row of each copy of each source row (-1: none)."""
@@ -156,14 +162,15 @@ class Hop:
             self._padding = torch.nonzero(~filled).squeeze(1)
         return self._padding
 
-    def exchange(self, sent: torch.Tensor, async_op: bool = False):
-        """Exchange rows already laid out as sent ([R, C], or [num_src, C] for an all-gather)."""
+    def exchange(self, sent: torch.Tensor, async_op: bool = False, out: torch.Tensor | None = None):
+        """Exchange rows already laid out as sent ([R, C], or [num_src, C] for an all-gather);
+        ``out``: see `forward` (all-to-all hops)."""
         if self.runs is not None:
             transfer = self.runs.exchange(sent, forward=True)
         elif self.gathered:
             transfer = all_gather_rows(sent, self.recv_splits, self.group)
         else:
-            transfer = all_to_all_rows(sent, self.send_splits, self.recv_splits, self.group)
+            transfer = all_to_all_rows(sent, self.send_splits, self.recv_splits, self.group, out=out)
         return transfer if async_op else transfer.wait()
 
     def place(self, rows: torch.Tensor) -> torch.Tensor:
@@ -189,11 +196,22 @@ class Hop:
             rows = self.send_back(rows).wait()
         return self.reduce(rows, weights, out_dtype or rows.dtype)
 
-    def send_back(self, rows: torch.Tensor) -> "Transfer":
-        """Start the reverse exchange of a communicating hop (the first half of `transpose`)."""
+    def send_back(self, rows: torch.Tensor, own_later: bool = False) -> "Transfer":
+        """Start the reverse exchange of a communicating hop (the first half of `transpose`).
+        own_later: this rank's own block of ``rows`` is not computed yet; the caller writes it
+        into the Transfer's ``own_rows`` before waiting (gloo only, see `all_to_all_rows`)."""
         if self.runs is not None:
             return self.runs.exchange(rows, forward=False)
-        return all_to_all_rows(rows, self.recv_splits, self.send_splits, self.group)
+        return all_to_all_rows(rows, self.recv_splits, self.send_splits, self.group, own_later=own_later)
+
+    def reverse(self, back: "Transfer", before: "Hop | None", dtype: torch.dtype, landed):
+        """Combine's step through this hop: wait for the rows coming back (``back``, from
+        `send_back`), call ``landed()`` (it returns the weights for the reduce, or None), sum the
+        copies of each source row and start the reverse exchange of the hop ``before`` this one.
+        Returns that Transfer, or the sums [num_src, C] when ``before`` is None."""
+        rows = back.wait()
+        summed = self.reduce(rows, landed(), dtype)
+        return summed if before is None else before.send_back(summed)
 
     def reduce(self, rows: torch.Tensor, weights: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         """Sum the copies of each source row (the second half of `transpose`)."""
@@ -216,6 +234,98 @@ class Hop:
             splits = [max(self.recv_splits)] * len(self.peers)   # all-gather sends padded rows
         for peer, count in zip(self.peers, splits):
             stats.add(link_class(my_rank, peer, domain_size), count, row_bytes)
+
+
+class SplitHop:
+    """A communicating hop sent as two exchanges, so that it starts before the hop before it
+    has landed: the two-level route's pipelining, as in DeepEP's and Hybrid-EP's internode
+    kernels, whose NVLink stage forwards rows while others are still crossing the NIC.
+
+    early: forwards the rows of the previous level that this rank sent itself (its own block,
+        rows ``own = (start, end)``), in place as soon as the previous exchange is posted; its
+        ``index`` counts from ``start``
+    late: forwards the others once they land; its ``index`` is over the whole previous level
+        (none of its copies is in the own block)
+
+    Rows are received early's first, then late's. Combine runs the mirror image: late's rows
+    go back first, and the previous hop's reverse exchange starts as soon as they are summed,
+    while early's are still coming back (on gloo, whose point-to-point transfers let this
+    rank's own block be filled after the others are posted).
+    """
+
+    local = False
+    gathered = False
+    runs = None
+
+    def __init__(self, early: Hop, late: Hop, own: tuple):
+        self.early, self.late, self.own = early, late, own
+        self.meta: Transfer | None = None
+        self.then = None
+
+    # One exchange's view, for stats and for the bench's bare collectives.
+    group = property(lambda self: self.late.group)
+    peers = property(lambda self: self.late.peers)
+    meta_bytes = property(lambda self: self.late.meta_bytes)
+    num_src = property(lambda self: self.late.num_src)
+    send_splits = property(lambda self: [a + b for a, b in zip(self.early.send_splits, self.late.send_splits)])
+    recv_splits = property(lambda self: [a + b for a, b in zip(self.early.recv_splits, self.late.recv_splits)])
+
+    def forward(self, level, async_op: bool = False):
+        """The previous level's rows [num_src, C], or the `Transfer` bringing them -> the rows
+        received [sum(recv_splits), C]: early's exchange is posted before ``level`` is waited for."""
+        start, end = self.own
+        in_flight = isinstance(level, Transfer)
+        own_rows = level.own_rows if in_flight and level.own_rows is not None else None
+        if own_rows is None:
+            own_rows = (level.wait() if in_flight else level)[start:end]
+        split = sum(self.early.recv_splits)
+        out = own_rows.new_empty(split + sum(self.late.recv_splits), *own_rows.shape[1:])
+        early = self.early.forward(own_rows, async_op=True, out=out[:split])
+        late = self.late.forward(level.wait() if in_flight else level, async_op=True, out=out[split:])
+        transfer = Transfer(out, _AllWorks([early, late]))
+        return transfer if async_op else transfer.wait()
+
+    def send_back(self, rows: torch.Tensor) -> "_SplitBack":
+        """Start the reverse exchanges, late's rows first."""
+        split = sum(self.early.recv_splits)
+        late = self.late.send_back(rows[split:])
+        return _SplitBack(early=self.early.send_back(rows[:split]), late=late)
+
+    def reverse(self, back: "_SplitBack", before: Hop | None, dtype: torch.dtype, landed):
+        """See `Hop.reverse`; ``before``'s reverse exchange starts once late's rows are summed."""
+        late = back.late.wait()
+        if landed() is not None:
+            raise ValueError("a split hop is never a route's first hop, whose reduce alone takes weights")
+        summed = self.late.reduce(late, None, dtype)          # zeros on the own block
+        start, end = self.own
+        if before is not None and not before.local and before.runs is None and on_gloo(before.group):
+            pending = before.send_back(summed, own_later=True)
+            pending.own_rows.copy_(self.early.reduce(back.early.wait(), None, dtype))
+            return pending
+        summed[start:end] = self.early.reduce(back.early.wait(), None, dtype)
+        return summed if before is None else before.send_back(summed)
+
+    def transpose(self, rows: torch.Tensor) -> torch.Tensor:
+        """Received rows -> [num_src, C], copies summed per source row (unweighted)."""
+        return self.reverse(self.send_back(rows), None, rows.dtype, lambda: None)
+
+    def add_stats(self, stats: TransferStats, payload_bytes: int, my_rank: int, domain_size: int,
+                  backward: bool = False) -> None:
+        for part in (self.early, self.late):
+            part.add_stats(stats, payload_bytes, my_rank, domain_size, backward)
+
+
+@dataclass
+class _SplitBack:
+    """A `SplitHop`'s two reverse exchanges in flight."""
+
+    early: "Transfer"
+    late: "Transfer"
+
+
+def concat_transfers(transfers: list) -> Transfer:
+    """One Transfer yielding the rows of ``transfers``, concatenated in order."""
+    return Transfer(transfers, None, lambda ts: torch.cat([t.wait() for t in ts]))
 
 
 def own_block(send_splits: list, me: int) -> tuple:
@@ -249,10 +359,15 @@ def reduce_rows(rows: torch.Tensor, index: torch.Tensor, slot: torch.Tensor, num
 
 
 class Transfer:
-    """An exchange in flight: ``wait()`` returns the received rows."""
+    """An exchange in flight: ``wait()`` returns the received rows.
 
-    def __init__(self, out: torch.Tensor, work=None, finish=None):
+    own_rows: where known, the rows this rank sends itself, already in place (valid before
+    ``wait()``): a next hop can start forwarding them while the other rows travel (`SplitHop`).
+    """
+
+    def __init__(self, out: torch.Tensor, work=None, finish=None, own_rows: torch.Tensor | None = None):
         self._out, self._work, self._finish = out, work, finish
+        self.own_rows = own_rows
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
@@ -380,11 +495,14 @@ def reserve_tags(group, count: int) -> int:
 
 
 def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, group,
-                    own: tuple | None = None) -> Transfer:
+                    own: tuple | None = None, out: torch.Tensor | None = None,
+                    own_later: bool = False) -> Transfer:
     """Start sending ``rows [sum(send_splits), C]`` in per-peer blocks; the Transfer yields
-    [sum(recv_splits), C]. ``own = (source, index)``: the block this rank sends itself is
-    ``source[index[block]]``, gathered straight into the output (that block of ``rows`` is
-    not read).
+    [sum(recv_splits), C] (received into ``out`` when given). ``own = (source, index)``: the
+    block this rank sends itself is ``source[index[block]]``, gathered straight into the output
+    (that block of ``rows`` is not read). The Transfer's ``own_rows`` is that block.
+    ``own_later`` (gloo only): that block is neither read nor copied; the caller fills
+    ``own_rows`` in the output before waiting.
 
     On gloo the blocks go as point-to-point transfers, all posted at once: gloo's all-to-all
     runs its peers in lockstep steps, so with more ranks than cores one descheduled peer stalls
@@ -392,10 +510,14 @@ def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, gr
     has a tag of its own (`reserve_tags`).
     """
     if len(send_splits) == 1:       # a group of one: nothing to exchange
-        return Transfer(rows if own is None else take_rows(*own))
-    out = rows.new_empty(sum(recv_splits), *rows.shape[1:])
+        mine = take_rows(*own, out=out) if own is not None else rows if out is None else out.copy_(rows)
+        return Transfer(mine, own_rows=mine)
+    if out is None:
+        out = rows.new_empty(sum(recv_splits), *rows.shape[1:])
     pg = group if group is not None else dist.group.WORLD
     me, gloo = pg.rank(), on_gloo(pg)
+    if own_later and not gloo:
+        raise ValueError("own_later needs point-to-point transfers (gloo): a collective reads every block at once")
     rows = rows.contiguous()
     sent = rows.split_with_sizes(send_splits)
     received = out.split_with_sizes(recv_splits)
@@ -403,14 +525,15 @@ def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, gr
     if own is not None:
         source, index = own
         take_rows(source, index.split_with_sizes(send_splits)[me], out=mine)
-    elif gloo:
+    elif gloo and not own_later:
         mine.copy_(sent[me])
     if not gloo:
-        return Transfer(out, dist.all_to_all_single(out, rows, recv_splits, send_splits, group=group, async_op=True))
+        return Transfer(out, dist.all_to_all_single(out, rows, recv_splits, send_splits, group=group, async_op=True),
+                        own_rows=mine)
     tag = reserve_tags(pg, 1)
     recvs = [(received[p], p, tag) for p, c in enumerate(recv_splits) if c and p != me]
     sends = [(sent[p], p, tag) for p, c in enumerate(send_splits) if c and p != me]
-    return Transfer(out, _AllWorks(post_point_to_point(sends, recvs, group, None)))
+    return Transfer(out, _AllWorks(post_point_to_point(sends, recvs, group, None)), own_rows=mine)
 
 
 _GLOO: dict = {}
@@ -483,22 +606,25 @@ class Route:
 
         def finish(t):
             self._plan_after(first)          # the metadata travels ahead of the rows
-            return self._run(t.wait(), 1)
+            return self._run(t, 1)
         pending = Transfer(transfer, None, finish)
         return pending if async_op else pending.wait()
 
-    def _run(self, rows: torch.Tensor, start: int) -> torch.Tensor:
+    def _run(self, level, start: int) -> torch.Tensor:
+        """Run hops ``start...`` on ``level``: the rows before hop ``start``, or the `Transfer`
+        bringing them (a `SplitHop` starts before it lands)."""
         i = start
         while i < len(self.hops):             # hops may be appended on the way
             hop = self.hops[i]
+            if not isinstance(hop, SplitHop) and isinstance(level, Transfer):
+                level = level.wait()
             if hop.local:
-                rows = hop.forward(rows)
+                level = hop.forward(level)
             else:
-                transfer = hop.forward(rows, async_op=True)
+                level = hop.forward(level, async_op=True)
                 self._plan_after(hop)
-                rows = transfer.wait()
             i += 1
-        return rows
+        return level.wait() if isinstance(level, Transfer) else level
 
     @staticmethod
     def _plan_after(hop: Hop) -> None:
@@ -546,17 +672,18 @@ class Route:
             if agree is not None:
                 agree()
             return Transfer(rows.to(out_dtype or dtype))
-        transfer = earlier[0].send_back(rows)
+        agreed = []
+
+        def landed(hop):                      # the first reverse exchange has landed
+            if not agreed:
+                agreed.append(agree() if agree is not None else at_source)
+            return self._source_side_weights(agreed[0]) if hop is self.hops[0] else None
 
         def finish(back):
-            peers_at_source = agree() if agree is not None else at_source
-            for i, hop in enumerate(earlier):
-                if i:
-                    back = hop.send_back(back).wait()
-                hop_weights = self._source_side_weights(peers_at_source) if hop is self.hops[0] else None
-                back = hop.reduce(back, hop_weights, dtype)
+            for hop, before in zip(earlier, earlier[1:] + [None]):
+                back = hop.reverse(back, before, dtype, lambda hop=hop: landed(hop))
             return back.to(out_dtype or dtype)
-        return Transfer(transfer, None, lambda t: finish(t.wait()))
+        return Transfer(earlier[0].send_back(rows), None, finish)
 
     def _source_side_weights(self, peers_at_source) -> torch.Tensor | None:
         """The weights the first hop's reduce applies: ``source_weights`` for the rows of peers

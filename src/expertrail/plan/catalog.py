@@ -32,6 +32,13 @@ class Hardware:
     measured: bool = False
     nvlink_latency_us: float | None = None
     nic_latency_us: float | None = None
+    # Measured machines only: how fast one rank copies rows (the gathers and expansions around
+    # an exchange) and sums weighted copies of rows (combine's reductions) while every rank
+    # does the same, GB/s of rows read. With them, predictions of expertrail's own engine add
+    # its local passes (`cost.Traffic.local`); GPU kernels (DeepEP, Hybrid-EP) fuse theirs into
+    # the communication, so catalog entries leave them out.
+    local_copy_GBps: float | None = None
+    local_reduce_GBps: float | None = None
 
 
 @dataclass(frozen=True)

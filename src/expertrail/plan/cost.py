@@ -101,6 +101,11 @@ class Traffic:
     stages: list = field(default_factory=list)     # [{"link": "nvlink"|"nic"|"local", "send": rows, "recv": rows}]
     rows: dict = field(default_factory=dict)       # send rows per class: self / intra / inter
     logical_rows: int = 0                          # (token, destination rank) pairs, for algorithm bandwidth
+    # Rows expertrail's engine passes through memory on one rank besides the exchanges: "copy",
+    # dispatch's gathers before each hop and expansion into expert rows; "reduce", combine's
+    # weighted sums of copies, one per hop (every rank routing alike, so a rank receives as
+    # many rows as it sends).
+    local: dict = field(default_factory=dict)
 
 
 def _rank_members(topk_idx: np.ndarray, local: int, p: int) -> tuple[np.ndarray, np.ndarray]:
@@ -123,12 +128,18 @@ def count_traffic(topk_idx: np.ndarray, model: MoEModel, layout: Layout, algorit
     logical = int(member.sum())
     same = np.arange(p) < d                                       # rank 0's domain
     tr = Traffic(logical_rows=logical)
+    expert_rows = int(pairs.sum())                                # (token, expert) pairs: the expert rows
     if algorithm in ("alltoall", "deepep-ll", "dedup"):
         per_rank = pairs if algorithm != "dedup" else member.sum(0)
         tr.rows = {"self": int(per_rank[0]), "intra": int(per_rank[1:d].sum()), "inter": int(per_rank[~same].sum())}
         recv = int(per_rank.max()) * p                            # every sender alike: the hottest rank
         tr.stages = [{"link": "nvlink", "send": tr.rows["intra"], "recv": recv * (d - 1) // p},
                      {"link": "nic", "send": tr.rows["inter"], "recv": recv * (p - d) // p}]
+        sent = int(per_rank.sum())
+        # alltoall lands rows in place and weights them at the source; dedup expands on arrival
+        # and pre-sums a token's experts before its row goes back.
+        passes = sent if algorithm != "dedup" else sent + expert_rows
+        tr.local = {"copy": passes, "reduce": passes}
     elif algorithm == "hierarchical":
         remote_domains = int(in_domain[:, 1:].sum())
         # As rail peer in domain j, a rank forwards rows of p/d senders: to every rank of j
@@ -140,10 +151,16 @@ def count_traffic(topk_idx: np.ndarray, model: MoEModel, layout: Layout, algorit
         # The rail peer in domain j receives from the p/d - 1 senders of its rail in other domains.
         tr.stages = [{"link": "nic", "send": remote_domains, "recv": int(in_domain.sum(0).max()) * (p // d - 1)},
                      {"link": "nvlink", "send": intra, "recv": intra}]
+        # Gathers for both hops and the expansion; in combine a sum on each of the three levels.
+        passes = int(in_domain.sum()) + logical + expert_rows
+        tr.local = {"copy": passes, "reduce": passes}
     elif algorithm == "allgather":
         tr.rows = {"self": t, "intra": t * (d - 1), "inter": t * (p - d)}
         tr.stages = [{"link": "nvlink", "send": tr.rows["intra"], "recv": tr.rows["intra"]},
                      {"link": "nic", "send": tr.rows["inter"], "recv": tr.rows["inter"]}]
+        # The padded send copy and the pick of local expert rows; combine sums into every
+        # gathered row, then each token's p partial sums.
+        tr.local = {"copy": t + expert_rows, "reduce": expert_rows + p * t}
     else:
         raise ConfigError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
     return tr
@@ -246,14 +263,16 @@ class Prediction:
 
 def predict(hw: Hardware, model: MoEModel, layout: Layout, algorithm: str, topk_idx: np.ndarray,
             sms: int | None = None, precision: str = "bf16", pipelined: bool = True,
-            engine_metadata: bool = False) -> Prediction:
+            engine: bool = False) -> Prediction:
     """Predicted dispatch and combine time of ``algorithm`` for rank 0's ``topk_idx``.
 
     pipelined: the stages of a two-level route overlap (DeepEP's and Hybrid-EP's kernels stream
     chunks from the NIC stage into the NVLink stage); False for an engine that runs them one
     after the other (expertrail's own hierarchical route: rail hop, then domain hop).
-    engine_metadata: dispatch rows carry expertrail's metadata (`metadata_bytes`), for
-    predicting expertrail's own engine rather than DeepEP's or Hybrid-EP's kernels."""
+    engine: predict expertrail's own engine rather than DeepEP's or Hybrid-EP's kernels:
+    dispatch rows carry its metadata (`metadata_bytes`), and on a machine with measured local
+    pass figures (``Hardware.local_copy_GBps``, ``local_reduce_GBps``) its local passes
+    (`Traffic.local`: dispatch's copies, combine's sums) add their time."""
     if layout.ep < 1 or layout.domain < 1 or model.num_experts % layout.ep or layout.ep % layout.domain:
         raise ConfigError(f"EP {layout.ep} must divide {model.num_experts} experts and be a multiple of the "
                           f"domain size {layout.domain}")
@@ -263,7 +282,7 @@ def predict(hw: Hardware, model: MoEModel, layout: Layout, algorithm: str, topk_
 
     def phase(direction):
         size = row_bytes(model, precision, direction)
-        if engine_metadata and direction == "dispatch":
+        if engine and direction == "dispatch":
             size += metadata_bytes(algorithm, model.topk)
         times, rows = {}, 0
         for st in tr.stages:
@@ -277,8 +296,15 @@ def predict(hw: Hardware, model: MoEModel, layout: Layout, algorithm: str, topk_
         # Links work concurrently (pipelined chunks on the two-level path); each stage adds latency.
         overhead = rows * FP8_ROW_OVERHEAD_S if size < 2 * model.hidden else 0.0
         transfer = max(times.values()) if pipelined else sum(times.values())
-        return transfer + overhead + sum(stage_latency(hw, kind, link) for link in times), \
+        return transfer + overhead + local_passes(direction) + sum(stage_latency(hw, kind, link) for link in times), \
             max(times, key=times.get)
+
+    def local_passes(direction):
+        pass_bandwidth = hw.local_copy_GBps if direction == "dispatch" else hw.local_reduce_GBps
+        if not engine or not pass_bandwidth:
+            return 0.0
+        rows = tr.local["copy" if direction == "dispatch" else "reduce"]
+        return rows * row_bytes(model, precision, direction) / (pass_bandwidth * 1e9)
 
     dispatch, bottleneck = phase("dispatch")
     combine, _ = phase("combine")
