@@ -326,7 +326,7 @@ def format_links(report: dict) -> str:
                      f"between nodes: veth shaped by tc tbf to {emulated['inter_link']} each way")
     for name, link in report.get("links", {}).items():
         lines.append(f"measured {name}-{'node' if emulated else 'domain'} link: {link['GBps']:.3f} GB/s per rank each "
-                     f"way, latency {link['latency_us']:.0f} us (bare all_to_all_single, "
+                     f"way, latency {link['latency_us']:.0f} us (bare all-to-all as the engine sends it, "
                      f"{', '.join(f'{b / 1e6:.2f}' for b in link['bytes_per_rank'])} MB per rank)")
     local = report.get("local_passes")
     if local:

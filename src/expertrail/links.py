@@ -2,9 +2,11 @@
 collectives, and the speed of the engine's local passes, and describe the machine to the
 planner.
 
-`measure_links` times ``all_to_all_single`` over every rank's domain group and, separately,
-over every rank's rail group (all groups of a class at once, as in a dispatch), at several
-sizes: the latency is the time of the smallest exchange, the bandwidth the slope between the
+`measure_links` times a bare all-to-all, sent as the engine sends rows (point-to-point
+transfers all posted at once on gloo, ``all_to_all_single`` on NCCL; gloo's own
+``all_to_all_single`` walks its peers in lockstep and reached 70-75% of a shaped link's rate
+where the engine's transfers reached it), over every rank's domain group and, separately, over
+every rank's rail group (all groups of a class at once, as in a dispatch), at several sizes: the latency is the time of the smallest exchange, the bandwidth the slope between the
 two largest (so neither is skewed by the other; a least-squares fit over all sizes let noise
 at the large sizes push the latency below zero). Bandwidth is per rank, each
 way: what one rank pushes through its share of the link while every rank does the same, which
@@ -42,12 +44,14 @@ def _slowest_median(run, repeats: int) -> float:
 
 
 def _time_exchange(group, size: int, repeats: int, device) -> float:
-    """Slowest rank's median seconds of one all_to_all_single of ``size`` bytes per peer (the
-    first exchange, which opens the connections, is not counted)."""
+    """Slowest rank's median seconds of one all-to-all of ``size`` bytes per peer, sent the way
+    the engine sends rows (`all_to_all_rows`: ``all_to_all_single`` on NCCL, point-to-point
+    transfers all posted at once on gloo). The first exchange, which opens the connections, is
+    not counted."""
+    from .dispatch.route import all_to_all_rows
     peers = dist.get_world_size(group)
-    rows = torch.empty(peers * size // 2, dtype=torch.bfloat16, device=device)
-    out = torch.empty_like(rows)
-    return _slowest_median(lambda: dist.all_to_all_single(out, rows, group=group), repeats)
+    rows = torch.empty(peers, size // 2, dtype=torch.bfloat16, device=device)
+    return _slowest_median(lambda: all_to_all_rows(rows, [1] * peers, [1] * peers, group).wait(), repeats)
 
 
 def measure_links(groups: EPGroups, sizes=SIZES_BYTES, repeats: int = 9) -> dict:
@@ -70,7 +74,7 @@ def measure_links(groups: EPGroups, sizes=SIZES_BYTES, repeats: int = 9) -> dict
 
 
 def measure_local_passes(device, dtype=torch.bfloat16, rows: int = 8192, hidden: int = 1024,
-                         repeats: int = 5) -> dict:
+                         repeats: int = 9) -> dict:
     """{"copy_GBps", "reduce_GBps", "rows", "hidden", "dtype"}: how fast one rank runs the
     engine's two kinds of local pass while every rank does the same, in GB/s of rows read:
     a gather of ``rows`` rows in random order (`take_rows`: the copies before each exchange and
