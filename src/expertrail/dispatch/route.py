@@ -294,7 +294,12 @@ class SplitHop:
     def reverse(self, back: "_SplitBack", before: Hop | None, dtype: torch.dtype, landed):
         """See `Hop.reverse`; ``before``'s reverse exchange starts once late's rows are summed."""
         late = back.late.wait()
-        if landed() is not None:
+        try:
+            weights = landed()
+        except BaseException:
+            back.early.wait()             # raise with nothing of this hop left in flight
+            raise
+        if weights is not None:
             raise ValueError("a split hop is never a route's first hop, whose reduce alone takes weights")
         summed = self.late.reduce(late, None, dtype)          # zeros on the own block
         start, end = self.own
