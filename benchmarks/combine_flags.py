@@ -17,7 +17,7 @@ import torch.distributed as dist
 import expertrail as er
 from bar_options import bar_configuration
 from expertrail.bench import DTYPES
-from expertrail.dispatch.route import Transfer
+from expertrail.transport import Transfer
 from expertrail.launch import LocalRanks
 from expertrail.workload import make_routing, make_tokens
 

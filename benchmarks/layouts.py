@@ -32,7 +32,7 @@ def alternate(rank, world, args):
     idx, w = make_routing("uniform", tokens, experts, topk, rank, world)
     ds = {m: er.make_dispatcher("alltoall", groups, num_experts=experts, land_in_place=m) for m in (True, False)}
     auto = er.make_dispatcher("alltoall", groups, num_experts=experts)       # the layout it chooses
-    chosen = "runs" if auto.dispatch(x, idx, w).route.hops[0].runs is not None else "blocks"
+    chosen = "runs" if auto.dispatch(x, idx, w).route.lands_in_place else "blocks"
     samples = {True: [], False: []}
     for it in range(2 * (opts.iters + opts.warmup)):
         mode = it % 2 == 0

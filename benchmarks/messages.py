@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from expertrail.dispatch.route import post_point_to_point, reserve_tags
+from expertrail.transport import Channel
 from expertrail.launch import LocalRanks
 
 MODES = ("pieces", "blocks", "blocks+copy")
@@ -33,8 +33,10 @@ def exchange(rank, world, args):
         at = (j * world + peer) * piece
         return landing[at:at + piece]
 
+    channel = Channel()
+
     def run(mode):
-        tag = reserve_tags(None, pieces)
+        tag = channel.reserve_tags(pieces)
         sends, recvs = [], []
         for peer in (q for q in range(world) if q != rank):
             block = slice(peer * rows, (peer + 1) * rows)
@@ -45,7 +47,7 @@ def exchange(rank, world, args):
             else:
                 sends.append((send[block], peer, tag))
                 recvs.append((staging[block], peer, tag))
-        for work in post_point_to_point(sends, recvs, None, None):
+        for work in channel.post(sends, recvs):
             work.wait()
         if mode == "blocks+copy":
             for peer in (q for q in range(world) if q != rank):

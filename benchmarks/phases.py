@@ -15,7 +15,7 @@ import torch.distributed as dist
 import expertrail as er
 from bar_options import bar_configuration
 from expertrail.bench import DTYPES
-from expertrail.dispatch.base import DTYPE_CODES
+from expertrail.dispatch.header import Header
 from expertrail.launch import LocalRanks
 from expertrail.workload import make_routing, make_tokens
 
@@ -36,14 +36,13 @@ def phases(rank, world, args):
         dist.barrier(); marks.append(clock())
         d._check_inputs(x, idx, w)
         counts, state = d._plan_source(idx); marks.append(clock())
-        header = [x.shape[0], x.shape[1], args.topk, DTYPE_CODES[dtype], 0, 0, 0]
-        control = d._start_control(counts, header)
+        control = d._start_control(counts, Header.of(x, idx, w, 0).pack())
         sent = d._gather_first(x, state); marks.append(clock())
         recv_counts, headers = d._finish_control(control, None); marks.append(clock())
         route = d._route(w, state, recv_counts, headers); marks.append(clock())
         transfer = route.forward(x, async_op=True, sent=sent); marks.append(clock())
         tokens = transfer.wait(); marks.append(clock())
-        weights = route.hops[-1].place(route.row_weights)
+        weights = route.expert_weights()
         route.remember_weights(weights)                 # as dispatch does for res.weights
         at_source = route.weights_at_source(weights)
         flags = d._start_combine_flags(0, at_source, False)    # as combine does: its agreement beside the rows

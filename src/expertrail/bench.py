@@ -59,9 +59,9 @@ def bare_collectives(res, x_bytes_per_row: int, device):
     """A function replaying ``res``'s exchanges (same peers, same byte counts, one collective
     per hop and direction) on preallocated buffers with no local work."""
     plans = []
-    for hop in _exchanging_hops(res):
+    for hop in res.route.exchanges():
         row = x_bytes_per_row + hop.meta_bytes
-        if hop.gathered:
+        if hop.kind == "all-gather":
             most = max(hop.recv_splits)
             send = torch.empty(most * row, dtype=torch.uint8, device=device)
             recv = torch.empty(len(hop.recv_splits) * most * row, dtype=torch.uint8, device=device)
@@ -74,22 +74,17 @@ def bare_collectives(res, x_bytes_per_row: int, device):
 
     def run():
         for hop, row, send, recv, _, _ in plans:
-            if hop.gathered:
-                all_gather_single(recv, send, group=hop.group)
+            if hop.kind == "all-gather":
+                all_gather_single(recv, send, group=hop.channel.group)
             else:
                 dist.all_to_all_single(recv, send, [s * row for s in hop.recv_splits],
-                                       [s * row for s in hop.send_splits], group=hop.group)
+                                       [s * row for s in hop.send_splits], group=hop.channel.group)
         t_dispatch = time.perf_counter()
         for hop, row, _, _, back_send, back_recv in reversed(plans):
             dist.all_to_all_single(back_recv, back_send, [s * x_bytes_per_row for s in hop.send_splits],
-                                   [s * x_bytes_per_row for s in hop.recv_splits], group=hop.group)
+                                   [s * x_bytes_per_row for s in hop.recv_splits], group=hop.channel.group)
         return t_dispatch
     return run
-
-
-def _exchanging_hops(res) -> list:
-    """The hops of ``res``'s route that exchange rows with other ranks (a group of one does not)."""
-    return [hop for hop in res.route.hops if not hop.local and len(hop.peers) > 1]
 
 
 def _clock(device: torch.device) -> float:
@@ -162,13 +157,13 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
             "dispatch_s": _stats(disp), "combine_s": _stats(comb), "total_s": _stats(total),
             "bare_dispatch_s": _stats(bare_d), "bare_combine_s": _stats(bare_c), "bare_total_s": _stats(bare),
             # None when nothing crosses a rank boundary (one rank): no transport to compare with.
-            "ratio_to_bare": statistics.median(total) / statistics.median(bare) if _exchanging_hops(res) else None,
+            "ratio_to_bare": statistics.median(total) / statistics.median(bare) if res.route.exchanges() else None,
             "dispatch_bytes": _sum_over_ranks(res.stats.bytes),
             "dispatch_rows": _sum_over_ranks(res.stats.rows),
             "combine_bytes": _sum_over_ranks(res.combine_stats.bytes),
             "algorithm_bandwidth_GBps": logical / statistics.median(total) / 1e9,
             # whether received rows landed straight in place (alltoall's runs) or were permuted
-            "lands_in_place": any(hop.runs is not None for hop in res.route.hops),
+            "lands_in_place": res.route.lands_in_place,
             "check": "passed",
         }
         if cfg.chunks > 1:

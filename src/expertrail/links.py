@@ -6,7 +6,8 @@ planner.
 transfers all posted at once on gloo, ``all_to_all_single`` on NCCL; gloo's own
 ``all_to_all_single`` walks its peers in lockstep and reached 70-75% of a shaped link's rate
 where the engine's transfers reached it), over every rank's domain group and, separately, over
-every rank's rail group (all groups of a class at once, as in a dispatch), at several sizes: the latency is the time of the smallest exchange, the bandwidth the slope between the
+every rank's rail group (all groups of a class at once, as in a dispatch), at several sizes:
+the latency is the time of the smallest exchange, the bandwidth the slope between the
 two largest (so neither is skewed by the other; a least-squares fit over all sizes let noise
 at the large sizes push the latency below zero). Bandwidth is per rank, each
 way: what one rank pushes through its share of the link while every rank does the same, which
@@ -43,15 +44,14 @@ def _slowest_median(run, repeats: int) -> float:
     return slowest.item()
 
 
-def _time_exchange(group, size: int, repeats: int, device) -> float:
+def _time_exchange(channel, size: int, repeats: int, device) -> float:
     """Slowest rank's median seconds of one all-to-all of ``size`` bytes per peer, sent the way
-    the engine sends rows (`all_to_all_rows`: ``all_to_all_single`` on NCCL, point-to-point
+    the engine sends rows (`Channel.all_to_all`: ``all_to_all_single`` on NCCL, point-to-point
     transfers all posted at once on gloo). The first exchange, which opens the connections, is
     not counted."""
-    from .dispatch.route import all_to_all_rows
-    peers = dist.get_world_size(group)
+    peers = channel.size
     rows = torch.empty(peers, size // 2, dtype=torch.bfloat16, device=device)
-    return _slowest_median(lambda: all_to_all_rows(rows, [1] * peers, [1] * peers, group).wait(), repeats)
+    return _slowest_median(lambda: channel.all_to_all(rows, [1] * peers, [1] * peers).wait(), repeats)
 
 
 def measure_links(groups: EPGroups, sizes=SIZES_BYTES, repeats: int = 9) -> dict:
@@ -60,12 +60,12 @@ def measure_links(groups: EPGroups, sizes=SIZES_BYTES, repeats: int = 9) -> dict
     Collective over the default group. A class with one member per group (domain of one rank,
     or one domain) is absent."""
     out = {}
-    for name, group, members in (("intra", groups.domain_group, groups.domain_size),
-                                 ("inter", groups.rail_group, groups.num_domains)):
+    for name, channel, members in (("intra", groups.domain_channel, groups.domain_size),
+                                   ("inter", groups.rail_channel, groups.num_domains)):
         if members < 2:
             continue
         sent = [size * (members - 1) for size in sizes]
-        seconds = [_time_exchange(group, size, repeats, groups.device) for size in sizes]
+        seconds = [_time_exchange(channel, size, repeats, groups.device) for size in sizes]
         slope = (seconds[-1] - seconds[-2]) / (sent[-1] - sent[-2])
         out[name] = {"bytes_per_rank": sent, "seconds": seconds,
                      "GBps": float(1 / slope / 1e9) if slope > 0 else float(sent[-1] / seconds[-1] / 1e9),

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from .errors import CollectiveError, ConfigError, ConfigMismatchError, ExpertrailError
+from .transport import Channel, all_gather_single
 
 DOMAIN_SIZE_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
 # torch 2.13 renamed all_gather_into_tensor; keep working on older releases.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def default_domain_size(ep_size: int) -> int:
@@ -113,6 +113,9 @@ class EPGroups:
         rail_group: the ranks of the EP group with this rank's local index, one per domain,
             ordered by domain.
         device: the device tensors must be on for these groups (cpu for gloo, cuda for nccl).
+
+    `channel` gives the one `transport.Channel` of each process group (the EP, domain and rail
+    groups may be the same group, which must then share its tag counter).
     """
 
     ep_group: object
@@ -124,6 +127,28 @@ class EPGroups:
     rail_group: object
     device: torch.device
     timeout: float | None = None
+
+    def __post_init__(self):
+        self._channels = {}
+
+    def channel(self, group) -> Channel:
+        """The `Channel` of ``group`` (one of this object's groups, or None for the default)."""
+        key = id(group)
+        if key not in self._channels:
+            self._channels[key] = Channel(group)
+        return self._channels[key]
+
+    @property
+    def ep_channel(self) -> Channel:
+        return self.channel(self.ep_group)
+
+    @property
+    def domain_channel(self) -> Channel:
+        return self.channel(self.domain_group)
+
+    @property
+    def rail_channel(self) -> Channel:
+        return self.channel(self.rail_group)
 
     @property
     def label(self) -> str:

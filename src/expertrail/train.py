@@ -12,7 +12,6 @@ tokens grouped by expert directly) as the reference: per-step losses must agree.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, replace
 
 import torch

@@ -64,6 +64,19 @@ def test_hierarchical_splits_its_domain_hop_only_across_domains(world4):
 
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
+def test_route_describes_its_exchanges(world4, backend):
+    """`Route.exchanges`: one per communicating hop, with the peers of its group, and the rows
+    they send add up to the dispatch's stats."""
+    for rank, (exchanges, rows_match) in enumerate(world4.run(workers.route_exchanges, backend, 2)):
+        assert rows_match, (backend, rank)
+        if backend == "hierarchical":
+            rail, domain = [rank % 2, rank % 2 + 2], [rank // 2 * 2, rank // 2 * 2 + 1]
+            assert exchanges == [("all-to-all", rail), ("all-to-all", domain)]
+        else:
+            assert exchanges == [("all-gather" if backend == "allgather" else "all-to-all", [0, 1, 2, 3])]
+
+
+@pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 @pytest.mark.parametrize("alignment,capacity_factor,policy,pad", [
     (4, None, "probs", False), (1, 0.5, "probs", False), (1, 0.5, "position", False),
     (1, 0.75, "probs", True), (8, 0.5, "position", True)])

@@ -589,10 +589,10 @@ def rebalance_keeps_outputs(rank, world):
 def triton_path_matches_torch(rank, world, backend, **options):
     """The Triton kernels (interpreted on the CPU) inside dispatch and combine give the torch
     path's rows bitwise and its combine within fp32 rounding, with alignment padding."""
-    import os
+    from expertrail import kernels
     outs = {}
     for mode in ("torch", "triton"):
-        os.environ["EXPERTRAIL_KERNELS"] = mode
+        previous = kernels.set_mode(mode)
         try:
             groups = groups_for(None, 2)
             d = er.make_dispatcher(backend, groups, num_experts=8, expert_alignment=4, **options)
@@ -603,7 +603,7 @@ def triton_path_matches_torch(rank, world, backend, **options):
             y.sum().backward()
             outs[mode] = (res.tokens.detach(), y.detach(), x.grad)
         finally:
-            os.environ["EXPERTRAIL_KERNELS"] = "auto"
+            kernels.set_mode(previous)
     (t0, y0, g0), (t1, y1, g1) = outs["torch"], outs["triton"]
     assert torch.equal(t0, t1)
     torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-6)
@@ -713,7 +713,7 @@ def alltoall_layout_choice(rank, world):
     N tokens each, top-2, bf16, with the mean run of rows per (source, destination, local
     expert) at the threshold and just under it; and the layout a small dispatch then uses."""
     from expertrail.dispatch.alltoall import LANDING_MIN_RUN_BYTES
-    from expertrail.dispatch.base import DTYPE_CODES, HEADER
+    from expertrail.dispatch.header import DTYPE_CODES, Header, Headers
     groups = groups_for(None, 2)
     picks = {}
     for num_experts in (4, 16):
@@ -722,13 +722,14 @@ def alltoall_layout_choice(rank, world):
         for hidden in (512, 1024):
             tokens = LANDING_MIN_RUN_BYTES * runs // (world * 2 * hidden * 2)   # mean run = threshold
             for n in (tokens, tokens - 1):
-                headers = torch.tensor([[n, hidden, 2, DTYPE_CODES[torch.bfloat16], 0, 0, 0]] * world)
-                assert headers.shape[1] == len(HEADER)
+                header = Header(num_tokens=n, hidden=hidden, topk=2, dtype=DTYPE_CODES[torch.bfloat16],
+                                x_requires_grad=False, weights_require_grad=False, error=0)
+                headers = Headers(torch.tensor([header.pack()] * world))
                 picks[(num_experts, hidden, n == tokens)] = d._lands_in_place(headers)
     forced = er.make_dispatcher("alltoall", groups, num_experts=16, land_in_place=True)
     xs, idxs, ws = make_inputs("random", world, 8, 16, 2, 1)
-    small = d.dispatch(xs[rank], idxs[rank], ws[rank]).route.hops[0].runs is not None
-    landed = forced.dispatch(xs[rank], idxs[rank], ws[rank]).route.hops[0].runs is not None
+    small = d.dispatch(xs[rank], idxs[rank], ws[rank]).route.lands_in_place
+    landed = forced.dispatch(xs[rank], idxs[rank], ws[rank]).route.lands_in_place
     return picks, small, landed
 
 
@@ -829,3 +830,17 @@ def hierarchical_hop_kinds(rank, world, domain_size):
             bool((split.early.index < end - start).all()) and \
             not bool(((split.late.index >= start) & (split.late.index < end)).any())
     return [type(h).__name__ for h in route.hops], early_in_own_block
+
+
+def route_exchanges(rank, world, backend, domain_size):
+    """A dispatch's public route description: (kind, peers) of each exchange, and whether the
+    rows they send (with this rank's own block) and carry metadata for equal the dispatch's
+    stats."""
+    groups = groups_for(None, domain_size)
+    d = er.make_dispatcher(backend, groups, num_experts=16)
+    xs, idxs, ws = make_inputs("random", world, 8, 16, 4, 7, torch.float32)
+    res = d.dispatch(xs[rank], idxs[rank], ws[rank])
+    exchanges = res.route.exchanges()
+    sent = sum(sum(max(e.recv_splits) for _ in e.peers) if e.kind == "all-gather" else sum(e.send_splits)
+               for e in exchanges)
+    return [(e.kind, e.peers) for e in exchanges], sent == sum(res.stats.rows.values())

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from ..plan.cost import metadata_bytes
-from .base import H_TOKENS, Dispatcher, bits_weight, expand_local, weight_bits
+from .base import Dispatcher, bits_weight, expand_local, weight_bits
 from .dedup import local_ids_for
-from .route import Hop, Route, all_gather_rows
+from .route import Hop, Route
 
 
 class AllGatherDispatcher(Dispatcher):
@@ -23,11 +23,11 @@ class AllGatherDispatcher(Dispatcher):
     def _route(self, topk_weights, topk_idx, recv_counts, headers):
         g = self.groups
         n, topk = topk_idx.shape
-        counts = headers[:, H_TOKENS].tolist()
+        counts = headers.num_tokens.tolist()
         dev = topk_idx.device
         hop = Hop(index=torch.arange(n, device=dev).repeat(g.ep_size),
                   slot=torch.arange(g.ep_size, device=dev).repeat_interleave(n),
-                  num_src=n, num_slots=g.ep_size, group=g.ep_group, send_splits=[n] * g.ep_size,
+                  num_src=n, num_slots=g.ep_size, channel=g.ep_channel, send_splits=[n] * g.ep_size,
                   recv_splits=counts, peers=list(range(g.ep_size)), gathered=True,
                   meta_bytes=metadata_bytes(self.name, topk))
         route = Route(hops=[hop], topk=topk)
@@ -38,6 +38,6 @@ class AllGatherDispatcher(Dispatcher):
                                                         self.local_of_expert))
             self._finish_route(route, row, k, expert, meta.shape[0], min(topk, self.num_local_experts), headers,
                                bits_weight(meta[:, topk:][row, k], topk_weights.dtype))
-        hop.meta = all_gather_rows(torch.cat([topk_idx, weight_bits(topk_weights)], 1), counts, g.ep_group)
+        hop.meta = g.ep_channel.all_gather(torch.cat([topk_idx, weight_bits(topk_weights)], 1), counts)
         hop.then = expand
         return route

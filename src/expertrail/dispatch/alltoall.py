@@ -21,9 +21,9 @@ import torch
 from ..errors import ConfigError
 from ..kernels.reference import CopyPositions, stable_argsort
 from ..plan.cost import metadata_bytes
-from .base import (CODE_DTYPES, H_DTYPE, H_HIDDEN, H_TOKENS, H_TOPK, Dispatcher, bits_weight, padded_positions,
-                   weight_bits)
-from .route import Hop, LandingRuns, Route, own_block
+from ..transport import LandingRuns
+from .base import Dispatcher, bits_weight, padded_positions, weight_bits
+from .route import Hop, Route, own_block
 
 # Smallest mean run (bytes of rows per (source, destination, local expert)) for which received
 # rows land in place: where the two layouts break even in `benchmarks/layouts.py` on gloo (4
@@ -55,8 +55,8 @@ class AllToAllDispatcher(Dispatcher):
             return self.land_in_place
         if self.num_local_experts == 1:
             return True       # one run per peer: nothing to trade
-        rows = int(headers[:, H_TOKENS].sum()) * int(headers[0, H_TOPK])
-        row_bytes = int(headers[0, H_HIDDEN]) * CODE_DTYPES[int(headers[0, H_DTYPE])].itemsize
+        rows = int(headers.num_tokens.sum()) * headers.topk
+        row_bytes = headers.hidden * headers.dtype.itemsize
         runs = self.groups.ep_size ** 2 * self.num_local_experts
         return rows * row_bytes >= LANDING_MIN_RUN_BYTES * runs
 
@@ -90,7 +90,7 @@ class AllToAllDispatcher(Dispatcher):
         at = torch.full((n * topk,), -1, dtype=torch.int64, device=slots.device)
         at.scatter_(0, slots, torch.arange(slots.numel(), device=slots.device))
         hop = Hop(index=token, slot=k, num_src=n, num_slots=max(topk, 1),          # copies summed in k order
-                  group=g.ep_group, send_splits=send_splits, recv_splits=recv_counts.sum(1).tolist(),
+                  channel=g.ep_channel, send_splits=send_splits, recv_splits=recv_counts.sum(1).tolist(),
                   peers=list(range(p)), meta_bytes=metadata_bytes(self.name, topk),
                   positions=CopyPositions.from_dense(at.view(n, max(topk, 1))) if topk else None)
         # Rows arrive by (source, expert); the real output rows are ordered by (expert, source): real
@@ -112,7 +112,7 @@ class AllToAllDispatcher(Dispatcher):
             hop.runs = LandingRuns(send_sizes=send_counts.reshape(-1).tolist(), recv_sizes=recv_sizes,
                                    send=torch.arange(p * local).view(p, local).tolist(),
                                    recv=(torch.arange(local) * (p + 1) + torch.arange(p).unsqueeze(1)).tolist(),
-                                   peer_ranks=list(g.ep_ranks), me=g.ep_rank, group=g.ep_group,
+                                   channel=g.ep_channel,
                                    out_rows=out_rows, zero_fill=out_rows != real_rows)
             placed = real_pos if real_pos is not None else torch.arange(real_rows, device=real.device)
             last = Hop(index=placed, slot=torch.zeros_like(placed), num_src=out_rows, num_slots=1,

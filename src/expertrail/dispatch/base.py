@@ -14,26 +14,9 @@ from ..errors import ConfigError, InvalidInputError
 from ..kernels.reference import CopyPositions, stable_argsort
 from ..routing import DROP_POLICIES, apply_capacity, expert_capacity
 from ..topology import EPGroups, check_same_on_all_ranks, guarded
-from .route import Hop, Route, Transfer, TransferStats, all_to_all_rows, gather_rows
-
-# Fields every rank sends with its counts in the first exchange of each dispatch, so that a
-# bad input or a mismatched call on one rank raises everywhere before any data moves.
-HEADER = ("num_tokens", "hidden", "topk", "dtype", "x_requires_grad", "weights_require_grad", "error")
-H_TOKENS, H_HIDDEN, H_TOPK, H_DTYPE, H_XGRAD, H_WGRAD, H_ERROR = range(len(HEADER))
-DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
-CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
-ERROR_KINDS = {1: "bad shape", 2: "bad dtype", 3: "bad device", 4: "expert index out of range",
-               5: "non-finite topk_weights"}
-
-
-def _header_value(field: int, value: int) -> str:
-    """A header field as the user wrote it: dtype names and booleans, not their codes."""
-    if field == H_DTYPE:
-        return str(CODE_DTYPES.get(value, "unsupported dtype")).replace("torch.", "")
-    if field in (H_XGRAD, H_WGRAD):
-        return str(bool(value))
-    return str(value)
-
+from ..transport import Transfer
+from .header import DTYPE_CODES, ERROR_KINDS, FIELDS, Header, Headers
+from .route import Hop, Route, TransferStats, gather_rows
 
 def weight_bits(weights: torch.Tensor) -> torch.Tensor:
     """Float weights -> int64 bit patterns of their fp64 value (travel with int metadata)."""
@@ -120,7 +103,6 @@ class Dispatcher:
     """
 
     name = "base"
-    meta_columns = 0   # int64 metadata columns per row sent by each hop, set by backends
 
     def __init__(self, groups: EPGroups, num_experts: int, *, hidden: int | None = None,
                  expert_alignment: int = 1, capacity_factor: float | None = None,
@@ -177,11 +159,7 @@ class Dispatcher:
             topk_idx = apply_capacity(topk_idx, topk_weights.detach(), self.num_experts,
                                       self.capacity_factor, self.drop_policy)
         counts, state = (self._plan_source(topk_idx) if error == 0 else (self._no_counts(), None))
-        grad = torch.is_grad_enabled()
-        header = [x.shape[0] if x.dim() == 2 else 0, x.shape[-1] if x.dim() == 2 else 0,
-                  topk_idx.shape[-1] if topk_idx.dim() == 2 else 0, DTYPE_CODES.get(x.dtype, 0),
-                  int(grad and x.requires_grad), int(grad and topk_weights.requires_grad), error]
-        control = self._start_control(counts, header)
+        control = self._start_control(counts, Header.of(x, topk_idx, topk_weights, error).pack())
         # While the counts travel, gather the rows the first hop will send (local work only:
         # nothing is sent before every rank's input is known to be valid).
         sent = self._gather_first(x.detach(), state) if error == 0 else None
@@ -191,9 +169,8 @@ class Dispatcher:
             route.label, route.timeout = self.groups.label, self.groups.timeout
             transfer = route.forward(x.detach(), async_op=True, sent=sent)
         stats_args = (x.shape[1] * x.element_size(), self.groups.ep_rank, self.groups.domain_size,
-                      recv_counts.numel() * 8 + headers.numel() * 8)
-        pending = PendingDispatch(x, topk_weights, route, transfer, stats_args,
-                                  bool(headers[0, H_XGRAD] or headers[0, H_WGRAD]))   # agreed by every rank
+                      recv_counts.numel() * 8 + headers.nbytes)
+        pending = PendingDispatch(x, topk_weights, route, transfer, stats_args, headers.needs_grad)   # agreed
         return pending if async_op else pending.wait()
 
     def combine(self, expert_out: torch.Tensor, res: DispatchResult, weighted: bool = True,
@@ -317,29 +294,20 @@ class Dispatcher:
     def _no_counts(self) -> torch.Tensor:
         return torch.zeros(self.groups.ep_size, self.count_columns, dtype=torch.int64, device=self.groups.device)
 
-    def _exchange_control(self, counts: torch.Tensor, header: list, message: str | None):
-        """All-to-all of counts plus header; raise on every rank if any rank is in error."""
-        return self._finish_control(self._start_control(counts, header), message)
-
     def _start_control(self, counts: torch.Tensor, header: list) -> Transfer:
-        """Start the all-to-all of counts [P, C] plus the header (the same to every peer)."""
+        """Start the all-to-all of counts [P, C] plus ``header`` (int64 values, the same to
+        every peer: a packed `Header`, or combine's flags)."""
         p = self.groups.ep_size
         head = torch.tensor(header, dtype=torch.int64, device=counts.device).expand(p, -1)
-        return all_to_all_rows(torch.cat([counts, head], 1), [1] * p, [1] * p, self.groups.ep_group)
+        return self.groups.ep_channel.all_to_all(torch.cat([counts, head], 1), [1] * p, [1] * p)
 
-    def _finish_control(self, transfer: Transfer, message: str | None):
-        """Wait for the control exchange -> (recv_counts [P, C], headers [P, len(HEADER)]);
+    def _finish_control(self, transfer: Transfer, message: str | None) -> tuple[torch.Tensor, Headers]:
+        """Wait for the control exchange -> (recv_counts [P, C], every rank's `Headers`);
         raise on every rank if any rank is in error or the calls do not match."""
         recv = transfer.wait()
-        recv_counts, headers = recv[:, :-len(HEADER)], recv[:, -len(HEADER):]
-        self._raise_agreed_error(headers[:, H_ERROR].tolist(), message, "dispatch", "input")
-        for field in (H_HIDDEN, H_TOPK, H_DTYPE, H_XGRAD, H_WGRAD):
-            values = headers[:, field].tolist()
-            if len(set(values)) > 1:
-                shown = ", ".join(f"rank {r}={_header_value(field, v)}" for r, v in enumerate(values))
-                raise InvalidInputError(f"{self.name} dispatch: {HEADER[field]} differs across EP ranks ({shown}); "
-                                        "every rank must call dispatch with the same hidden size, top-k, dtype and "
-                                        "requires_grad")
+        recv_counts, headers = recv[:, :-len(FIELDS)], Headers(recv[:, -len(FIELDS):])
+        self._raise_agreed_error(headers.column("error").tolist(), message, "dispatch", "input")
+        headers.check(self.name)
         return recv_counts, headers
 
     def _raise_agreed_error(self, errors: list, message: str | None, verb: str, subject: str) -> None:
@@ -383,12 +351,11 @@ class Dispatcher:
             return 5, f"{where}: topk_weights holds NaN or Inf; check the router output"
         return 0, None
 
-    def _padded_counts(self, real: torch.Tensor, headers: torch.Tensor) -> torch.Tensor:
+    def _padded_counts(self, real: torch.Tensor, headers: Headers) -> torch.Tensor:
         rows = real
         if self.pad_to_capacity:
-            topk = int(headers[0, H_TOPK])
-            cap = sum(expert_capacity(int(n), topk, self.num_experts, self.capacity_factor)
-                      for n in headers[:, H_TOKENS].tolist())
+            cap = sum(expert_capacity(int(n), headers.topk, self.num_experts, self.capacity_factor)
+                      for n in headers.num_tokens.tolist())
             rows = torch.full_like(real, cap)
         a = self.expert_alignment
         return rows if a == 1 else (rows + a - 1) // a * a
@@ -413,7 +380,7 @@ class Dispatcher:
     def _send_meta(hop: Hop, meta: torch.Tensor, then) -> None:
         """Start sending ``meta [R, m]`` int64 (one row per row ``hop`` sends) to the hop's
         peers; ``then(received meta)`` plans what follows once it arrives (see `Route`)."""
-        hop.meta = all_to_all_rows(meta, hop.send_splits, hop.recv_splits, hop.group)
+        hop.meta = hop.channel.all_to_all(meta, hop.send_splits, hop.recv_splits)
         hop.then = then
 
     def __repr__(self) -> str:
@@ -439,7 +406,7 @@ class PendingDispatch:
         if self._result is None:
             x, topk_weights, route, transfer, (row_bytes, rank, domain_size, control_bytes), attach_grad = self._args
             tokens = transfer.wait()                   # the route is complete from here on
-            weights = route.hops[-1].place(route.row_weights)
+            weights = route.expert_weights()
             stats = route.stats(row_bytes, rank, domain_size)
             stats.control_bytes = control_bytes
             if attach_grad:

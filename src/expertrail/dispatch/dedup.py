@@ -40,7 +40,7 @@ class DedupDispatcher(Dispatcher):
         n, topk = topk_idx.shape
         slot, positions = number_copies(token, n, max(1, min(topk, g.ep_size)))
         hop = Hop(index=token, slot=slot, num_src=n, num_slots=positions.num_slots, positions=positions,
-                  group=g.ep_group, send_splits=send_splits, recv_splits=recv_counts[:, 0].tolist(),
+                  channel=g.ep_channel, send_splits=send_splits, recv_splits=recv_counts[:, 0].tolist(),
                   peers=list(range(g.ep_size)), meta_bytes=metadata_bytes(self.name, topk), me=g.ep_rank)
         route = Route(hops=[hop], topk=topk)
 

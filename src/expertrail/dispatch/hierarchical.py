@@ -11,9 +11,10 @@ import torch
 
 from ..plan.cost import metadata_bytes
 from ..routing import token_membership
-from .base import H_TOKENS, Dispatcher, bits_weight, expand_local, number_copies, weight_bits
+from .base import Dispatcher, bits_weight, expand_local, number_copies, weight_bits
 from .dedup import local_ids_for
-from .route import Hop, Route, SplitHop, all_to_all_rows, concat_transfers, own_block
+from ..transport import concat_transfers
+from .route import Hop, Route, SplitHop, own_block
 
 
 class HierarchicalDispatcher(Dispatcher):
@@ -46,7 +47,7 @@ class HierarchicalDispatcher(Dispatcher):
         # Hop 1: over the rail group, one row per (token, domain).
         slot, positions = number_copies(token, n, max(1, min(topk, g.num_domains)))
         hop1 = Hop(index=token, slot=slot, num_src=n, num_slots=positions.num_slots, positions=positions,
-                   group=g.rail_group, send_splits=send_splits,
+                   channel=g.rail_channel, send_splits=send_splits,
                    recv_splits=recv_counts[g.domain_rank::size, 1].tolist(),
                    peers=[d * size + g.domain_rank for d in range(g.num_domains)],
                    meta_bytes=metadata_bytes(self.name, topk), me=g.domain_index)
@@ -62,7 +63,7 @@ class HierarchicalDispatcher(Dispatcher):
             row1 = rows.index_select(0, row1)
             slot2, positions2 = number_copies(row1 - start, num_src, max(1, min(topk, size)))
             hop = Hop(index=row1 - start, slot=slot2, num_src=positions2.num_src, num_slots=positions2.num_slots,
-                      positions=positions2, group=g.domain_group,
+                      positions=positions2, channel=g.domain_channel,
                       send_splits=torch.bincount(local_rank, minlength=size).tolist(), recv_splits=recv_splits,
                       peers=[first + r for r in range(size)], meta_bytes=metadata_bytes(self.name, topk),
                       me=g.domain_rank)
@@ -90,13 +91,13 @@ class HierarchicalDispatcher(Dispatcher):
                                         (hop2_recv.sum(0) - hop2_recv[g.domain_index]).tolist())
             hop2 = SplitHop(early, late, (start, end))
             route.hops.append(hop2)
-            hop2.meta = concat_transfers([all_to_all_rows(m, h.send_splits, h.recv_splits, h.group)
+            hop2.meta = concat_transfers([h.channel.all_to_all(m, h.send_splits, h.recv_splits)
                                           for h, m in ((early, early_meta), (late, late_meta))])
             hop2.then = expand
 
         def expand(meta2):
             # Rows arrive grouped by forwarding rank; sort each expert's rows by (source, token).
-            most = max(1, int(headers[:, H_TOKENS].max()))
+            most = max(1, int(headers.num_tokens.max()))
             src_key = meta2[:, 0] * most + meta2[:, 1]
             row, k, expert = expand_local(meta2[:, 2:2 + topk], src_key, g.ep_size * most)
             self._finish_route(route, row, k, expert, meta2.shape[0], min(topk, self.num_local_experts), headers,

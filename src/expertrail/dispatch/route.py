@@ -16,12 +16,11 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from .. import kernels
 from ..kernels import reference
 from ..kernels.reference import CopyPositions, take_rows
-from ..topology import all_gather_single
+from ..transport import AllWorks, Channel, LandingRuns, Transfer
 
 LINK_CLASSES = ("self", "intra", "inter")
 
@@ -55,14 +54,15 @@ class TransferStats:
 
 @dataclass
 class Hop:
-    """Gather rows of the previous level, then exchange them over ``group``.
+    """Gather rows of the previous level, then exchange them over ``channel``.
 
     index:  int64 [R] row of the previous level that each sent row copies, grouped by peer
     slot:   int64 [R] which copy of its source row this is, in [0, num_slots): the order in
             which copies are summed back
     num_src: rows of the previous level; num_slots: most copies of one source row
-    send_splits / recv_splits: rows per peer of ``group`` (None: a local hop, no exchange)
-    peers: EP rank of each member of ``group`` (for link classes)
+    channel: the `Channel` of the exchange (None: a local hop, no exchange)
+    send_splits / recv_splits: rows per member of ``channel``
+    peers: EP rank of each member of ``channel`` (for link classes)
     gathered: the exchange is an all-gather (every peer gets the same ``num_src`` rows)
     out_pos / out_rows: for the last hop, where each row lands in the padded output
     meta_bytes: metadata bytes sent with each row on the way out (ids, weights, sources)
@@ -72,7 +72,7 @@ class Hop:
         the real ones among padding)
     positions: the `CopyPositions` of ``index`` / ``slot`` when the planner has them at hand
         (built from ``index`` and ``slot`` on first use otherwise)
-    me: for an all-to-all hop, this rank's index in ``group``: the rows it sends itself are
+    me: for an all-to-all hop, this rank's index in ``channel``: the rows it sends itself are
         gathered straight into place instead of through the send buffer
     meta / then: on the first forward only, for a route planned in stages: ``meta`` is the
         metadata of the rows this hop receives, in flight beside them (a `Transfer`), and
@@ -83,7 +83,7 @@ class Hop:
     slot: torch.Tensor
     num_src: int
     num_slots: int
-    group: object = None
+    channel: Channel | None = None
     send_splits: list | None = None
     recv_splits: list | None = None
     peers: list | None = None
@@ -100,7 +100,7 @@ class Hop:
 
     @property
     def local(self) -> bool:
-        return self.group is None
+        return self.channel is None
 
     def forward(self, rows: torch.Tensor, async_op: bool = False, sent: torch.Tensor | None = None,
                 out: torch.Tensor | None = None):
@@ -131,7 +131,7 @@ class Hop:
         own = None if self.me is None else (rows, self.index)
         if sent is None:
             sent = gather_rows(rows, self.index, self.own_block())
-        transfer = all_to_all_rows(sent, self.send_splits, self.recv_splits, self.group, own, out)
+        transfer = self.channel.all_to_all(sent, self.send_splits, self.recv_splits, own, out)
         return transfer if async_op else transfer.wait()
 
     def own_block(self) -> tuple | None:
@@ -168,9 +168,9 @@ class Hop:
         if self.runs is not None:
             transfer = self.runs.exchange(sent, forward=True)
         elif self.gathered:
-            transfer = all_gather_rows(sent, self.recv_splits, self.group)
+            transfer = self.channel.all_gather(sent, self.recv_splits)
         else:
-            transfer = all_to_all_rows(sent, self.send_splits, self.recv_splits, self.group, out=out)
+            transfer = self.channel.all_to_all(sent, self.send_splits, self.recv_splits, out=out)
         return transfer if async_op else transfer.wait()
 
     def place(self, rows: torch.Tensor) -> torch.Tensor:
@@ -199,10 +199,10 @@ class Hop:
     def send_back(self, rows: torch.Tensor, own_later: bool = False) -> "Transfer":
         """Start the reverse exchange of a communicating hop (the first half of `transpose`).
         own_later: this rank's own block of ``rows`` is not computed yet; the caller writes it
-        into the Transfer's ``own_rows`` before waiting (gloo only, see `all_to_all_rows`)."""
+        into the Transfer's ``own_rows`` before waiting (gloo only, see `Channel.all_to_all`)."""
         if self.runs is not None:
             return self.runs.exchange(rows, forward=False)
-        return all_to_all_rows(rows, self.recv_splits, self.send_splits, self.group, own_later=own_later)
+        return self.channel.all_to_all(rows, self.recv_splits, self.send_splits, own_later=own_later)
 
     def reverse(self, back: "Transfer", before: "Hop | None", dtype: torch.dtype, landed):
         """Combine's step through this hop: wait for the rows coming back (``back``, from
@@ -263,7 +263,7 @@ class SplitHop:
         self.then = None
 
     # One exchange's view, for stats and for the bench's bare collectives.
-    group = property(lambda self: self.late.group)
+    channel = property(lambda self: self.late.channel)
     peers = property(lambda self: self.late.peers)
     meta_bytes = property(lambda self: self.late.meta_bytes)
     num_src = property(lambda self: self.late.num_src)
@@ -282,7 +282,7 @@ class SplitHop:
         out = own_rows.new_empty(split + sum(self.late.recv_splits), *own_rows.shape[1:])
         early = self.early.forward(own_rows, async_op=True, out=out[:split])
         late = self.late.forward(level.wait() if in_flight else level, async_op=True, out=out[split:])
-        transfer = Transfer(out, _AllWorks([early, late]))
+        transfer = Transfer(out, AllWorks([early, late]))
         return transfer if async_op else transfer.wait()
 
     def send_back(self, rows: torch.Tensor) -> "_SplitBack":
@@ -303,7 +303,7 @@ class SplitHop:
             raise ValueError("a split hop is never a route's first hop, whose reduce alone takes weights")
         summed = self.late.reduce(late, None, dtype)          # zeros on the own block
         start, end = self.own
-        if before is not None and not before.local and before.runs is None and on_gloo(before.group):
+        if before is not None and not before.local and before.runs is None and before.channel.gloo:
             pending = before.send_back(summed, own_later=True)
             pending.own_rows.copy_(self.early.reduce(back.early.wait(), None, dtype))
             return pending
@@ -328,9 +328,23 @@ class _SplitBack:
     late: "Transfer"
 
 
-def concat_transfers(transfers: list) -> Transfer:
-    """One Transfer yielding the rows of ``transfers``, concatenated in order."""
-    return Transfer(transfers, None, lambda ts: torch.cat([t.wait() for t in ts]))
+@dataclass(frozen=True)
+class Exchange:
+    """One exchange of a route as the bench and profilers see it (`Route.exchanges`).
+
+    kind: "all-to-all" or "all-gather"; channel: its `Channel`; peers: EP rank of each member;
+    send_splits / recv_splits: rows per member on the way out (dispatch; combine sends them
+    back); meta_bytes: metadata bytes beside each dispatched row; lands_in_place: the rows land
+    straight in their final places (`LandingRuns`).
+    """
+
+    kind: str
+    channel: Channel
+    peers: list
+    send_splits: list
+    recv_splits: list
+    meta_bytes: int
+    lands_in_place: bool
 
 
 def own_block(send_splits: list, me: int) -> tuple:
@@ -363,112 +377,6 @@ def reduce_rows(rows: torch.Tensor, index: torch.Tensor, slot: torch.Tensor, num
     return reduce_copies(rows, CopyPositions.build(index, slot, num_out, num_slots), weights, out_dtype)
 
 
-class Transfer:
-    """An exchange in flight: ``wait()`` returns the received rows.
-
-    own_rows: where known, the rows this rank sends itself, already in place (valid before
-    ``wait()``): a next hop can start forwarding them while the other rows travel (`SplitHop`).
-    """
-
-    def __init__(self, out: torch.Tensor, work=None, finish=None, own_rows: torch.Tensor | None = None):
-        self._out, self._work, self._finish = out, work, finish
-        self.own_rows = own_rows
-
-    def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        if self._finish is not None:
-            self._out, self._finish = self._finish(self._out), None
-        return self._out
-
-
-@dataclass
-class LandingRuns:
-    """An all-to-all whose received rows land straight in their final places.
-
-    The sent rows and the landing buffer are each cut into consecutive pieces: ``send_sizes``
-    / ``recv_sizes`` rows each (gaps, e.g. padding, are pieces too). ``send[p]`` / ``recv[p]``
-    number the pieces exchanged with peer p of the group, matched in order (piece j sent to p
-    is piece j received from us). ``out_rows``: rows of the landing buffer; ``zero_fill``: it
-    has padding rows that must read as zeros. The exchange is a batch of point-to-point
-    transfers, one per non-empty piece (the pieces to this rank are copies).
-    """
-
-    send_sizes: list
-    recv_sizes: list
-    send: list
-    recv: list
-    peer_ranks: list
-    me: int
-    group: object
-    out_rows: int
-    zero_fill: bool
-
-    def local_block(self) -> tuple:
-        """(start, end) of the sent rows that stay on this rank (consecutive pieces)."""
-        mine = self.send[self.me]
-        if not mine:
-            return 0, 0
-        start = sum(self.send_sizes[:mine[0]])
-        return start, start + sum(self.send_sizes[mine[0]:mine[-1] + 1])
-
-    def exchange(self, rows: torch.Tensor, forward: bool, source: torch.Tensor | None = None,
-                 index: torch.Tensor | None = None) -> "Transfer":
-        """Forward: rows [sum(send_sizes), C] -> landing [out_rows, C]; backward the reverse.
-        With ``source`` and ``index`` (forward), the rows that stay on this rank are gathered
-        from ``source[index]`` straight into place (their pieces of ``rows`` are not read)."""
-        send, recv, send_sizes, recv_sizes = (self.send, self.recv, self.send_sizes, self.recv_sizes) if forward \
-            else (self.recv, self.send, self.recv_sizes, self.send_sizes)
-        out = rows.new_zeros(sum(recv_sizes), *rows.shape[1:]) if forward and self.zero_fill else \
-            rows.new_empty(sum(recv_sizes), *rows.shape[1:])
-        sent, landing = rows.split_with_sizes(send_sizes), out.split_with_sizes(recv_sizes)  # views, one call each
-        sends, recvs = [], []
-        first_tag = reserve_tags(self.group, max(len(pieces) for pieces in send))
-        for p in range(len(self.peer_ranks)):
-            if p == self.me:
-                rows_of = index.split_with_sizes(send_sizes) if source is not None else None
-                for a, b in zip(send[p], recv[p]):
-                    if source is not None:
-                        take_rows(source, rows_of[a], out=landing[b])
-                    else:
-                        landing[b].copy_(sent[a])
-                continue
-            sends += [(sent[a], p, first_tag + j) for j, a in enumerate(send[p]) if send_sizes[a]]
-            recvs += [(landing[b], p, first_tag + j) for j, b in enumerate(recv[p]) if recv_sizes[b]]
-        return Transfer(out, _AllWorks(post_point_to_point(sends, recvs, self.group, self.peer_ranks)))
-
-
-def post_point_to_point(sends: list, recvs: list, group, peer_ranks: list) -> list:
-    """Start point-to-point transfers: ``sends`` / ``recvs`` hold (tensor, group rank, tag).
-
-    On gloo the process group is called directly, receives first, then sends starting with the
-    next rank (so that peers do not all send to the same rank first): the Python wrappers of
-    ``batch_isend_irecv`` cost ~50 us per transfer, as much as a small transfer itself. Other
-    backends (NCCL) need the batch, which groups the transfers so their order cannot deadlock.
-    Transfers in flight together need distinct tags (`reserve_tags`).
-    """
-    if not sends and not recvs:
-        return []
-    pg = group if group is not None else dist.group.WORLD
-    if on_gloo(pg):
-        me, size = pg.rank(), pg.size()
-        sends = sorted(sends, key=lambda s: (s[1] - me) % size)
-        return [pg.recv([t], peer, tag) for t, peer, tag in recvs] + [pg.send([t], peer, tag) for t, peer, tag in sends]
-    ops = [dist.P2POp(dist.irecv, t, peer_ranks[p], group, tag) for t, p, tag in recvs]
-    ops += [dist.P2POp(dist.isend, t, peer_ranks[p], group, tag) for t, p, tag in sends]
-    return dist.batch_isend_irecv(ops)
-
-
-class _AllWorks:
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self):
-        for w in self.works:
-            w.wait()
-
-
 def gather_rows(rows: torch.Tensor, index: torch.Tensor, skip: tuple | None = None) -> torch.Tensor:
     """rows[index] -> [len(index), C]; the output rows in the range ``skip = (start, end)`` are
     left unfilled (rows that stay on this rank and are put in place by the hop itself)."""
@@ -479,93 +387,6 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor, skip: tuple | None = No
     take_rows(rows, index[:start], out=out[:start])
     take_rows(rows, index[end:], out=out[end:])
     return out
-
-
-_TAGS = 1 << 30
-_next_tag: dict = {}
-
-
-def reserve_tags(group, count: int) -> int:
-    """The first of ``count`` point-to-point tags for one exchange on ``group``.
-
-    Every member of a group starts the same exchanges on it in the same order, so counting them
-    gives every rank the same tags, and exchanges in flight together (rows and their metadata,
-    the chunks of an overlapped MoE) distinct ones: gloo serialises transfers that share a
-    (peer, tag) pair.
-    """
-    key = group if group is not None else dist.group.WORLD
-    first = _next_tag.get(key, 0)
-    _next_tag[key] = (first + count) % _TAGS
-    return first if first + count <= _TAGS else reserve_tags(group, count)
-
-
-def all_to_all_rows(rows: torch.Tensor, send_splits: list, recv_splits: list, group,
-                    own: tuple | None = None, out: torch.Tensor | None = None,
-                    own_later: bool = False) -> Transfer:
-    """Start sending ``rows [sum(send_splits), C]`` in per-peer blocks; the Transfer yields
-    [sum(recv_splits), C] (received into ``out`` when given). ``own = (source, index)``: the
-    block this rank sends itself is ``source[index[block]]``, gathered straight into the output
-    (that block of ``rows`` is not read). The Transfer's ``own_rows`` is that block.
-    ``own_later`` (gloo only): that block is neither read nor copied; the caller fills
-    ``own_rows`` in the output before waiting.
-
-    On gloo the blocks go as point-to-point transfers, all posted at once: gloo's all-to-all
-    runs its peers in lockstep steps, so with more ranks than cores one descheduled peer stalls
-    every step (measured: the same bytes took 1.3x longer inside a dispatch). Each exchange
-    has a tag of its own (`reserve_tags`).
-    """
-    if len(send_splits) == 1:       # a group of one: nothing to exchange
-        mine = take_rows(*own, out=out) if own is not None else rows if out is None else out.copy_(rows)
-        return Transfer(mine, own_rows=mine)
-    if out is None:
-        out = rows.new_empty(sum(recv_splits), *rows.shape[1:])
-    pg = group if group is not None else dist.group.WORLD
-    me, gloo = pg.rank(), on_gloo(pg)
-    if own_later and not gloo:
-        raise ValueError("own_later needs point-to-point transfers (gloo): a collective reads every block at once")
-    rows = rows.contiguous()
-    sent = rows.split_with_sizes(send_splits)
-    received = out.split_with_sizes(recv_splits)
-    mine = received[me] if gloo else sent[me]
-    if own is not None:
-        source, index = own
-        take_rows(source, index.split_with_sizes(send_splits)[me], out=mine)
-    elif gloo and not own_later:
-        mine.copy_(sent[me])
-    if not gloo:
-        return Transfer(out, dist.all_to_all_single(out, rows, recv_splits, send_splits, group=group, async_op=True),
-                        own_rows=mine)
-    tag = reserve_tags(pg, 1)
-    recvs = [(received[p], p, tag) for p, c in enumerate(recv_splits) if c and p != me]
-    sends = [(sent[p], p, tag) for p, c in enumerate(send_splits) if c and p != me]
-    return Transfer(out, _AllWorks(post_point_to_point(sends, recvs, group, None)), own_rows=mine)
-
-
-_GLOO: dict = {}
-
-
-def on_gloo(pg) -> bool:
-    """Whether process group ``pg`` runs on gloo (asked once per group: `dist.get_backend`
-    costs ~30 us, and a dispatch asks for every exchange)."""
-    if pg not in _GLOO:
-        _GLOO[pg] = dist.get_backend(pg) == "gloo"
-    return _GLOO[pg]
-
-
-def all_gather_rows(rows: torch.Tensor, counts: list, group) -> Transfer:
-    """Start gathering every peer's rows; the Transfer yields them concatenated in peer order,
-    [sum(counts), C]. Ranks send ``max(counts)`` rows each (padding)."""
-    if len(counts) == 1:
-        return Transfer(rows)
-    most = max(counts)
-    padded = rows.new_zeros(most, *rows.shape[1:])
-    padded[:rows.shape[0]] = rows
-    out = rows.new_empty(len(counts) * most, *rows.shape[1:])
-    work = all_gather_single(out, padded, group=group, async_op=True)
-    if all(c == most for c in counts):
-        return Transfer(out, work)
-    keep = torch.cat([torch.arange(p * most, p * most + c, device=rows.device) for p, c in enumerate(counts)])
-    return Transfer(out, work, lambda full: full.index_select(0, keep))
 
 
 @dataclass
@@ -637,6 +458,23 @@ class Route:
             then, meta = hop.then, hop.meta
             hop.then = hop.meta = None
             then(meta.wait())
+
+    def exchanges(self) -> list[Exchange]:
+        """The route's exchanges with other ranks, in dispatch order (a group of one, which
+        exchanges nothing, is left out)."""
+        return [Exchange("all-gather" if hop.gathered else "all-to-all", hop.channel, list(hop.peers),
+                         list(hop.send_splits), list(hop.recv_splits), hop.meta_bytes, hop.runs is not None)
+                for hop in self.hops if not hop.local and hop.channel.size > 1]
+
+    @property
+    def lands_in_place(self) -> bool:
+        """Whether received rows land straight in their final places (see `LandingRuns`)."""
+        return any(hop.runs is not None for hop in self.hops)
+
+    def expert_weights(self) -> torch.Tensor:
+        """[M] the routing weight of each expert row, 0 on padding (``DispatchResult.weights``).
+        Only once the route is complete (after the first forward)."""
+        return self.hops[-1].place(self.row_weights)
 
     def remember_weights(self, weights: torch.Tensor) -> None:
         """Record the row weights handed out by dispatch, so combine can tell them apart from

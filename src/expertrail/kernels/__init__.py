@@ -3,8 +3,9 @@
 ``permute_rows`` (one read of each row, written to each of its destinations),
 ``reduce_copies_dense`` (the weighted sum of each row's copies in fp32, fixed order, written
 once) and ``layout_counts``. The torch implementations are the reference and the CPU path; the
-Triton kernels run for CUDA tensors when Triton is installed (``EXPERTRAIL_KERNELS=torch``
-turns them off, ``=triton`` forces them, e.g. on the CPU with ``TRITON_INTERPRET=1`` in tests).
+Triton kernels run for CUDA tensors when Triton is installed (`set_mode`: "torch" turns them
+off, "triton" forces them, e.g. on the CPU with ``TRITON_INTERPRET=1`` in tests; the mode at
+import is ``EXPERTRAIL_KERNELS``, default "auto").
 """
 from __future__ import annotations
 
@@ -28,9 +29,23 @@ def _triton_kernels():
     return _triton
 
 
+MODES = ("auto", "torch", "triton")
+_mode = os.environ.get("EXPERTRAIL_KERNELS", "auto")
+
+
+def set_mode(mode: str) -> str:
+    """Choose the kernels: "auto" (Triton for CUDA tensors when it is installed), "torch" or
+    "triton". Returns the previous mode, to restore it."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"kernel mode {mode!r}; choose one of {MODES}")
+    previous, _mode = _mode, mode
+    return previous
+
+
 def use_triton(t: torch.Tensor) -> bool:
-    mode = os.environ.get("EXPERTRAIL_KERNELS", "auto")
-    if mode == "torch" or not (mode == "triton" or t.is_cuda):
+    """Whether the Triton kernels handle tensor ``t`` (see `set_mode`)."""
+    if _mode == "torch" or not (_mode == "triton" or t.is_cuda):
         return False
     return bool(_triton_kernels())
 

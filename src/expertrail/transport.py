@@ -1,0 +1,217 @@
+"""How rows move between ranks: channels, exchanges in flight, and point-to-point transfers.
+
+A `Channel` is one process group as the engine's exchanges use it: all-to-all and all-gather
+of rows, point-to-point transfers, and the tags that keep exchanges in flight together apart.
+`EPGroups.channel` hands out one channel per process group, so that every exchange on a group
+draws its tags from the same counter. An exchange returns a `Transfer`, whose ``wait()`` gives
+the received rows. `LandingRuns` is an all-to-all whose rows land straight in their final
+places, piece by piece.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .kernels.reference import take_rows
+
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_TAGS = 1 << 30
+
+
+class Transfer:
+    """An exchange in flight: ``wait()`` returns the received rows.
+
+    own_rows: where known, the rows this rank sends itself, already in place (valid before
+    ``wait()``): a next hop can start forwarding them while the other rows travel
+    (`route.SplitHop`).
+    """
+
+    def __init__(self, out, work=None, finish=None, own_rows: torch.Tensor | None = None):
+        self._out, self._work, self._finish = out, work, finish
+        self.own_rows = own_rows
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._finish is not None:
+            self._out, self._finish = self._finish(self._out), None
+        return self._out
+
+
+class AllWorks:
+    """Several works (or Transfers) waited for as one."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+
+
+def concat_transfers(transfers: list) -> Transfer:
+    """One Transfer yielding the rows of ``transfers``, concatenated in order."""
+    return Transfer(transfers, None, lambda ts: torch.cat([t.wait() for t in ts]))
+
+
+class Channel:
+    """One process group as the engine's exchanges use it.
+
+    group: the torch.distributed group (None: the default group); size, rank: its size and this
+    rank's index in it; global_ranks: the default group's rank of each member; gloo: whether it
+    runs on gloo (asked once: ``dist.get_backend`` costs ~30 us, and a dispatch exchanges often).
+
+    Point-to-point tags (`reserve_tags`): every member starts the same exchanges on a group in
+    the same order, so counting them gives every rank the same tags, and exchanges in flight
+    together (rows and their metadata, the chunks of an overlapped MoE) distinct ones: gloo
+    serialises transfers that share a (peer, tag) pair. So there must be one channel per
+    process group (`EPGroups.channel`).
+    """
+
+    def __init__(self, group=None):
+        self.group = group
+        self._pg = group if group is not None else dist.group.WORLD
+        self.size, self.rank = self._pg.size(), self._pg.rank()
+        self.global_ranks = dist.get_process_group_ranks(self._pg)
+        self.gloo = dist.get_backend(self._pg) == "gloo"
+        self._next_tag = 0
+
+    def reserve_tags(self, count: int) -> int:
+        """The first of ``count`` consecutive tags for one exchange."""
+        if self._next_tag + count > _TAGS:
+            self._next_tag = 0
+        first = self._next_tag
+        self._next_tag += count
+        return first
+
+    def post(self, sends: list, recvs: list) -> list:
+        """Start point-to-point transfers: ``sends`` / ``recvs`` hold (tensor, member, tag).
+
+        On gloo the process group is called directly, receives first, then sends starting with
+        the next member (so that peers do not all send to the same rank first): the Python
+        wrappers of ``batch_isend_irecv`` cost ~50 us per transfer, as much as a small transfer
+        itself. Other backends (NCCL) need the batch, which groups the transfers so their order
+        cannot deadlock.
+        """
+        if not sends and not recvs:
+            return []
+        if self.gloo:
+            sends = sorted(sends, key=lambda s: (s[1] - self.rank) % self.size)
+            return [self._pg.recv([t], peer, tag) for t, peer, tag in recvs] + \
+                [self._pg.send([t], peer, tag) for t, peer, tag in sends]
+        ops = [dist.P2POp(dist.irecv, t, self.global_ranks[p], self.group, tag) for t, p, tag in recvs]
+        ops += [dist.P2POp(dist.isend, t, self.global_ranks[p], self.group, tag) for t, p, tag in sends]
+        return dist.batch_isend_irecv(ops)
+
+    def all_to_all(self, rows: torch.Tensor, send_splits: list, recv_splits: list, own: tuple | None = None,
+                   out: torch.Tensor | None = None, own_later: bool = False) -> Transfer:
+        """Start sending ``rows [sum(send_splits), C]`` in per-member blocks; the Transfer
+        yields [sum(recv_splits), C] (received into ``out`` when given). ``own = (source,
+        index)``: the block this rank sends itself is ``source[index[block]]``, gathered
+        straight into the output (that block of ``rows`` is not read). The Transfer's
+        ``own_rows`` is that block. ``own_later`` (gloo only): that block is neither read nor
+        copied; the caller fills ``own_rows`` in the output before waiting.
+
+        On gloo the blocks go as point-to-point transfers, all posted at once: gloo's
+        all-to-all runs its peers in lockstep steps, so with more ranks than cores one
+        descheduled peer stalls every step (measured: the same bytes took 1.3x longer inside a
+        dispatch, and gloo's all-to-all reached 70-80% of a shaped link's rate where these
+        transfers reached it).
+        """
+        if self.size == 1:       # a group of one: nothing to exchange
+            mine = take_rows(*own, out=out) if own is not None else rows if out is None else out.copy_(rows)
+            return Transfer(mine, own_rows=mine)
+        if out is None:
+            out = rows.new_empty(sum(recv_splits), *rows.shape[1:])
+        if own_later and not self.gloo:
+            raise ValueError("own_later needs point-to-point transfers (gloo): a collective reads every block at once")
+        me = self.rank
+        rows = rows.contiguous()
+        sent = rows.split_with_sizes(send_splits)
+        received = out.split_with_sizes(recv_splits)
+        mine = received[me] if self.gloo else sent[me]
+        if own is not None:
+            source, index = own
+            take_rows(source, index.split_with_sizes(send_splits)[me], out=mine)
+        elif self.gloo and not own_later:
+            mine.copy_(sent[me])
+        if not self.gloo:
+            work = dist.all_to_all_single(out, rows, recv_splits, send_splits, group=self.group, async_op=True)
+            return Transfer(out, work, own_rows=mine)
+        tag = self.reserve_tags(1)
+        recvs = [(received[p], p, tag) for p, c in enumerate(recv_splits) if c and p != me]
+        sends = [(sent[p], p, tag) for p, c in enumerate(send_splits) if c and p != me]
+        return Transfer(out, AllWorks(self.post(sends, recvs)), own_rows=mine)
+
+    def all_gather(self, rows: torch.Tensor, counts: list) -> Transfer:
+        """Start gathering every member's rows; the Transfer yields them concatenated in member
+        order, [sum(counts), C]. Members send ``max(counts)`` rows each (padding)."""
+        if self.size == 1:
+            return Transfer(rows)
+        most = max(counts)
+        padded = rows.new_zeros(most, *rows.shape[1:])
+        padded[:rows.shape[0]] = rows
+        out = rows.new_empty(len(counts) * most, *rows.shape[1:])
+        work = all_gather_single(out, padded, group=self.group, async_op=True)
+        if all(c == most for c in counts):
+            return Transfer(out, work)
+        keep = torch.cat([torch.arange(p * most, p * most + c, device=rows.device) for p, c in enumerate(counts)])
+        return Transfer(out, work, lambda full: full.index_select(0, keep))
+
+
+@dataclass
+class LandingRuns:
+    """An all-to-all whose received rows land straight in their final places.
+
+    The sent rows and the landing buffer are each cut into consecutive pieces: ``send_sizes``
+    / ``recv_sizes`` rows each (gaps, e.g. padding, are pieces too). ``send[p]`` / ``recv[p]``
+    number the pieces exchanged with member p of the channel, matched in order (piece j sent
+    to p is piece j received from us). ``out_rows``: rows of the landing buffer; ``zero_fill``:
+    it has padding rows that must read as zeros. The exchange is a batch of point-to-point
+    transfers, one per non-empty piece (the pieces to this rank are copies).
+    """
+
+    send_sizes: list
+    recv_sizes: list
+    send: list
+    recv: list
+    channel: Channel
+    out_rows: int
+    zero_fill: bool
+
+    def local_block(self) -> tuple:
+        """(start, end) of the sent rows that stay on this rank (consecutive pieces)."""
+        mine = self.send[self.channel.rank]
+        if not mine:
+            return 0, 0
+        start = sum(self.send_sizes[:mine[0]])
+        return start, start + sum(self.send_sizes[mine[0]:mine[-1] + 1])
+
+    def exchange(self, rows: torch.Tensor, forward: bool, source: torch.Tensor | None = None,
+                 index: torch.Tensor | None = None) -> Transfer:
+        """Forward: rows [sum(send_sizes), C] -> landing [out_rows, C]; backward the reverse.
+        With ``source`` and ``index`` (forward), the rows that stay on this rank are gathered
+        from ``source[index]`` straight into place (their pieces of ``rows`` are not read)."""
+        send, recv, send_sizes, recv_sizes = (self.send, self.recv, self.send_sizes, self.recv_sizes) if forward \
+            else (self.recv, self.send, self.recv_sizes, self.send_sizes)
+        out = rows.new_zeros(sum(recv_sizes), *rows.shape[1:]) if forward and self.zero_fill else \
+            rows.new_empty(sum(recv_sizes), *rows.shape[1:])
+        sent, landing = rows.split_with_sizes(send_sizes), out.split_with_sizes(recv_sizes)  # views, one call each
+        sends, recvs = [], []
+        first_tag = self.channel.reserve_tags(max(len(pieces) for pieces in send))
+        for p in range(self.channel.size):
+            if p == self.channel.rank:
+                rows_of = index.split_with_sizes(send_sizes) if source is not None else None
+                for a, b in zip(send[p], recv[p]):
+                    if source is not None:
+                        take_rows(source, rows_of[a], out=landing[b])
+                    else:
+                        landing[b].copy_(sent[a])
+                continue
+            sends += [(sent[a], p, first_tag + j) for j, a in enumerate(send[p]) if send_sizes[a]]
+            recvs += [(landing[b], p, first_tag + j) for j, b in enumerate(recv[p]) if recv_sizes[b]]
+        return Transfer(out, AllWorks(self.channel.post(sends, recvs)))
