@@ -1,8 +1,8 @@
 """The route engine's local pieces: fixed-order reductions, copy slots and positions, sorts."""
 import torch
 
-from expertrail.dispatch.base import expand_local, number_copies
-from expertrail.dispatch.route import reduce_rows
+from expertrail.dispatch.base import expand_local
+from expertrail.dispatch.route import number_copies, reduce_rows
 from expertrail.kernels.reference import CopyPositions, stable_argsort, take_rows
 
 

@@ -80,7 +80,7 @@ def measure_local_passes(device, dtype=torch.bfloat16, rows: int = 8192, hidden:
     a gather of ``rows`` rows in random order (`take_rows`: the copies before each exchange and
     the expansion after it) and a weighted sum of rows in pairs into ``rows / 2`` rows in fp32
     (`reduce_copies`: combine's sums). Collective over the default group."""
-    from .dispatch.route import reduce_copies
+    from .kernels import reduce_copies
     from .kernels.reference import CopyPositions, take_rows
     g = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(rows, hidden, generator=g).to(dtype).to(device)

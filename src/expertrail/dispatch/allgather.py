@@ -10,7 +10,7 @@ import torch
 from ..plan.cost import metadata_bytes
 from .base import Dispatcher, bits_weight, expand_local, weight_bits
 from .dedup import local_ids_for
-from .route import Hop, Route
+from .route import AllGatherHop, Route
 
 
 class AllGatherDispatcher(Dispatcher):
@@ -25,11 +25,10 @@ class AllGatherDispatcher(Dispatcher):
         n, topk = topk_idx.shape
         counts = headers.num_tokens.tolist()
         dev = topk_idx.device
-        hop = Hop(index=torch.arange(n, device=dev).repeat(g.ep_size),
-                  slot=torch.arange(g.ep_size, device=dev).repeat_interleave(n),
-                  num_src=n, num_slots=g.ep_size, channel=g.ep_channel, send_splits=[n] * g.ep_size,
-                  recv_splits=counts, peers=list(range(g.ep_size)), gathered=True,
-                  meta_bytes=metadata_bytes(self.name, topk))
+        hop = AllGatherHop(index=torch.arange(n, device=dev).repeat(g.ep_size),
+                           slot=torch.arange(g.ep_size, device=dev).repeat_interleave(n),
+                           num_src=n, num_slots=g.ep_size, channel=g.ep_channel, send_splits=[n] * g.ep_size,
+                           recv_splits=counts, peers=list(range(g.ep_size)), meta_bytes=metadata_bytes(self.name, topk))
         route = Route(hops=[hop], topk=topk)
 
         def expand(meta):

@@ -23,7 +23,7 @@ from ..kernels.reference import CopyPositions, stable_argsort
 from ..plan.cost import metadata_bytes
 from ..transport import LandingRuns
 from .base import Dispatcher, bits_weight, padded_positions, weight_bits
-from .route import Hop, Route, own_block
+from .route import AllToAllHop, ExpandHop, InPlaceHop, LandingHop, Route, own_block
 
 # Smallest mean run (bytes of rows per (source, destination, local expert)) for which received
 # rows land in place: where the two layouts break even in `benchmarks/layouts.py` on gloo (4
@@ -89,10 +89,10 @@ class AllToAllDispatcher(Dispatcher):
         # Copy (n, k) of a token sits where the sort put slot n * K + k: the copies of the combine.
         at = torch.full((n * topk,), -1, dtype=torch.int64, device=slots.device)
         at.scatter_(0, slots, torch.arange(slots.numel(), device=slots.device))
-        hop = Hop(index=token, slot=k, num_src=n, num_slots=max(topk, 1),          # copies summed in k order
-                  channel=g.ep_channel, send_splits=send_splits, recv_splits=recv_counts.sum(1).tolist(),
-                  peers=list(range(p)), meta_bytes=metadata_bytes(self.name, topk),
-                  positions=CopyPositions.from_dense(at.view(n, max(topk, 1))) if topk else None)
+        sent = dict(index=token, slot=k, num_src=n, num_slots=max(topk, 1),          # copies summed in k order
+                    positions=CopyPositions.from_dense(at.view(n, max(topk, 1))) if topk else None,
+                    channel=g.ep_channel, send_splits=send_splits, recv_splits=recv_counts.sum(1).tolist(),
+                    peers=list(range(p)), meta_bytes=metadata_bytes(self.name, topk))
         # Rows arrive by (source, expert); the real output rows are ordered by (expert, source): real
         # row i of run (e, s) is received row i of that run, received row from_received[i] overall.
         run_counts = recv_counts.t().reshape(-1)
@@ -109,22 +109,22 @@ class AllToAllDispatcher(Dispatcher):
             # expert's padding, so that rows from source s for expert e land after those of sources < s:
             # the run (peer q, expert e) is piece q * E_local + e of one and e * (P + 1) + q of the other.
             recv_sizes = torch.cat([recv_counts.t(), (padded - real).unsqueeze(1)], 1).reshape(-1).tolist()
-            hop.runs = LandingRuns(send_sizes=send_counts.reshape(-1).tolist(), recv_sizes=recv_sizes,
-                                   send=torch.arange(p * local).view(p, local).tolist(),
-                                   recv=(torch.arange(local) * (p + 1) + torch.arange(p).unsqueeze(1)).tolist(),
-                                   channel=g.ep_channel,
-                                   out_rows=out_rows, zero_fill=out_rows != real_rows)
+            runs = LandingRuns(send_sizes=send_counts.reshape(-1).tolist(), recv_sizes=recv_sizes,
+                               send=torch.arange(p * local).view(p, local).tolist(),
+                               recv=(torch.arange(local) * (p + 1) + torch.arange(p).unsqueeze(1)).tolist(),
+                               channel=g.ep_channel, out_rows=out_rows, zero_fill=out_rows != real_rows)
+            hop = LandingHop(runs=runs, **sent)
             placed = real_pos if real_pos is not None else torch.arange(real_rows, device=real.device)
-            last = Hop(index=placed, slot=torch.zeros_like(placed), num_src=out_rows, num_slots=1,
-                       out_pos=real_pos, out_rows=out_rows, identity=True)
+            last = InPlaceHop(index=placed, slot=torch.zeros_like(placed), num_src=out_rows, num_slots=1,
+                              out_pos=real_pos, out_rows=out_rows)
         else:
             # One block per peer, then a local permutation into expert-major order (and padding).
-            hop.me = g.ep_rank
+            hop = AllToAllHop(me=g.ep_rank, **sent)
             output_row = torch.empty_like(from_received)
             output_row[from_received] = torch.arange(real_rows, device=real.device)
-            last = Hop(index=from_received, slot=torch.zeros_like(from_received), num_src=real_rows, num_slots=1,
-                       positions=CopyPositions.from_dense(output_row.view(-1, 1)), out_pos=real_pos,
-                       out_rows=out_rows if real_pos is not None else None)
+            last = ExpandHop(index=from_received, slot=torch.zeros_like(from_received), num_src=real_rows, num_slots=1,
+                             positions=CopyPositions.from_dense(output_row.view(-1, 1)), out_pos=real_pos,
+                             out_rows=out_rows if real_pos is not None else None)
         route = Route(hops=[hop, last], topk=topk, tokens_per_expert=padded, real_tokens_per_expert=real,
                       source_weights=topk_weights.reshape(-1).index_select(0, slots))
 

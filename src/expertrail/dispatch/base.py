@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError, InvalidInputError
-from ..kernels.reference import CopyPositions, stable_argsort
+from ..kernels.reference import gather_rows, stable_argsort
 from ..routing import DROP_POLICIES, apply_capacity, expert_capacity
 from ..topology import EPGroups, check_same_on_all_ranks, guarded
 from ..transport import Transfer
 from .header import DTYPE_CODES, ERROR_KINDS, FIELDS, Header, Headers
-from .route import Hop, Route, TransferStats, gather_rows
+from .route import AllToAllHop, ExpandHop, Route, TransferStats
 
 def weight_bits(weights: torch.Tensor) -> torch.Tensor:
     """Float weights -> int64 bit patterns of their fp64 value (travel with int metadata)."""
@@ -25,20 +25,6 @@ def weight_bits(weights: torch.Tensor) -> torch.Tensor:
 
 def bits_weight(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bits.contiguous().view(torch.float64).to(dtype)
-
-
-def number_copies(index: torch.Tensor, num_src: int, num_slots: int) -> tuple[torch.Tensor, CopyPositions]:
-    """For a gather ``index [R]`` of ``num_src`` source rows: the slot of each copy (its rank
-    among the copies of its source row, in order of appearance: the fixed order in which they
-    are summed back), int64 [R], and the `CopyPositions` of those copies, both from one stable
-    sort (the sort that numbers the copies also lists them by source row, in slot order)."""
-    order = stable_argsort(index)
-    offsets = torch.zeros(num_src + 1, dtype=torch.int64, device=index.device)
-    torch.cumsum(torch.bincount(index, minlength=num_src), 0, out=offsets[1:])
-    source = index.index_select(0, order)
-    ranked = torch.arange(index.numel(), device=index.device) - offsets.index_select(0, source)
-    slot = torch.empty_like(index).scatter_(0, order, ranked)
-    return slot, CopyPositions(num_src, num_slots, index=index, slot=slot, bags=(order, ranked, source, offsets))
 
 
 def expand_local(local_ids: torch.Tensor, src_key: torch.Tensor | None = None, bound: int = 1):
@@ -367,8 +353,7 @@ class Dispatcher:
         row_weights [M_real]: the routing weight of each."""
         real = torch.bincount(expert, minlength=self.num_local_experts)
         padded = self._padded_counts(real, headers)
-        slot, positions = number_copies(row, num_src, max(1, num_slots))
-        last = Hop(index=row, slot=slot, num_src=num_src, num_slots=positions.num_slots, positions=positions)
+        last = ExpandHop.numbered(row, num_src, num_slots)
         if not torch.equal(padded, real):
             last.out_pos = padded_positions(expert, real, padded)
             last.out_rows = int(padded.sum())
@@ -377,7 +362,7 @@ class Dispatcher:
         route.tokens_per_expert, route.real_tokens_per_expert = padded, real
 
     @staticmethod
-    def _send_meta(hop: Hop, meta: torch.Tensor, then) -> None:
+    def _send_meta(hop: AllToAllHop, meta: torch.Tensor, then) -> None:
         """Start sending ``meta [R, m]`` int64 (one row per row ``hop`` sends) to the hop's
         peers; ``then(received meta)`` plans what follows once it arrives (see `Route`)."""
         hop.meta = hop.channel.all_to_all(meta, hop.send_splits, hop.recv_splits)

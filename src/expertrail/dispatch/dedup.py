@@ -9,8 +9,8 @@ import torch
 
 from ..plan.cost import metadata_bytes
 from ..routing import token_membership
-from .base import Dispatcher, bits_weight, expand_local, number_copies, weight_bits
-from .route import Hop, Route, own_block
+from .base import Dispatcher, bits_weight, expand_local, weight_bits
+from .route import AllToAllHop, Route, own_block
 
 
 def local_ids_for(topk_idx, dest_rank, rank_of_expert, local_of_expert):
@@ -38,10 +38,9 @@ class DedupDispatcher(Dispatcher):
         topk_idx, dest, token, send_splits = state
         g = self.groups
         n, topk = topk_idx.shape
-        slot, positions = number_copies(token, n, max(1, min(topk, g.ep_size)))
-        hop = Hop(index=token, slot=slot, num_src=n, num_slots=positions.num_slots, positions=positions,
-                  channel=g.ep_channel, send_splits=send_splits, recv_splits=recv_counts[:, 0].tolist(),
-                  peers=list(range(g.ep_size)), meta_bytes=metadata_bytes(self.name, topk), me=g.ep_rank)
+        hop = AllToAllHop.numbered(token, n, min(topk, g.ep_size), channel=g.ep_channel, send_splits=send_splits,
+                                   recv_splits=recv_counts[:, 0].tolist(), peers=list(range(g.ep_size)),
+                                   meta_bytes=metadata_bytes(self.name, topk), me=g.ep_rank)
         route = Route(hops=[hop], topk=topk)
 
         def expand(meta):                      # rows arrive in (source, token) order

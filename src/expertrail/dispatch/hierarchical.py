@@ -11,10 +11,10 @@ import torch
 
 from ..plan.cost import metadata_bytes
 from ..routing import token_membership
-from .base import Dispatcher, bits_weight, expand_local, number_copies, weight_bits
+from .base import Dispatcher, bits_weight, expand_local, weight_bits
 from .dedup import local_ids_for
 from ..transport import concat_transfers
-from .route import Hop, Route, SplitHop, own_block
+from .route import AllToAllHop, Route, SplitHop, own_block
 
 
 class HierarchicalDispatcher(Dispatcher):
@@ -45,12 +45,10 @@ class HierarchicalDispatcher(Dispatcher):
         dev = topk_idx.device
         size, me, first = g.domain_size, g.ep_rank, g.domain_index * g.domain_size
         # Hop 1: over the rail group, one row per (token, domain).
-        slot, positions = number_copies(token, n, max(1, min(topk, g.num_domains)))
-        hop1 = Hop(index=token, slot=slot, num_src=n, num_slots=positions.num_slots, positions=positions,
-                   channel=g.rail_channel, send_splits=send_splits,
-                   recv_splits=recv_counts[g.domain_rank::size, 1].tolist(),
-                   peers=[d * size + g.domain_rank for d in range(g.num_domains)],
-                   meta_bytes=metadata_bytes(self.name, topk), me=g.domain_index)
+        hop1 = AllToAllHop.numbered(token, n, min(topk, g.num_domains), channel=g.rail_channel, send_splits=send_splits,
+                                    recv_splits=recv_counts[g.domain_rank::size, 1].tolist(),
+                                    peers=[d * size + g.domain_rank for d in range(g.num_domains)],
+                                    meta_bytes=metadata_bytes(self.name, topk), me=g.domain_index)
         route = Route(hops=[hop1], topk=topk)
 
         # Rows each rank of my domain receives in hop 2, by the domain they come from.
@@ -61,12 +59,10 @@ class HierarchicalDispatcher(Dispatcher):
             of ``num_src`` rows starting at hop-1 row ``start``, and the metadata it sends."""
             local_rank, row1 = torch.nonzero(member[rows].t()).unbind(1)
             row1 = rows.index_select(0, row1)
-            slot2, positions2 = number_copies(row1 - start, num_src, max(1, min(topk, size)))
-            hop = Hop(index=row1 - start, slot=slot2, num_src=positions2.num_src, num_slots=positions2.num_slots,
-                      positions=positions2, channel=g.domain_channel,
-                      send_splits=torch.bincount(local_rank, minlength=size).tolist(), recv_splits=recv_splits,
-                      peers=[first + r for r in range(size)], meta_bytes=metadata_bytes(self.name, topk),
-                      me=g.domain_rank)
+            hop = AllToAllHop.numbered(row1 - start, num_src, min(topk, size), channel=g.domain_channel,
+                                       send_splits=torch.bincount(local_rank, minlength=size).tolist(),
+                                       recv_splits=recv_splits, peers=[first + r for r in range(size)],
+                                       meta_bytes=metadata_bytes(self.name, topk), me=g.domain_rank)
             local = local_ids_for(ids[row1], first + local_rank, self.rank_of_expert, self.local_of_expert)
             return hop, torch.cat([meta[row1, :2], local, meta[row1, 2 + topk:]], 1)
 

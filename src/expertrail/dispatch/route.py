@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import kernels
-from ..kernels import reference
-from ..kernels.reference import CopyPositions, take_rows
+from ..kernels.reference import CopyPositions, stable_argsort
 from ..transport import AllWorks, Channel, LandingRuns, Transfer
 
 LINK_CLASSES = ("self", "intra", "inter")
@@ -52,96 +51,100 @@ class TransferStats:
         return sum(self.bytes.values())
 
 
-@dataclass
-class Hop:
-    """Gather rows of the previous level, then exchange them over ``channel``.
+def number_copies(index: torch.Tensor, num_src: int, num_slots: int) -> tuple[torch.Tensor, CopyPositions]:
+    """For a gather ``index [R]`` of ``num_src`` source rows: the slot of each copy (its rank
+    among the copies of its source row, in order of appearance: the fixed order in which they
+    are summed back), int64 [R], and the `CopyPositions` of those copies, both from one stable
+    sort (the sort that numbers the copies also lists them by source row, in slot order)."""
+    order = stable_argsort(index)
+    offsets = torch.zeros(num_src + 1, dtype=torch.int64, device=index.device)
+    torch.cumsum(torch.bincount(index, minlength=num_src), 0, out=offsets[1:])
+    source = index.index_select(0, order)
+    ranked = torch.arange(index.numel(), device=index.device) - offsets.index_select(0, source)
+    slot = torch.empty_like(index).scatter_(0, order, ranked)
+    return slot, CopyPositions(num_src, num_slots, index=index, slot=slot, bags=(order, ranked, source, offsets))
 
-    index:  int64 [R] row of the previous level that each sent row copies, grouped by peer
-    slot:   int64 [R] which copy of its source row this is, in [0, num_slots): the order in
-            which copies are summed back
+
+@dataclass(kw_only=True)
+class Hop:
+    """What every hop is: copies of the previous level's rows, and their sum back.
+
+    index:  int64 [R] row of the previous level that each of this hop's R rows copies
+    slot:   int64 [R] which copy of its source row it is, in [0, num_slots): the order in which
+            copies are summed back
     num_src: rows of the previous level; num_slots: most copies of one source row
-    channel: the `Channel` of the exchange (None: a local hop, no exchange)
-    send_splits / recv_splits: rows per member of ``channel``
-    peers: EP rank of each member of ``channel`` (for link classes)
-    gathered: the exchange is an all-gather (every peer gets the same ``num_src`` rows)
-    out_pos / out_rows: for the last hop, where each row lands in the padded output
-    meta_bytes: metadata bytes sent with each row on the way out (ids, weights, sources)
-    runs: for a hop whose received rows land directly in their final places (no local
-        permutation after it), `LandingRuns`; its last hop is then an ``identity`` hop
-    identity: a local hop that leaves the rows where they are (``out_pos``, when set, marks
-        the real ones among padding)
     positions: the `CopyPositions` of ``index`` / ``slot`` when the planner has them at hand
-        (built from ``index`` and ``slot`` on first use otherwise)
-    me: for an all-to-all hop, this rank's index in ``channel``: the rows it sends itself are
-        gathered straight into place instead of through the send buffer
+        (built from them on first use otherwise)
     meta / then: on the first forward only, for a route planned in stages: ``meta`` is the
         metadata of the rows this hop receives, in flight beside them (a `Transfer`), and
-        ``then(meta)`` plans the hops after this one (see `Route.forward`)
+        ``then(meta)`` plans the hops after this one (see `Route`)
+
+    The kinds: `ExpandHop` and `InPlaceHop` (local: the last hop, into the padded expert-major
+    output), `AllToAllHop`, `LandingHop` (an all-to-all whose rows land in place) and
+    `AllGatherHop` (exchanging), and `SplitHop` (an all-to-all in two parts, pipelined).
     """
 
     index: torch.Tensor
     slot: torch.Tensor
     num_src: int
     num_slots: int
-    channel: Channel | None = None
-    send_splits: list | None = None
-    recv_splits: list | None = None
-    peers: list | None = None
-    gathered: bool = False
+    positions: CopyPositions | None = None
+    meta: Transfer | None = None
+    then: object = None
+
+    local = True
+
+    @classmethod
+    def numbered(cls, index: torch.Tensor, num_src: int, most_copies: int, **fields) -> "Hop":
+        """The hop whose j-th row copies row ``index[j]`` of a level of ``num_src`` rows (at most
+        ``most_copies`` copies of one row), the copies of a row numbered in order of appearance
+        (`number_copies`); ``fields``: those of the hop's kind."""
+        slot, positions = number_copies(index, num_src, max(1, most_copies))
+        return cls(index=index, slot=slot, num_src=num_src, num_slots=positions.num_slots, positions=positions,
+                   **fields)
+
+    def copies(self) -> CopyPositions:
+        """Where each source row's copies sit among the rows of this hop (cached)."""
+        if self.positions is None:
+            self.positions = CopyPositions.build(self.index, self.slot, self.num_src, self.num_slots)
+        return self.positions
+
+    def reduce(self, rows: torch.Tensor, weights: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        """rows [R, C] -> [num_src, C]: each source row's copies summed in fp32 in slot order,
+        each scaled by ``weights [R]`` first when given."""
+        return kernels.reduce_copies(rows, self.copies(), weights, out_dtype)
+
+    def add_stats(self, stats: TransferStats, payload_bytes: int, my_rank: int, domain_size: int,
+                  backward: bool = False) -> None:
+        """Count the rows this hop sends (a local hop sends none)."""
+
+
+@dataclass(kw_only=True)
+class ExpandHop(Hop):
+    """The last hop: the received rows copied into expert-major output rows.
+
+    out_pos / out_rows: where each row lands in the padded output of ``out_rows`` rows (None:
+    no padding, row j is output row j)
+    """
+
     out_pos: torch.Tensor | None = None
     out_rows: int | None = None
-    meta_bytes: int = 0
-    runs: "LandingRuns | None" = None
-    identity: bool = False
-    me: int | None = None
-    meta: "Transfer | None" = None
-    then: object = None
-    positions: CopyPositions | None = None
 
-    @property
-    def local(self) -> bool:
-        return self.channel is None
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """[num_src, C] -> the padded output [M, C] (zeros on padding)."""
+        return kernels.copy_rows(rows, self.index, self.out_rows or self.index.numel(), self.destinations,
+                                 zero_rows=self.padding_rows, place=self.place)
 
-    def forward(self, rows: torch.Tensor, async_op: bool = False, sent: torch.Tensor | None = None,
-                out: torch.Tensor | None = None):
-        """[num_src, C] -> rows received (or, for the last hop, the padded output).
-        With ``async_op`` a communicating hop returns a `Transfer` to wait on. ``sent``: the
-        rows this hop sends, ``rows[index]``, when the caller gathered them already. ``out``:
-        where an all-to-all hop receives its rows (default: a new tensor)."""
-        if self.runs is not None:
-            if sent is None and kernels.use_triton(rows):
-                transfer = self.runs.exchange(kernels.permute_rows(rows, self.destinations(), self.index.numel()),
-                                              forward=True)
-            else:
-                if sent is None:
-                    sent = gather_rows(rows, self.index, self.runs.local_block())
-                transfer = self.runs.exchange(sent, forward=True, source=rows, index=self.index)
-            return transfer if async_op else transfer.wait()
-        if self.identity:
+    def place(self, rows: torch.Tensor) -> torch.Tensor:
+        """Real output rows [M_real, ...] -> padded output [M, ...] (zeros on padding)."""
+        if self.out_pos is None:
             return rows
-        if self.local:
-            if kernels.use_triton(rows):
-                return kernels.permute_rows(rows, self.destinations(), self.out_rows or self.index.numel(),
-                                            self.padding_rows())
-            return self.place(take_rows(rows, self.index))
-        if self.gathered:
-            return self.exchange(rows, async_op)
-        if sent is None and kernels.use_triton(rows):
-            return self.exchange(kernels.permute_rows(rows, self.destinations(), self.index.numel()), async_op, out)
-        own = None if self.me is None else (rows, self.index)
-        if sent is None:
-            sent = gather_rows(rows, self.index, self.own_block())
-        transfer = self.channel.all_to_all(sent, self.send_splits, self.recv_splits, own, out)
-        return transfer if async_op else transfer.wait()
+        out = rows.new_zeros(self.out_rows, *rows.shape[1:])
+        return out.index_copy_(0, self.out_pos, rows)
 
-    def own_block(self) -> tuple | None:
-        """(start, end) of the sent rows that stay on this rank, when they are gathered straight
-        into place (see ``me``), else None."""
-        return None if self.me is None else own_block(self.send_splits, self.me)
-
-    def own_block_received(self) -> tuple:
-        """(start, end) of the received rows that this rank sent itself (all-to-all hops)."""
-        return own_block(self.recv_splits, self.me)
+    def real_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Padded output rows [M, ...] -> the real ones [M_real, ...]."""
+        return rows if self.out_pos is None else rows.index_select(0, self.out_pos)
 
     def destinations(self) -> torch.Tensor:
         """int64 [num_src, num_slots]: output row of each copy of each source row (-1: none)."""
@@ -152,8 +155,8 @@ class Hop:
             self._destinations = dense
         return self._destinations
 
-    def padding_rows(self):
-        """Output rows of the last hop that no copy fills (alignment / capacity padding)."""
+    def padding_rows(self) -> torch.Tensor | None:
+        """Output rows that no copy fills (alignment / capacity padding)."""
         if self.out_pos is None:
             return None
         if getattr(self, "_padding", None) is None:
@@ -162,49 +165,87 @@ class Hop:
             self._padding = torch.nonzero(~filled).squeeze(1)
         return self._padding
 
-    def exchange(self, sent: torch.Tensor, async_op: bool = False, out: torch.Tensor | None = None):
-        """Exchange rows already laid out as sent ([R, C], or [num_src, C] for an all-gather);
-        ``out``: see `forward` (all-to-all hops)."""
-        if self.runs is not None:
-            transfer = self.runs.exchange(sent, forward=True)
-        elif self.gathered:
-            transfer = self.channel.all_gather(sent, self.recv_splits)
-        else:
-            transfer = self.channel.all_to_all(sent, self.send_splits, self.recv_splits, out=out)
-        return transfer if async_op else transfer.wait()
+    def transpose(self, rows: torch.Tensor, weights: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Output rows [M, C] -> [num_src, C]: copies summed (fp32) per received row, each
+        scaled by ``weights [M]`` first when given (combine's expert side)."""
+        weights = None if weights is None else self.real_rows(weights)
+        return self.reduce(self.real_rows(rows), weights, out_dtype or rows.dtype)
 
-    def place(self, rows: torch.Tensor) -> torch.Tensor:
-        """Real output rows [M_real, ...] -> padded output [M, ...] (zeros on padding)."""
-        if self.out_pos is None:
-            return rows
-        out = rows.new_zeros(self.out_rows, *rows.shape[1:])
-        return out.index_copy_(0, self.out_pos, rows)
+
+@dataclass(kw_only=True)
+class InPlaceHop(ExpandHop):
+    """The last hop after a `LandingHop`: the rows landed in their output places already.
+    ``index`` lists the real output rows (``out_pos``, or all of them)."""
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
 
     def transpose(self, rows: torch.Tensor, weights: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Received rows [sum(recv), C] -> [num_src, C]: copies summed (fp32) per source row.
-
-        ``weights [rows]`` scale each copy before the sum (the last hop of a weighted combine).
-        """
-        if self.identity and weights is None:
+        if weights is None:
             return rows.to(out_dtype or rows.dtype)
-        if self.local:
-            if self.out_pos is not None:
-                rows = rows.index_select(0, self.out_pos)
-                weights = None if weights is None else weights.index_select(0, self.out_pos)
-        else:
-            rows = self.send_back(rows).wait()
-        return self.reduce(rows, weights, out_dtype or rows.dtype)
+        return super().transpose(rows, weights, out_dtype)
 
-    def send_back(self, rows: torch.Tensor, own_later: bool = False) -> "Transfer":
-        """Start the reverse exchange of a communicating hop (the first half of `transpose`).
-        own_later: this rank's own block of ``rows`` is not computed yet; the caller writes it
-        into the Transfer's ``own_rows`` before waiting (gloo only, see `Channel.all_to_all`)."""
-        if self.runs is not None:
-            return self.runs.exchange(rows, forward=False)
+
+@dataclass(kw_only=True)
+class AllToAllHop(Hop):
+    """Gather the rows to send, then exchange them with one all-to-all over ``channel``.
+
+    send_splits / recv_splits: rows per member of ``channel``, sent rows grouped by member
+    peers: EP rank of each member (for link classes)
+    meta_bytes: metadata bytes sent with each row on the way out (ids, weights, sources)
+    me: this rank's index in ``channel``, when the rows it sends itself are gathered straight
+        into place instead of through the send buffer (None: they go through it)
+    """
+
+    channel: Channel
+    send_splits: list
+    recv_splits: list
+    peers: list
+    meta_bytes: int = 0
+    me: int | None = None
+
+    local = False
+    kind = "all-to-all"
+
+    def gather(self, rows: torch.Tensor, skip: tuple | None = None) -> torch.Tensor:
+        """rows[index]: the rows this hop sends [R, C]; rows in ``skip = (start, end)`` may be
+        left unfilled (a block the exchange puts in place itself)."""
+        return kernels.copy_rows(rows, self.index, self.index.numel(), self.copies().dense, skip=skip)
+
+    def forward(self, rows: torch.Tensor, async_op: bool = False, sent: torch.Tensor | None = None,
+                out: torch.Tensor | None = None):
+        """[num_src, C] -> the rows received [sum(recv_splits), C] (into ``out`` when given), or
+        with ``async_op`` the `Transfer` bringing them. ``sent``: ``rows[index]`` when the
+        caller gathered them already (this rank's own block may be unfilled)."""
+        own = None if self.me is None else (rows, self.index)
+        if sent is None:
+            sent = self.gather(rows, self.own_block())
+            own = None if kernels.use_triton(rows) else own   # the kernel wrote every row
+        transfer = self.channel.all_to_all(sent, self.send_splits, self.recv_splits, own, out)
+        return transfer if async_op else transfer.wait()
+
+    def own_block(self) -> tuple | None:
+        """(start, end) of the sent rows that stay on this rank, when they are gathered straight
+        into place (see ``me``), else None."""
+        return None if self.me is None else own_block(self.send_splits, self.me)
+
+    def own_block_received(self) -> tuple:
+        """(start, end) of the received rows that this rank sent itself."""
+        return own_block(self.recv_splits, self.channel.rank)
+
+    def send_back(self, rows: torch.Tensor, own_later: bool = False) -> Transfer:
+        """Start the reverse exchange. own_later: this rank's own block of ``rows`` is not
+        computed yet; the caller writes it into the Transfer's ``own_rows`` before waiting
+        (gloo only, see `Channel.all_to_all`)."""
         return self.channel.all_to_all(rows, self.recv_splits, self.send_splits, own_later=own_later)
 
-    def reverse(self, back: "Transfer", before: "Hop | None", dtype: torch.dtype, landed):
+    @property
+    def can_fill_own_later(self) -> bool:
+        return self.channel.gloo
+
+    def reverse(self, back: Transfer, before: "AllToAllHop | None", dtype: torch.dtype, landed):
         """Combine's step through this hop: wait for the rows coming back (``back``, from
         `send_back`), call ``landed()`` (it returns the weights for the reduce, or None), sum the
         copies of each source row and start the reverse exchange of the hop ``before`` this one.
@@ -213,27 +254,60 @@ class Hop:
         summed = self.reduce(rows, landed(), dtype)
         return summed if before is None else before.send_back(summed)
 
-    def reduce(self, rows: torch.Tensor, weights: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-        """Sum the copies of each source row (the second half of `transpose`)."""
-        return reduce_copies(rows, self.copies(), weights, out_dtype)
-
-    def copies(self) -> "CopyPositions":
-        """Where each source row's copies sit among the rows of this hop (cached)."""
-        if self.positions is None:
-            self.positions = CopyPositions.build(self.index, self.slot, self.num_src, self.num_slots)
-        return self.positions
+    def transpose(self, rows: torch.Tensor) -> torch.Tensor:
+        """Received rows -> [num_src, C], copies summed per source row (unweighted)."""
+        return self.reverse(self.send_back(rows), None, rows.dtype, lambda: None)
 
     def add_stats(self, stats: TransferStats, payload_bytes: int, my_rank: int, domain_size: int,
                   backward: bool = False) -> None:
         """Count the rows this hop sends (forward, with metadata) or sends back (transpose)."""
-        if self.local:
-            return
         row_bytes = payload_bytes if backward else payload_bytes + self.meta_bytes
-        splits = self.recv_splits if backward else self.send_splits
-        if self.gathered and not backward:
-            splits = [max(self.recv_splits)] * len(self.peers)   # all-gather sends padded rows
-        for peer, count in zip(self.peers, splits):
+        for peer, count in zip(self.peers, self.recv_splits if backward else self._sent_per_member()):
             stats.add(link_class(my_rank, peer, domain_size), count, row_bytes)
+
+    def _sent_per_member(self) -> list:
+        return self.send_splits
+
+
+@dataclass(kw_only=True)
+class LandingHop(AllToAllHop):
+    """An all-to-all whose received rows land straight in their final places (``runs``, a
+    `LandingRuns`); the route's last hop is then an `InPlaceHop`."""
+
+    runs: LandingRuns
+
+    def forward(self, rows: torch.Tensor, async_op: bool = False, sent: torch.Tensor | None = None,
+                out: torch.Tensor | None = None):
+        if sent is None:
+            sent = self.gather(rows, self.runs.local_block())
+            if kernels.use_triton(rows):                  # the kernel wrote every row
+                transfer = self.runs.exchange(sent, forward=True)
+                return transfer if async_op else transfer.wait()
+        transfer = self.runs.exchange(sent, forward=True, source=rows, index=self.index)
+        return transfer if async_op else transfer.wait()
+
+    def send_back(self, rows: torch.Tensor, own_later: bool = False) -> Transfer:
+        return self.runs.exchange(rows, forward=False)
+
+    @property
+    def can_fill_own_later(self) -> bool:
+        return False
+
+
+@dataclass(kw_only=True)
+class AllGatherHop(AllToAllHop):
+    """Every member gets all of this rank's ``num_src`` rows (one all-gather); ``recv_splits``
+    are the members' row counts. The reverse is an all-to-all of each member's partial sums."""
+
+    kind = "all-gather"
+
+    def forward(self, rows: torch.Tensor, async_op: bool = False, sent: torch.Tensor | None = None,
+                out: torch.Tensor | None = None):
+        transfer = self.channel.all_gather(rows, self.recv_splits)
+        return transfer if async_op else transfer.wait()
+
+    def _sent_per_member(self) -> list:
+        return [max(self.recv_splits)] * len(self.peers)     # the all-gather sends padded rows
 
 
 class SplitHop:
@@ -254,10 +328,9 @@ class SplitHop:
     """
 
     local = False
-    gathered = False
-    runs = None
+    kind = "all-to-all"
 
-    def __init__(self, early: Hop, late: Hop, own: tuple):
+    def __init__(self, early: AllToAllHop, late: AllToAllHop, own: tuple):
         self.early, self.late, self.own = early, late, own
         self.meta: Transfer | None = None
         self.then = None
@@ -291,8 +364,8 @@ class SplitHop:
         late = self.late.send_back(rows[split:])
         return _SplitBack(early=self.early.send_back(rows[:split]), late=late)
 
-    def reverse(self, back: "_SplitBack", before: Hop | None, dtype: torch.dtype, landed):
-        """See `Hop.reverse`; ``before``'s reverse exchange starts once late's rows are summed."""
+    def reverse(self, back: "_SplitBack", before: AllToAllHop | None, dtype: torch.dtype, landed):
+        """See `AllToAllHop.reverse`; ``before``'s reverse exchange starts once late's rows are summed."""
         late = back.late.wait()
         try:
             weights = landed()
@@ -303,7 +376,7 @@ class SplitHop:
             raise ValueError("a split hop is never a route's first hop, whose reduce alone takes weights")
         summed = self.late.reduce(late, None, dtype)          # zeros on the own block
         start, end = self.own
-        if before is not None and not before.local and before.runs is None and before.channel.gloo:
+        if before is not None and before.can_fill_own_later:
             pending = before.send_back(summed, own_later=True)
             pending.own_rows.copy_(self.early.reduce(back.early.wait(), None, dtype))
             return pending
@@ -359,34 +432,13 @@ def link_class(me: int, peer: int, domain_size: int) -> str:
     return "intra" if peer // domain_size == me // domain_size else "inter"
 
 
-def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tensor | None,
-                  out_dtype: torch.dtype) -> torch.Tensor:
-    """out[i] = sum over slots s, ascending, of weights * rows[copy s of i] in fp32: the Triton
-    kernel for CUDA tensors, else `kernels.reference.reduce_copies`."""
-    if kernels.use_triton(rows):
-        return kernels.reduce_copies_dense(rows, copies.dense(), weights, out_dtype)
-    return reference.reduce_copies(rows, copies, weights, out_dtype)
-
-
 def reduce_rows(rows: torch.Tensor, index: torch.Tensor, slot: torch.Tensor, num_out: int,
                 num_slots: int, weights: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """out[i] = sum over s (ascending) of weights * rows[j] where index[j] == i and slot[j] == s.
 
     rows [R, C], index/slot int64 [R], weights [R] or None -> [num_out, C] in ``out_dtype``.
     """
-    return reduce_copies(rows, CopyPositions.build(index, slot, num_out, num_slots), weights, out_dtype)
-
-
-def gather_rows(rows: torch.Tensor, index: torch.Tensor, skip: tuple | None = None) -> torch.Tensor:
-    """rows[index] -> [len(index), C]; the output rows in the range ``skip = (start, end)`` are
-    left unfilled (rows that stay on this rank and are put in place by the hop itself)."""
-    if skip is None or skip[0] == skip[1]:
-        return take_rows(rows, index)
-    out = rows.new_empty(index.numel(), *rows.shape[1:])
-    start, end = skip
-    take_rows(rows, index[:start], out=out[:start])
-    take_rows(rows, index[end:], out=out[end:])
-    return out
+    return kernels.reduce_copies(rows, CopyPositions.build(index, slot, num_out, num_slots), weights, out_dtype)
 
 
 @dataclass
@@ -423,7 +475,7 @@ class Route:
     def forward(self, rows: torch.Tensor, async_op: bool = False, sent: torch.Tensor | None = None):
         """[N, C] -> expert rows [M, C] (dispatch). With ``async_op`` the first exchange is
         left in flight and a `Transfer` is returned; its wait() plans and runs the remaining
-        hops. ``sent``: the first hop's sent rows, already gathered (see `Hop.forward`)."""
+        hops. ``sent``: the first hop's sent rows, already gathered (see `AllToAllHop.forward`)."""
         first = self.hops[0]
         if first.local:
             out = self._run(first.forward(rows, sent=sent), 1)
@@ -462,14 +514,14 @@ class Route:
     def exchanges(self) -> list[Exchange]:
         """The route's exchanges with other ranks, in dispatch order (a group of one, which
         exchanges nothing, is left out)."""
-        return [Exchange("all-gather" if hop.gathered else "all-to-all", hop.channel, list(hop.peers),
-                         list(hop.send_splits), list(hop.recv_splits), hop.meta_bytes, hop.runs is not None)
+        return [Exchange(hop.kind, hop.channel, list(hop.peers),
+                         list(hop.send_splits), list(hop.recv_splits), hop.meta_bytes, isinstance(hop, LandingHop))
                 for hop in self.hops if not hop.local and hop.channel.size > 1]
 
     @property
     def lands_in_place(self) -> bool:
         """Whether received rows land straight in their final places (see `LandingRuns`)."""
-        return any(hop.runs is not None for hop in self.hops)
+        return any(isinstance(hop, LandingHop) for hop in self.hops)
 
     def expert_weights(self) -> torch.Tensor:
         """[M] the routing weight of each expert row, 0 on padding (``DispatchResult.weights``).

@@ -68,6 +68,33 @@ def reduce_copies_dense(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Te
     return impl.reduce_copies_dense(rows, pos, weights, out_dtype)
 
 
+def copy_rows(rows: torch.Tensor, index: torch.Tensor, out_rows: int, destinations, zero_rows=None,
+              skip: tuple | None = None, place=None) -> torch.Tensor:
+    """The dispatch path's row copy: out[j] = rows[index[j]], choosing the kernel in one place.
+
+    rows [num_src, C], index int64 [R] -> [out_rows, C]. With Triton (`use_triton`), one read
+    of each source row written to each of its copies: ``destinations()`` gives them (int64
+    [num_src, S], -1: none) and ``zero_rows()`` the output rows to zero (padding), both only
+    computed on that path. On the torch path, ``rows[index]`` with the rows in ``skip = (start,
+    end)`` left unfilled (a block the caller puts in place itself), then ``place(out)`` (the
+    padding) when given.
+    """
+    if use_triton(rows):
+        return _triton_kernels().permute_rows(rows, destinations(), out_rows, zero_rows() if zero_rows else None)
+    out = reference.gather_rows(rows, index, skip)
+    return place(out) if place is not None else out
+
+
+def reduce_copies(rows: torch.Tensor, copies: reference.CopyPositions, weights: torch.Tensor | None,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """out[i] = sum over slots s, ascending, of weights * rows[copy s of i], in fp32 (fp64 for
+    fp64): the Triton kernel on its dense positions (`use_triton`), else the torch reference
+    on its bags."""
+    if use_triton(rows):
+        return _triton_kernels().reduce_copies_dense(rows, copies.dense(), weights, out_dtype)
+    return reference.reduce_copies(rows, copies, weights, out_dtype)
+
+
 def layout_counts(topk_idx: torch.Tensor, num_experts: int, ep_size: int, domain_size: int):
     """(rows per expert [E], tokens per rank [P], tokens per domain [P / domain_size],
     token-has-an-expert-on-rank bool [N, P]) of ``topk_idx [N, K]`` with contiguous placement."""

@@ -37,6 +37,18 @@ def take_rows(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None 
     return out
 
 
+def gather_rows(rows: torch.Tensor, index: torch.Tensor, skip: tuple | None = None) -> torch.Tensor:
+    """rows[index] -> [len(index), C]; the output rows in the range ``skip = (start, end)`` are
+    left unfilled (rows that stay on this rank and are put in place by the hop itself)."""
+    if skip is None or skip[0] == skip[1]:
+        return take_rows(rows, index)
+    out = rows.new_empty(index.numel(), *rows.shape[1:])
+    start, end = skip
+    take_rows(rows, index[:start], out=out[:start])
+    take_rows(rows, index[end:], out=out[end:])
+    return out
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for 16-bit floats and fp32, fp64 stays fp64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
