@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..plan.cost import metadata_bytes
-from .base import Dispatcher, bits_weight, expand_local, weight_bits
+from .base import Dispatcher, SourcePlan, weight_bits
 from .dedup import local_ids_for
 from .route import AllGatherHop, Route
 
@@ -18,10 +18,10 @@ class AllGatherDispatcher(Dispatcher):
     count_columns = 0
 
     def _plan_source(self, topk_idx):
-        return self._no_counts(), topk_idx
+        return SourcePlan(topk_idx, self._no_counts())
 
-    def _route(self, topk_weights, topk_idx, recv_counts, headers):
-        g = self.groups
+    def _route(self, topk_weights, plan, recv_counts, headers):
+        topk_idx, g = plan.topk_idx, self.groups
         n, topk = topk_idx.shape
         counts = headers.num_tokens.tolist()
         dev = topk_idx.device
@@ -33,10 +33,8 @@ class AllGatherDispatcher(Dispatcher):
 
         def expand(meta):
             me = torch.full((meta.shape[0],), g.ep_rank, device=dev)
-            row, k, expert = expand_local(local_ids_for(meta[:, :topk], me, self.rank_of_expert,
-                                                        self.local_of_expert))
-            self._finish_route(route, row, k, expert, meta.shape[0], min(topk, self.num_local_experts), headers,
-                               bits_weight(meta[:, topk:][row, k], topk_weights.dtype))
+            local = local_ids_for(meta[:, :topk], me, self.rank_of_expert, self.local_of_expert)
+            self._expand_route(route, local, meta[:, topk:], headers, topk_weights.dtype)
         hop.meta = g.ep_channel.all_gather(torch.cat([topk_idx, weight_bits(topk_weights)], 1), counts)
         hop.then = expand
         return route

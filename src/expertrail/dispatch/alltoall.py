@@ -22,8 +22,8 @@ from ..errors import ConfigError
 from ..kernels.reference import CopyPositions, stable_argsort
 from ..plan.cost import metadata_bytes
 from ..transport import LandingRuns
-from .base import Dispatcher, bits_weight, padded_positions, weight_bits
-from .route import AllToAllHop, ExpandHop, InPlaceHop, LandingHop, Route, own_block
+from .base import Dispatcher, SourcePlan, bits_weight, padded_positions, weight_bits
+from .route import AllToAllHop, ExpandHop, InPlaceHop, LandingHop, Route
 
 # Smallest mean run (bytes of rows per (source, destination, local expert)) for which received
 # rows land in place: where the two layouts break even in `benchmarks/layouts.py` on gloo (4
@@ -71,14 +71,12 @@ class AllToAllDispatcher(Dispatcher):
         dropped = int(per_key[0])
         slots = stable_argsort(key)[dropped:]   # by expert, then (n, k)
         counts = per_key[1:].view(self.groups.ep_size, -1)
-        return counts, (slots, slots // max(k, 1), counts, counts.sum(1).tolist(), k)
+        return SourcePlan(topk_idx, counts, slots // max(k, 1), counts.sum(1).tolist(), self.groups.ep_rank,
+                          slots=slots)
 
-    def _first_index(self, state):
-        _, token, _, send_splits, _ = state
-        return token, own_block(send_splits, self.groups.ep_rank)
-
-    def _route(self, topk_weights, state, recv_counts, headers):
-        slots, token, send_counts, send_splits, topk = state
+    def _route(self, topk_weights, plan, recv_counts, headers):
+        slots, token, send_counts, send_splits = plan.slots, plan.token, plan.counts, plan.send_splits
+        topk = plan.topk_idx.shape[1]
         g = self.groups
         n, p, local = topk_weights.shape[0], g.ep_size, self.num_local_experts
         real = recv_counts.sum(0)                                 # [E_local] rows per local expert

@@ -16,7 +16,7 @@ from ..routing import DROP_POLICIES, apply_capacity, expert_capacity
 from ..topology import EPGroups, check_same_on_all_ranks, guarded
 from ..transport import Transfer
 from .header import DTYPE_CODES, ERROR_KINDS, FIELDS, Header, Headers
-from .route import AllToAllHop, ExpandHop, Route, TransferStats
+from .route import AllToAllHop, ExpandHop, Route, TransferStats, own_block
 
 def weight_bits(weights: torch.Tensor) -> torch.Tensor:
     """Float weights -> int64 bit patterns of their fp64 value (travel with int metadata)."""
@@ -49,6 +49,33 @@ def padded_positions(expert: torch.Tensor, real: torch.Tensor, padded: torch.Ten
     """
     position = torch.arange(expert.numel(), device=expert.device) - (torch.cumsum(real, 0) - real)[expert]
     return (torch.cumsum(padded, 0) - padded)[expert] + position
+
+
+@dataclass
+class SourcePlan:
+    """What a backend plans on the source rank before any exchange (`Dispatcher._plan_source`).
+
+    topk_idx: int64 [N, K], after capacity drops
+    counts: int64 [P, C] sent to every EP peer in the control exchange (``count_columns``)
+    token: int64 [R] the token each row of the first hop copies, grouped by destination member
+        (None when the first hop sends the tokens as they are: allgather)
+    send_splits: rows per member of the first hop's channel; me: this rank's index in it
+    dest: int64 [R] destination member of each sent row (dedup: EP rank, hierarchical: domain)
+    slots: alltoall: the (token, k) position ``n * K + k`` of each sent row
+    """
+
+    topk_idx: torch.Tensor
+    counts: torch.Tensor
+    token: torch.Tensor | None = None
+    send_splits: list | None = None
+    me: int | None = None
+    dest: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+
+    def first_rows(self) -> tuple | None:
+        """(the tokens the first hop sends, in order; the (start, end) range of them this rank
+        sends itself), or None: gathered while the counts travel (`Dispatcher._gather_first`)."""
+        return None if self.token is None else (self.token, own_block(self.send_splits, self.me))
 
 
 @dataclass
@@ -144,14 +171,15 @@ class Dispatcher:
         if error == 0 and self.capacity_factor is not None:
             topk_idx = apply_capacity(topk_idx, topk_weights.detach(), self.num_experts,
                                       self.capacity_factor, self.drop_policy)
-        counts, state = (self._plan_source(topk_idx) if error == 0 else (self._no_counts(), None))
-        control = self._start_control(counts, Header.of(x, topk_idx, topk_weights, error).pack())
+        plan = self._plan_source(topk_idx) if error == 0 else None
+        control = self._start_control(plan.counts if plan else self._no_counts(),
+                                      Header.of(x, topk_idx, topk_weights, error).pack())
         # While the counts travel, gather the rows the first hop will send (local work only:
         # nothing is sent before every rank's input is known to be valid).
-        sent = self._gather_first(x.detach(), state) if error == 0 else None
+        sent = self._gather_first(x.detach(), plan) if plan else None
         recv_counts, headers = self._finish_control(control, message)
         with torch.no_grad():
-            route = self._route(topk_weights.detach(), state, recv_counts, headers)
+            route = self._route(topk_weights.detach(), plan, recv_counts, headers)
             route.label, route.timeout = self.groups.label, self.groups.timeout
             transfer = route.forward(x.detach(), async_op=True, sent=sent)
         stats_args = (x.shape[1] * x.element_size(), self.groups.ep_rank, self.groups.domain_size,
@@ -168,6 +196,12 @@ class Dispatcher:
         padding rows are ignored. Any float dtype: it is cast to the dispatched dtype
         (``res.tokens.dtype``), the dtype rows travel in, so y is [N, H] in that dtype, summed
         in fp32 in a fixed order. With ``async_op`` a handle whose ``wait()`` returns y.
+        Where the weights are applied: when ``res.weights`` is passed as dispatch returned it
+        (not replaced, not changed in place), a backend whose first hop sends one row per
+        (token, expert) pair (alltoall) weights the exact expert outputs on the source rank, in
+        fp32, after they come back; otherwise each expert row is weighted on the expert side and
+        rounded to the dispatched dtype before it travels (`Route.weights_at_source`). Both are
+        within that dtype's rounding of each other.
         Collective over the EP group: a rank whose expert_out is invalid (shape, dtype, device)
         or whose call differs (one rank needs gradients, another not) makes every rank raise
         `InvalidInputError` as soon as the first exchange lands, never a timeout (see
@@ -251,27 +285,21 @@ class Dispatcher:
         return pipelined_moe(self, x, topk_idx, topk_weights, experts, num_chunks, weighted)
 
     # ---------------------------------------------------------------- backend hooks
-    def _plan_source(self, topk_idx: torch.Tensor):
-        """Local work before any exchange: (counts [P, C] int64 to send each peer, state)."""
+    def _plan_source(self, topk_idx: torch.Tensor) -> SourcePlan:
+        """Local work before any exchange: the counts to send each peer, and what `_route` needs."""
         raise NotImplementedError
 
-    def _route(self, topk_weights, state, recv_counts, headers) -> Route:
+    def _route(self, topk_weights, plan: SourcePlan, recv_counts, headers: Headers) -> Route:
         """Plan the route from the counts. Hops whose plan depends on metadata (ids, weights,
         sources of the rows a rank receives) are planned when it arrives: the hop before them
         sends it beside its rows (``Hop.meta``, ``Hop.then``, see `Route`). The last stage ends
         with `_finish_route`, or sets the route's row fields itself."""
         raise NotImplementedError
 
-    def _first_index(self, state):
-        """When known before the counts are exchanged: (rows of x the route's first hop sends,
-        in order, int64 [R]; the (start, end) range of them that stays on this rank, or None).
-        They are then gathered while the counts travel (see `_gather_first`)."""
-        return None
-
-    def _gather_first(self, x: torch.Tensor, state) -> torch.Tensor | None:
-        """The first hop's sent rows [R, H] (None when `_first_index` is not known early); rows
-        that stay on this rank are left unfilled, the hop puts them in place directly."""
-        first = self._first_index(state)
+    def _gather_first(self, x: torch.Tensor, plan: SourcePlan) -> torch.Tensor | None:
+        """The first hop's sent rows [R, H] (None when the plan does not list them); rows that
+        stay on this rank are left unfilled, the hop puts them in place directly."""
+        first = plan.first_rows()
         return None if first is None else gather_rows(x, *first)
 
     count_columns = 1
@@ -345,6 +373,17 @@ class Dispatcher:
             rows = torch.full_like(real, cap)
         a = self.expert_alignment
         return rows if a == 1 else (rows + a - 1) // a * a
+
+    def _expand_route(self, route: Route, local_ids: torch.Tensor, bits: torch.Tensor, headers: Headers,
+                      dtype: torch.dtype, src_key: torch.Tensor | None = None, bound: int = 1) -> None:
+        """The last stage of a route whose rows arrive with their metadata (dedup, hierarchical,
+        allgather): expand the R received rows into expert rows (`expand_local`, same
+        ``src_key`` / ``bound``) and append the hop that does it (`_finish_route`).
+        local_ids: int64 [R, K] local expert of each slot (-1: elsewhere); bits: the
+        slots' weights as fp64 bits [R, K]; dtype: the routing weights' dtype."""
+        row, k, expert = expand_local(local_ids, src_key, bound)
+        self._finish_route(route, row, k, expert, local_ids.shape[0], min(local_ids.shape[1], self.num_local_experts),
+                           headers, bits_weight(bits[row, k], dtype))
 
     def _finish_route(self, route: Route, row, k, expert, num_src: int, num_slots: int, headers,
                       row_weights) -> None:

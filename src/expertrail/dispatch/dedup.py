@@ -9,8 +9,8 @@ import torch
 
 from ..plan.cost import metadata_bytes
 from ..routing import token_membership
-from .base import Dispatcher, bits_weight, expand_local, weight_bits
-from .route import AllToAllHop, Route, own_block
+from .base import Dispatcher, SourcePlan, weight_bits
+from .route import AllToAllHop, Route
 
 
 def local_ids_for(topk_idx, dest_rank, rank_of_expert, local_of_expert):
@@ -28,14 +28,10 @@ class DedupDispatcher(Dispatcher):
         member = token_membership(topk_idx, self.rank_of_expert, self.groups.ep_size)   # [N, P]
         dest, token = torch.nonzero(member.t()).unbind(1)                    # (rank, token) order
         counts = member.sum(0)
-        return counts.unsqueeze(1), (topk_idx, dest, token, counts.tolist())
+        return SourcePlan(topk_idx, counts.unsqueeze(1), token, counts.tolist(), self.groups.ep_rank, dest)
 
-    def _first_index(self, state):
-        _, _, token, send_splits = state
-        return token, own_block(send_splits, self.groups.ep_rank)
-
-    def _route(self, topk_weights, state, recv_counts, headers):
-        topk_idx, dest, token, send_splits = state
+    def _route(self, topk_weights, plan, recv_counts, headers):
+        topk_idx, dest, token, send_splits = plan.topk_idx, plan.dest, plan.token, plan.send_splits
         g = self.groups
         n, topk = topk_idx.shape
         hop = AllToAllHop.numbered(token, n, min(topk, g.ep_size), channel=g.ep_channel, send_splits=send_splits,
@@ -44,9 +40,7 @@ class DedupDispatcher(Dispatcher):
         route = Route(hops=[hop], topk=topk)
 
         def expand(meta):                      # rows arrive in (source, token) order
-            row, k, expert = expand_local(meta[:, :topk])
-            self._finish_route(route, row, k, expert, meta.shape[0], min(topk, self.num_local_experts), headers,
-                               bits_weight(meta[:, topk:][row, k], topk_weights.dtype))
+            self._expand_route(route, meta[:, :topk], meta[:, topk:], headers, topk_weights.dtype)
         # Each row carries the local expert ids (on its destination) and weights of its slots.
         local = local_ids_for(topk_idx[token], dest, self.rank_of_expert, self.local_of_expert)
         self._send_meta(hop, torch.cat([local, weight_bits(topk_weights[token])], 1), expand)

@@ -11,10 +11,10 @@ import torch
 
 from ..plan.cost import metadata_bytes
 from ..routing import token_membership
-from .base import Dispatcher, bits_weight, expand_local, weight_bits
+from .base import Dispatcher, SourcePlan, weight_bits
 from .dedup import local_ids_for
 from ..transport import concat_transfers
-from .route import AllToAllHop, Route, SplitHop, own_block
+from .route import AllToAllHop, Route, SplitHop
 
 
 class HierarchicalDispatcher(Dispatcher):
@@ -32,14 +32,11 @@ class HierarchicalDispatcher(Dispatcher):
         to_rail_peer = torch.zeros(g.ep_size, dtype=torch.int64, device=topk_idx.device)
         to_rail_peer[g.domain_rank::g.domain_size] = per_domain
         domain, token = torch.nonzero(in_domain.t()).unbind(1)                         # hop 1 rows
-        return torch.stack([member.sum(0), to_rail_peer], 1), (topk_idx, domain, token, per_domain.tolist())
+        return SourcePlan(topk_idx, torch.stack([member.sum(0), to_rail_peer], 1), token, per_domain.tolist(),
+                          g.domain_index, domain)
 
-    def _first_index(self, state):
-        _, _, token, send_splits = state
-        return token, own_block(send_splits, self.groups.domain_index)
-
-    def _route(self, topk_weights, state, recv_counts, headers):
-        topk_idx, domain, token, send_splits = state
+    def _route(self, topk_weights, plan, recv_counts, headers):
+        topk_idx, domain, token, send_splits = plan.topk_idx, plan.dest, plan.token, plan.send_splits
         g = self.groups
         n, topk = topk_idx.shape
         dev = topk_idx.device
@@ -94,10 +91,8 @@ class HierarchicalDispatcher(Dispatcher):
         def expand(meta2):
             # Rows arrive grouped by forwarding rank; sort each expert's rows by (source, token).
             most = max(1, int(headers.num_tokens.max()))
-            src_key = meta2[:, 0] * most + meta2[:, 1]
-            row, k, expert = expand_local(meta2[:, 2:2 + topk], src_key, g.ep_size * most)
-            self._finish_route(route, row, k, expert, meta2.shape[0], min(topk, self.num_local_experts), headers,
-                               bits_weight(meta2[:, 2 + topk:][row, k], topk_weights.dtype))
+            self._expand_route(route, meta2[:, 2:2 + topk], meta2[:, 2 + topk:], headers, topk_weights.dtype,
+                               src_key=meta2[:, 0] * most + meta2[:, 1], bound=g.ep_size * most)
         # A hop-1 row carries its source (rank, token), the ids of its experts in the destination
         # domain and its weights.
         ids = topk_idx[token]
