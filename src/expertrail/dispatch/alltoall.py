@@ -32,6 +32,46 @@ from .route import AllToAllHop, ExpandHop, InPlaceHop, LandingHop, Route
 LANDING_MIN_RUN_BYTES = 256 * 1024
 
 
+def pair_copies(pairs: torch.Tensor, num_tokens: int, topk: int) -> CopyPositions | None:
+    """Where the copies of each token sit among the sent rows: sent row j is the (token, k)
+    pair ``pairs[j] = n * K + k`` (int64 [R], -1-free), so copy k of token n is row j (summed
+    back in k order). None when K is 0."""
+    if not topk:
+        return None
+    at = torch.full((num_tokens * topk,), -1, dtype=torch.int64, device=pairs.device)
+    at.scatter_(0, pairs, torch.arange(pairs.numel(), device=pairs.device))
+    return CopyPositions.from_dense(at.view(num_tokens, topk))
+
+
+def expert_major_order(recv_counts: torch.Tensor) -> torch.Tensor:
+    """Rows received grouped by (source, local expert), ``recv_counts [P, E_local]`` of them per
+    run -> int64 [M_real]: the received row of each expert-major row (by expert, then source,
+    then order of arrival)."""
+    p, local = recv_counts.shape
+    real_rows = int(recv_counts.sum())
+    run_counts = recv_counts.t().reshape(-1)                                  # runs in (expert, source) order
+    received_start = (torch.cumsum(recv_counts.reshape(-1), 0) - recv_counts.reshape(-1)).view(p, local).t()
+    from_received = torch.repeat_interleave(received_start.reshape(-1) - (torch.cumsum(run_counts, 0) - run_counts),
+                                            run_counts, output_size=real_rows)
+    return from_received + torch.arange(real_rows, device=recv_counts.device)
+
+
+def landing_pieces(send_counts: torch.Tensor, recv_counts: torch.Tensor, padding: torch.Tensor) -> dict:
+    """The pieces of a `LandingRuns` exchange that lands rows expert-major with padding.
+
+    send_counts [P, E_local]: rows this rank sends each peer's local experts; recv_counts [P,
+    E_local]: rows it receives from each source for its experts; padding [E_local]: zero rows
+    after each expert's. The sent rows are cut by (peer, expert), the landing buffer by (expert,
+    source) plus each expert's padding, so the run (peer q, expert e) is piece q * E_local + e of
+    one and e * (P + 1) + q of the other. Returns the fields send_sizes, recv_sizes, send, recv.
+    """
+    p, local = send_counts.shape
+    return {"send_sizes": send_counts.reshape(-1).tolist(),
+            "recv_sizes": torch.cat([recv_counts.t(), padding.unsqueeze(1)], 1).reshape(-1).tolist(),
+            "send": torch.arange(p * local).view(p, local).tolist(),
+            "recv": (torch.arange(local) * (p + 1) + torch.arange(p).unsqueeze(1)).tolist()}
+
+
 class AllToAllDispatcher(Dispatcher):
     """Options as `Dispatcher`, plus ``land_in_place``: True / False forces the layout (see the
     module docstring); None (default) lands in place when the mean run is large enough, or
@@ -69,48 +109,33 @@ class AllToAllDispatcher(Dispatcher):
         key = topk_idx.reshape(-1) + 1                            # 0: dropped slot, e + 1: expert e
         per_key = torch.bincount(key, minlength=self.num_experts + 1)
         dropped = int(per_key[0])
-        slots = stable_argsort(key)[dropped:]   # by expert, then (n, k)
+        pairs = stable_argsort(key)[dropped:]   # n * K + k of each sent row, by expert, then (n, k)
         counts = per_key[1:].view(self.groups.ep_size, -1)
-        return SourcePlan(topk_idx, counts, slots // max(k, 1), counts.sum(1).tolist(), self.groups.ep_rank,
-                          slots=slots)
+        return SourcePlan(topk_idx, counts, pairs // max(k, 1), counts.sum(1).tolist(), self.groups.ep_rank,
+                          pairs=pairs)
 
     def _route(self, topk_weights, plan, recv_counts, headers):
-        slots, token, send_counts, send_splits = plan.slots, plan.token, plan.counts, plan.send_splits
+        pairs, token, send_splits = plan.pairs, plan.token, plan.send_splits
         topk = plan.topk_idx.shape[1]
         g = self.groups
-        n, p, local = topk_weights.shape[0], g.ep_size, self.num_local_experts
+        n, p = topk_weights.shape[0], g.ep_size
         real = recv_counts.sum(0)                                 # [E_local] rows per local expert
         real_rows = int(real.sum())
         padded = self._padded_counts(real, headers)
         out_rows = int(padded.sum())
-        k = slots % max(topk, 1)
-        # Copy (n, k) of a token sits where the sort put slot n * K + k: the copies of the combine.
-        at = torch.full((n * topk,), -1, dtype=torch.int64, device=slots.device)
-        at.scatter_(0, slots, torch.arange(slots.numel(), device=slots.device))
+        k = pairs % max(topk, 1)
         sent = dict(index=token, slot=k, num_src=n, num_slots=max(topk, 1),          # copies summed in k order
-                    positions=CopyPositions.from_dense(at.view(n, max(topk, 1))) if topk else None,
-                    channel=g.ep_channel, send_splits=send_splits, recv_splits=recv_counts.sum(1).tolist(),
-                    peers=list(range(p)), meta_bytes=metadata_bytes(self.name, topk))
-        # Rows arrive by (source, expert); the real output rows are ordered by (expert, source): real
-        # row i of run (e, s) is received row i of that run, received row from_received[i] overall.
-        run_counts = recv_counts.t().reshape(-1)
-        received_start = (torch.cumsum(recv_counts.reshape(-1), 0) - recv_counts.reshape(-1)).view(p, local).t()
-        from_received = torch.repeat_interleave(received_start.reshape(-1) - (torch.cumsum(run_counts, 0) - run_counts),
-                                                run_counts, output_size=real_rows)
-        from_received += torch.arange(real_rows, device=real.device)
+                    positions=pair_copies(pairs, n, topk), channel=g.ep_channel, send_splits=send_splits,
+                    recv_splits=recv_counts.sum(1).tolist(), peers=list(range(p)),
+                    meta_bytes=metadata_bytes(self.name, topk))
+        from_received = expert_major_order(recv_counts)
         real_pos = None
         if out_rows != real_rows:                                 # padding: where the real rows go
-            expert = torch.repeat_interleave(torch.arange(local, device=real.device), real)
+            expert = torch.repeat_interleave(torch.arange(self.num_local_experts, device=real.device), real)
             real_pos = padded_positions(expert, real, padded)
         if self._lands_in_place(headers):
-            # The sent rows are cut by (peer, expert); the landing buffer by (expert, source) plus each
-            # expert's padding, so that rows from source s for expert e land after those of sources < s:
-            # the run (peer q, expert e) is piece q * E_local + e of one and e * (P + 1) + q of the other.
-            recv_sizes = torch.cat([recv_counts.t(), (padded - real).unsqueeze(1)], 1).reshape(-1).tolist()
-            runs = LandingRuns(send_sizes=send_counts.reshape(-1).tolist(), recv_sizes=recv_sizes,
-                               send=torch.arange(p * local).view(p, local).tolist(),
-                               recv=(torch.arange(local) * (p + 1) + torch.arange(p).unsqueeze(1)).tolist(),
-                               channel=g.ep_channel, out_rows=out_rows, zero_fill=out_rows != real_rows)
+            runs = LandingRuns(**landing_pieces(plan.counts, recv_counts, padded - real), channel=g.ep_channel,
+                               out_rows=out_rows, zero_fill=out_rows != real_rows)
             hop = LandingHop(runs=runs, **sent)
             placed = real_pos if real_pos is not None else torch.arange(real_rows, device=real.device)
             last = InPlaceHop(index=placed, slot=torch.zeros_like(placed), num_src=out_rows, num_slots=1,
@@ -124,7 +149,7 @@ class AllToAllDispatcher(Dispatcher):
                              positions=CopyPositions.from_dense(output_row.view(-1, 1)), out_pos=real_pos,
                              out_rows=out_rows if real_pos is not None else None)
         route = Route(hops=[hop, last], topk=topk, tokens_per_expert=padded, real_tokens_per_expert=real,
-                      source_weights=topk_weights.reshape(-1).index_select(0, slots))
+                      source_weights=topk_weights.reshape(-1).index_select(0, pairs))
 
         def arrived(received):
             ordered = received.index_select(0, from_received)

@@ -61,7 +61,7 @@ class SourcePlan:
         (None when the first hop sends the tokens as they are: allgather)
     send_splits: rows per member of the first hop's channel; me: this rank's index in it
     dest: int64 [R] destination member of each sent row (dedup: EP rank, hierarchical: domain)
-    slots: alltoall: the (token, k) position ``n * K + k`` of each sent row
+    pairs: alltoall: the (token, k) pair ``n * K + k`` of each sent row
     """
 
     topk_idx: torch.Tensor
@@ -70,7 +70,7 @@ class SourcePlan:
     send_splits: list | None = None
     me: int | None = None
     dest: torch.Tensor | None = None
-    slots: torch.Tensor | None = None
+    pairs: torch.Tensor | None = None
 
     def first_rows(self) -> tuple | None:
         """(the tokens the first hop sends, in order; the (start, end) range of them this rank
