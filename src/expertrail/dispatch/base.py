@@ -12,7 +12,7 @@ import torch
 
 from ..errors import ConfigError, InvalidInputError
 from ..kernels.reference import gather_rows, stable_argsort
-from ..routing import DROP_POLICIES, apply_capacity, expert_capacity
+from ..routing import DROP_POLICIES, Layout, apply_capacity, compute_layout, expert_capacity
 from ..topology import EPGroups, check_same_on_all_ranks, guarded
 from ..transport import Transfer
 from .header import DTYPE_CODES, ERROR_KINDS, FIELDS, Header, Headers
@@ -295,6 +295,11 @@ class Dispatcher:
         sends it beside its rows (``Hop.meta``, ``Hop.then``, see `Route`). The last stage ends
         with `_finish_route`, or sets the route's row fields itself."""
         raise NotImplementedError
+
+    def _layout(self, topk_idx: torch.Tensor) -> Layout:
+        """Where this rank's tokens go: rows per expert, rank and domain (`routing.compute_layout`;
+        the Triton kernel on CUDA)."""
+        return compute_layout(topk_idx, self.num_experts, self.groups.ep_size, self.groups.domain_size)
 
     def _gather_first(self, x: torch.Tensor, plan: SourcePlan) -> torch.Tensor | None:
         """The first hop's sent rows [R, H] (None when the plan does not list them); rows that

@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from ..plan.cost import metadata_bytes
-from ..routing import token_membership
 from .base import Dispatcher, SourcePlan, weight_bits
 from .route import AllToAllHop, Route
 
@@ -25,9 +24,9 @@ class DedupDispatcher(Dispatcher):
     name = "dedup"
 
     def _plan_source(self, topk_idx):
-        member = token_membership(topk_idx, self.rank_of_expert, self.groups.ep_size)   # [N, P]
-        dest, token = torch.nonzero(member.t()).unbind(1)                    # (rank, token) order
-        counts = member.sum(0)
+        layout = self._layout(topk_idx)
+        dest, token = torch.nonzero(layout.token_in_rank.t()).unbind(1)      # (rank, token) order
+        counts = layout.tokens_per_rank
         return SourcePlan(topk_idx, counts.unsqueeze(1), token, counts.tolist(), self.groups.ep_rank, dest)
 
     def _route(self, topk_weights, plan, recv_counts, headers):

@@ -23,17 +23,15 @@ class HierarchicalDispatcher(Dispatcher):
 
     def _plan_source(self, topk_idx):
         g = self.groups
-        n = topk_idx.shape[0]
-        member = token_membership(topk_idx, self.rank_of_expert, g.ep_size)           # [N, P]
-        in_domain = member.view(n, g.num_domains, g.domain_size).any(2)               # [N, D_count]
+        layout = self._layout(topk_idx)
         # Column 0, to every rank q: my tokens bound for q (q receives them in hop 2, via the
         # rank of its domain on my rail). Column 1, to my rail peer in each domain: my rows of hop 1.
-        per_domain = in_domain.sum(0)
+        per_domain = layout.tokens_per_domain
         to_rail_peer = torch.zeros(g.ep_size, dtype=torch.int64, device=topk_idx.device)
         to_rail_peer[g.domain_rank::g.domain_size] = per_domain
-        domain, token = torch.nonzero(in_domain.t()).unbind(1)                         # hop 1 rows
-        return SourcePlan(topk_idx, torch.stack([member.sum(0), to_rail_peer], 1), token, per_domain.tolist(),
-                          g.domain_index, domain)
+        domain, token = torch.nonzero(layout.token_in_domain.t()).unbind(1)            # hop 1 rows
+        return SourcePlan(topk_idx, torch.stack([layout.tokens_per_rank, to_rail_peer], 1), token,
+                          per_domain.tolist(), g.domain_index, domain)
 
     def _route(self, topk_weights, plan, recv_counts, headers):
         topk_idx, domain, token, send_splits = plan.topk_idx, plan.dest, plan.token, plan.send_splits
