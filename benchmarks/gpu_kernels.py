@@ -18,7 +18,7 @@ import torch
 
 os.environ.setdefault("EXPERTRAIL_KERNELS", "auto")
 
-from expertrail.kernels import reference  # noqa: E402
+from expertrail.kernels import torch_ops as reference  # noqa: E402
 
 
 def timer(device, fn, iters, warmup=3):

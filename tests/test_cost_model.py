@@ -221,8 +221,8 @@ def test_engine_local_passes_take_the_measured_pass_time(algorithm):
     row = row_bytes(model, "bf16", "dispatch")
     without = predict(bare, model, layout, algorithm, idx, engine=True)
     with_passes = predict(timed, model, layout, algorithm, idx, engine=True)
-    assert with_passes.dispatch_s - without.dispatch_s == pytest.approx(tr.local["copy"] * row / 3e9)
-    assert with_passes.combine_s - without.combine_s == pytest.approx(tr.local["reduce"] * row / 6e9)
+    assert with_passes.dispatch_s - without.dispatch_s == pytest.approx(tr.passes["copy"] * row / 3e9)
+    assert with_passes.combine_s - without.combine_s == pytest.approx(tr.passes["reduce"] * row / 6e9)
     kernels = predict(timed, model, layout, algorithm, idx)
     assert kernels.dispatch_s < with_passes.dispatch_s
 
@@ -238,7 +238,7 @@ def test_engine_local_rows_follow_each_backends_passes():
     member = np.zeros((512, 4), bool)
     np.put_along_axis(member, idx // 8, True, axis=1)
     in_domain = member.reshape(512, 2, 2).any(2)
-    assert count_traffic(idx, model, layout, "alltoall").local == {"copy": pairs, "reduce": pairs}
-    assert count_traffic(idx, model, layout, "dedup").local["copy"] == int(member.sum()) + pairs
-    assert count_traffic(idx, model, layout, "hierarchical").local["reduce"] == \
+    assert count_traffic(idx, model, layout, "alltoall").passes == {"copy": pairs, "reduce": pairs}
+    assert count_traffic(idx, model, layout, "dedup").passes["copy"] == int(member.sum()) + pairs
+    assert count_traffic(idx, model, layout, "hierarchical").passes["reduce"] == \
         int(in_domain.sum()) + int(member.sum()) + pairs

@@ -4,7 +4,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from expertrail.kernels import reference, triton_kernels  # noqa: E402  (after the skip)
+from expertrail.kernels import torch_ops as reference, triton_kernels  # noqa: E402  (after the skip)
 
 
 def random_dest(rows, slots, out_rows, gen, holes=0.3):

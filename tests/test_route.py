@@ -3,7 +3,7 @@ import torch
 
 from expertrail.dispatch.base import expand_local
 from expertrail.dispatch.route import number_copies, reduce_rows
-from expertrail.kernels.reference import CopyPositions, stable_argsort, take_rows
+from expertrail.kernels.torch_ops import CopyPositions, stable_argsort, take_rows
 
 
 def test_reduce_rows_sums_copies_in_slot_order_in_fp32():

@@ -15,7 +15,7 @@ _EXPORTS = {
     "GroupedExperts": "experts", "SwiGLUMLP": "experts",
     "MoELayer": "layer", "router_loss": "layer",
     "RouterConfig": "router", "RouterOutput": "router", "TopKRouter": "router",
-    "Layout": "routing", "apply_capacity": "routing", "compute_layout": "routing",
+    "TokenLayout": "routing", "apply_capacity": "routing", "compute_layout": "routing",
     "routing_map_to_topk": "routing", "topk_to_routing_map": "routing",
     "EPGroups": "topology",
 }

@@ -81,7 +81,7 @@ def measure_local_passes(device, dtype=torch.bfloat16, rows: int = 8192, hidden:
     the expansion after it) and a weighted sum of rows in pairs into ``rows / 2`` rows in fp32
     (`reduce_copies`: combine's sums). Collective over the default group."""
     from .kernels import reduce_copies
-    from .kernels.reference import CopyPositions, take_rows
+    from .kernels.torch_ops import CopyPositions, take_rows
     g = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(rows, hidden, generator=g).to(dtype).to(device)
     order = torch.randperm(rows, generator=g).to(device)

@@ -60,7 +60,7 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor,
 
 
 @dataclass
-class Layout:
+class TokenLayout:
     """Where the rows of one rank's tokens go.
 
     tokens_per_expert: int64 [E]  (token, expert) pairs per expert
@@ -78,7 +78,7 @@ class Layout:
 
 
 def compute_layout(topk_idx: torch.Tensor, num_experts: int, ep_size: int,
-                   domain_size: int | None = None, rank_of_expert: torch.Tensor | None = None) -> Layout:
+                   domain_size: int | None = None, rank_of_expert: torch.Tensor | None = None) -> TokenLayout:
     """Counts of rows per expert, rank and domain for ``topk_idx [N, K]`` (contiguous placement
     unless ``rank_of_expert [E]`` is given)."""
     domain_size = ep_size if domain_size is None else domain_size
@@ -87,7 +87,7 @@ def compute_layout(topk_idx: torch.Tensor, num_experts: int, ep_size: int,
         if kernels.use_triton(topk_idx):
             per_expert, per_rank, per_domain, member = kernels.layout_counts(topk_idx, num_experts, ep_size,
                                                                              domain_size)
-            return Layout(per_expert, per_rank, per_domain, member,
+            return TokenLayout(per_expert, per_rank, per_domain, member,
                           member.view(-1, ep_size // domain_size, domain_size).any(2))
     if rank_of_expert is None:
         rank_of_expert = torch.arange(num_experts, device=topk_idx.device) // (num_experts // ep_size)
@@ -95,7 +95,7 @@ def compute_layout(topk_idx: torch.Tensor, num_experts: int, ep_size: int,
     n = topk_idx.shape[0]
     token_in_domain = token_in_rank.view(n, ep_size // domain_size, domain_size).any(2)
     valid = topk_idx[topk_idx >= 0]
-    return Layout(tokens_per_expert=torch.bincount(valid, minlength=num_experts),
+    return TokenLayout(tokens_per_expert=torch.bincount(valid, minlength=num_experts),
                   tokens_per_rank=token_in_rank.sum(0), tokens_per_domain=token_in_domain.sum(0),
                   token_in_rank=token_in_rank, token_in_domain=token_in_domain)
 

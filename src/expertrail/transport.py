@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .kernels.reference import take_rows
+from .kernels.torch_ops import take_rows
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

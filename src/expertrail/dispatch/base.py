@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError, InvalidInputError
-from ..kernels.reference import gather_rows, stable_argsort
-from ..routing import DROP_POLICIES, Layout, apply_capacity, compute_layout, expert_capacity
+from ..kernels.torch_ops import gather_rows, stable_argsort
+from ..routing import DROP_POLICIES, TokenLayout, apply_capacity, compute_layout, expert_capacity
 from ..topology import EPGroups, check_same_on_all_ranks, guarded
 from ..transport import Transfer
 from .header import DTYPE_CODES, ERROR_KINDS, FIELDS, Header, Headers
@@ -296,7 +296,7 @@ class Dispatcher:
         with `_finish_route`, or sets the route's row fields itself."""
         raise NotImplementedError
 
-    def _layout(self, topk_idx: torch.Tensor) -> Layout:
+    def _layout(self, topk_idx: torch.Tensor) -> TokenLayout:
         """Where this rank's tokens go: rows per expert, rank and domain (`routing.compute_layout`;
         the Triton kernel on CUDA)."""
         return compute_layout(topk_idx, self.num_experts, self.groups.ep_size, self.groups.domain_size)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import kernels
-from ..kernels.reference import CopyPositions, stable_argsort
+from ..kernels.torch_ops import CopyPositions, stable_argsort
 from ..transport import AllWorks, Channel, LandingRuns, Transfer
 
 LINK_CLASSES = ("self", "intra", "inter")
@@ -92,7 +92,7 @@ class Hop:
     meta: Transfer | None = None
     then: object = None
 
-    local = True
+    communicates = False
 
     @classmethod
     def numbered(cls, index: torch.Tensor, num_src: int, most_copies: int, **fields) -> "Hop":
@@ -206,7 +206,7 @@ class AllToAllHop(Hop):
     meta_bytes: int = 0
     me: int | None = None
 
-    local = False
+    communicates = True
     kind = "all-to-all"
 
     def gather(self, rows: torch.Tensor, skip: tuple | None = None) -> torch.Tensor:
@@ -327,7 +327,7 @@ class SplitHop:
     rank's own block be filled after the others are posted).
     """
 
-    local = False
+    communicates = True
     kind = "all-to-all"
 
     def __init__(self, early: AllToAllHop, late: AllToAllHop, own: tuple):
@@ -477,7 +477,7 @@ class Route:
         left in flight and a `Transfer` is returned; its wait() plans and runs the remaining
         hops. ``sent``: the first hop's sent rows, already gathered (see `AllToAllHop.forward`)."""
         first = self.hops[0]
-        if first.local:
+        if not first.communicates:
             out = self._run(first.forward(rows, sent=sent), 1)
             return Transfer(out) if async_op else out
         transfer = first.forward(rows, async_op=True, sent=sent)
@@ -496,7 +496,7 @@ class Route:
             hop = self.hops[i]
             if not isinstance(hop, SplitHop) and isinstance(level, Transfer):
                 level = level.wait()
-            if hop.local:
+            if not hop.communicates:
                 level = hop.forward(level)
             else:
                 level = hop.forward(level, async_op=True)
@@ -516,7 +516,7 @@ class Route:
         exchanges nothing, is left out)."""
         return [Exchange(hop.kind, hop.channel, list(hop.peers),
                          list(hop.send_splits), list(hop.recv_splits), hop.meta_bytes, isinstance(hop, LandingHop))
-                for hop in self.hops if not hop.local and hop.channel.size > 1]
+                for hop in self.hops if hop.communicates and hop.channel.size > 1]
 
     @property
     def lands_in_place(self) -> bool:

@@ -1,4 +1,4 @@
-"""Local data movement of dispatch and combine: torch reference and Triton fast path.
+"""Local data movement of dispatch and combine: the torch kernels (`torch_ops`) and the Triton fast path.
 
 ``permute_rows`` (one read of each row, written to each of its destinations),
 ``reduce_copies_dense`` (the weighted sum of each row's copies in fp32, fixed order, written
@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from . import reference
+from . import torch_ops
 
 _triton = None                         # the Triton module, imported on first need (it is optional)
 
@@ -56,7 +56,7 @@ def permute_rows(rows: torch.Tensor, dest: torch.Tensor, out_rows: int, zero_row
     rows [R, C]; dest int64 [R, S] (-1: no copy) -> out [out_rows, C]; rows of ``out`` that no
     copy and no ``zero_rows`` cover are undefined.
     """
-    impl = _triton_kernels() if use_triton(rows) else reference
+    impl = _triton_kernels() if use_triton(rows) else torch_ops
     return impl.permute_rows(rows, dest, out_rows, zero_rows)
 
 
@@ -64,7 +64,7 @@ def reduce_copies_dense(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Te
                         out_dtype: torch.dtype) -> torch.Tensor:
     """out[i] = sum over s ascending of weights[pos[i, s]] * rows[pos[i, s]] (pos -1: skip),
     accumulated in fp32 (fp64 for fp64). rows [R, C], pos int64 [N, S] -> [N, C]."""
-    impl = _triton_kernels() if use_triton(rows) else reference
+    impl = _triton_kernels() if use_triton(rows) else torch_ops
     return impl.reduce_copies_dense(rows, pos, weights, out_dtype)
 
 
@@ -81,22 +81,22 @@ def copy_rows(rows: torch.Tensor, index: torch.Tensor, out_rows: int, destinatio
     """
     if use_triton(rows):
         return _triton_kernels().permute_rows(rows, destinations(), out_rows, zero_rows() if zero_rows else None)
-    out = reference.gather_rows(rows, index, skip)
+    out = torch_ops.gather_rows(rows, index, skip)
     return place(out) if place is not None else out
 
 
-def reduce_copies(rows: torch.Tensor, copies: reference.CopyPositions, weights: torch.Tensor | None,
+def reduce_copies(rows: torch.Tensor, copies: torch_ops.CopyPositions, weights: torch.Tensor | None,
                   out_dtype: torch.dtype) -> torch.Tensor:
     """out[i] = sum over slots s, ascending, of weights * rows[copy s of i], in fp32 (fp64 for
     fp64): the Triton kernel on its dense positions (`use_triton`), else the torch reference
     on its bags."""
     if use_triton(rows):
         return _triton_kernels().reduce_copies_dense(rows, copies.dense(), weights, out_dtype)
-    return reference.reduce_copies(rows, copies, weights, out_dtype)
+    return torch_ops.reduce_copies(rows, copies, weights, out_dtype)
 
 
 def layout_counts(topk_idx: torch.Tensor, num_experts: int, ep_size: int, domain_size: int):
     """(rows per expert [E], tokens per rank [P], tokens per domain [P / domain_size],
     token-has-an-expert-on-rank bool [N, P]) of ``topk_idx [N, K]`` with contiguous placement."""
-    impl = _triton_kernels() if use_triton(topk_idx) else reference
+    impl = _triton_kernels() if use_triton(topk_idx) else torch_ops
     return impl.layout_counts(topk_idx, num_experts, ep_size, domain_size)

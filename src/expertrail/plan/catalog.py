@@ -35,7 +35,7 @@ class Hardware:
     # Measured machines only: how fast one rank copies rows (the gathers and expansions around
     # an exchange) and sums weighted copies of rows (combine's reductions) while every rank
     # does the same, GB/s of rows read. With them, predictions of expertrail's own engine add
-    # its local passes (`cost.Traffic.local`); GPU kernels (DeepEP, Hybrid-EP) fuse theirs into
+    # its local passes (`cost.Traffic.passes`); GPU kernels (DeepEP, Hybrid-EP) fuse theirs into
     # the communication, so catalog entries leave them out.
     local_copy_GBps: float | None = None
     local_reduce_GBps: float | None = None

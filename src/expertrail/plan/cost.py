@@ -105,7 +105,7 @@ class Traffic:
     # dispatch's gathers before each hop and expansion into expert rows; "reduce", combine's
     # weighted sums of copies, one per hop (every rank routing alike, so a rank receives as
     # many rows as it sends).
-    local: dict = field(default_factory=dict)
+    passes: dict = field(default_factory=dict)
 
 
 def _rank_members(topk_idx: np.ndarray, local: int, p: int) -> tuple[np.ndarray, np.ndarray]:
@@ -139,7 +139,7 @@ def count_traffic(topk_idx: np.ndarray, model: MoEModel, layout: Layout, algorit
         # alltoall lands rows in place and weights them at the source; dedup expands on arrival
         # and pre-sums a token's experts before its row goes back.
         passes = sent if algorithm != "dedup" else sent + expert_rows
-        tr.local = {"copy": passes, "reduce": passes}
+        tr.passes = {"copy": passes, "reduce": passes}
     elif algorithm == "hierarchical":
         remote_domains = int(in_domain[:, 1:].sum())
         # As rail peer in domain j, a rank forwards rows of p/d senders: to every rank of j
@@ -153,14 +153,14 @@ def count_traffic(topk_idx: np.ndarray, model: MoEModel, layout: Layout, algorit
                      {"link": "nvlink", "send": intra, "recv": intra}]
         # Gathers for both hops and the expansion; in combine a sum on each of the three levels.
         passes = int(in_domain.sum()) + logical + expert_rows
-        tr.local = {"copy": passes, "reduce": passes}
+        tr.passes = {"copy": passes, "reduce": passes}
     elif algorithm == "allgather":
         tr.rows = {"self": t, "intra": t * (d - 1), "inter": t * (p - d)}
         tr.stages = [{"link": "nvlink", "send": tr.rows["intra"], "recv": tr.rows["intra"]},
                      {"link": "nic", "send": tr.rows["inter"], "recv": tr.rows["inter"]}]
         # The padded send copy and the pick of local expert rows; combine sums into every
         # gathered row, then each token's p partial sums.
-        tr.local = {"copy": t + expert_rows, "reduce": expert_rows + p * t}
+        tr.passes = {"copy": t + expert_rows, "reduce": expert_rows + p * t}
     else:
         raise ConfigError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
     return tr
@@ -272,7 +272,7 @@ def predict(hw: Hardware, model: MoEModel, layout: Layout, algorithm: str, topk_
     engine: predict expertrail's own engine rather than DeepEP's or Hybrid-EP's kernels:
     dispatch rows carry its metadata (`metadata_bytes`), and on a machine with measured local
     pass figures (``Hardware.local_copy_GBps``, ``local_reduce_GBps``) its local passes
-    (`Traffic.local`: dispatch's copies, combine's sums) add their time."""
+    (`Traffic.passes`: dispatch's copies, combine's sums) add their time."""
     if layout.ep < 1 or layout.domain < 1 or model.num_experts % layout.ep or layout.ep % layout.domain:
         raise ConfigError(f"EP {layout.ep} must divide {model.num_experts} experts and be a multiple of the "
                           f"domain size {layout.domain}")
@@ -303,7 +303,7 @@ def predict(hw: Hardware, model: MoEModel, layout: Layout, algorithm: str, topk_
         pass_bandwidth = hw.local_copy_GBps if direction == "dispatch" else hw.local_reduce_GBps
         if not engine or not pass_bandwidth:
             return 0.0
-        rows = tr.local["copy" if direction == "dispatch" else "reduce"]
+        rows = tr.passes["copy" if direction == "dispatch" else "reduce"]
         return rows * row_bytes(model, precision, direction) / (pass_bandwidth * 1e9)
 
     dispatch, bottleneck = phase("dispatch")

@@ -1,4 +1,4 @@
-"""The torch reference of the local kernels (and the CPU path)."""
+"""The torch kernels: the CPU path, and the reference the Triton kernels are checked against."""
 from __future__ import annotations
 
 import numpy as np
