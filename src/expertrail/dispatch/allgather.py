@@ -10,7 +10,7 @@ import torch
 from ..plan.cost import metadata_bytes
 from .base import Dispatcher, SourcePlan, weight_bits
 from .dedup import local_ids_for
-from .route import AllGatherHop, Route
+from .route import AllGatherHop, Stage
 
 
 class AllGatherDispatcher(Dispatcher):
@@ -20,7 +20,7 @@ class AllGatherDispatcher(Dispatcher):
     def _plan_source(self, topk_idx):
         return SourcePlan(topk_idx, self._no_counts())
 
-    def _route(self, topk_weights, plan, recv_counts, headers):
+    def _stages(self, topk_weights, plan, recv_counts, headers):
         topk_idx, g = plan.topk_idx, self.groups
         n, topk = topk_idx.shape
         counts = headers.num_tokens.tolist()
@@ -29,12 +29,10 @@ class AllGatherDispatcher(Dispatcher):
                            slot=torch.arange(g.ep_size, device=dev).repeat_interleave(n),
                            num_src=n, num_slots=g.ep_size, channel=g.ep_channel, send_splits=[n] * g.ep_size,
                            recv_splits=counts, peers=list(range(g.ep_size)), meta_bytes=metadata_bytes(self.name, topk))
-        route = Route(hops=[hop], topk=topk)
-
-        def expand(meta):
-            me = torch.full((meta.shape[0],), g.ep_rank, device=dev)
-            local = local_ids_for(meta[:, :topk], me, self.rank_of_expert, self.local_of_expert)
-            self._expand_route(route, local, meta[:, topk:], headers, topk_weights.dtype)
-        hop.meta = g.ep_channel.all_gather(torch.cat([topk_idx, weight_bits(topk_weights)], 1), counts)
-        hop.then = expand
-        return route
+        meta = yield Stage(hop, torch.cat([topk_idx, weight_bits(topk_weights)], 1))
+        # Every rank's tokens arrived with their expert ids and weights: pick this rank's.
+        me = torch.full((meta.shape[0],), g.ep_rank, device=dev)
+        local = local_ids_for(meta[:, :topk], me, self.rank_of_expert, self.local_of_expert)
+        last, rows = self._expand(local, meta[:, topk:], headers, topk_weights.dtype)
+        yield last
+        return rows

@@ -23,7 +23,7 @@ from ..kernels.torch_ops import CopyPositions, stable_argsort
 from ..plan.cost import metadata_bytes
 from ..transport import LandingRuns
 from .base import Dispatcher, SourcePlan, bits_weight, padded_positions, weight_bits
-from .route import AllToAllHop, ExpandHop, InPlaceHop, LandingHop, Route
+from .route import AllToAllHop, ExpandHop, ExpertRows, InPlaceHop, LandingHop, Stage
 
 # Smallest mean run (bytes of rows per (source, destination, local expert)) for which received
 # rows land in place: where the two layouts break even in `benchmarks/layouts.py` on gloo (4
@@ -114,7 +114,10 @@ class AllToAllDispatcher(Dispatcher):
         return SourcePlan(topk_idx, counts, pairs // max(k, 1), counts.sum(1).tolist(), self.groups.ep_rank,
                           pairs=pairs)
 
-    def _route(self, topk_weights, plan, recv_counts, headers):
+    def _source_weights(self, topk_weights, plan):
+        return topk_weights.reshape(-1).index_select(0, plan.pairs)
+
+    def _stages(self, topk_weights, plan, recv_counts, headers):
         pairs, token, send_splits = plan.pairs, plan.token, plan.send_splits
         topk = plan.topk_idx.shape[1]
         g = self.groups
@@ -148,13 +151,9 @@ class AllToAllDispatcher(Dispatcher):
             last = ExpandHop(index=from_received, slot=torch.zeros_like(from_received), num_src=real_rows, num_slots=1,
                              positions=CopyPositions.from_dense(output_row.view(-1, 1)), out_pos=real_pos,
                              out_rows=out_rows if real_pos is not None else None)
-        route = Route(hops=[hop, last], topk=topk, tokens_per_expert=padded, real_tokens_per_expert=real,
-                      source_weights=topk_weights.reshape(-1).index_select(0, pairs))
-
-        def arrived(received):
-            ordered = received.index_select(0, from_received)
-            route.row_k, route.row_weights = ordered[:, 0], bits_weight(ordered[:, 1], topk_weights.dtype)
         # A row carries its k and its weight (its expert follows from where it lands); nothing in
         # the plan depends on them.
-        self._send_meta(hop, torch.stack([k, weight_bits(route.source_weights)], 1), arrived)
-        return route
+        received = yield Stage(hop, torch.stack([k, weight_bits(self._source_weights(topk_weights, plan))], 1))
+        yield Stage(last)
+        ordered = received.index_select(0, from_received)
+        return ExpertRows(ordered[:, 0], bits_weight(ordered[:, 1], topk_weights.dtype), padded, real)

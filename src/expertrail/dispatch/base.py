@@ -6,6 +6,7 @@ and wires dispatch and combine into autograd.
 """
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ from ..routing import DROP_POLICIES, TokenLayout, apply_capacity, compute_layout
 from ..topology import EPGroups, check_same_on_all_ranks, guarded
 from ..transport import Transfer
 from .header import DTYPE_CODES, ERROR_KINDS, FIELDS, Header, Headers
-from .route import AllToAllHop, ExpandHop, Route, TransferStats, own_block
+from .route import ExpandHop, ExpertRows, Route, Stage, TransferStats, own_block
 
 def weight_bits(weights: torch.Tensor) -> torch.Tensor:
     """Float weights -> int64 bit patterns of their fp64 value (travel with int metadata)."""
@@ -289,12 +290,22 @@ class Dispatcher:
         """Local work before any exchange: the counts to send each peer, and what `_route` needs."""
         raise NotImplementedError
 
-    def _route(self, topk_weights, plan: SourcePlan, recv_counts, headers: Headers) -> Route:
-        """Plan the route from the counts. Hops whose plan depends on metadata (ids, weights,
-        sources of the rows a rank receives) are planned when it arrives: the hop before them
-        sends it beside its rows (``Hop.meta``, ``Hop.then``, see `Route`). The last stage ends
-        with `_finish_route`, or sets the route's row fields itself."""
+    def _stages(self, topk_weights, plan: SourcePlan, recv_counts, headers: Headers) -> Generator:
+        """The backend's route, planned top to bottom from the exchanged counts (see `Route`):
+        yield a `Stage` per hop; a stage that sends metadata beside its rows resumes with the
+        metadata this rank received (to plan the next hop from it); end with the last, local
+        hop (`_expand` or `_expansion` give it) and return its `ExpertRows`."""
         raise NotImplementedError
+
+    def _source_weights(self, topk_weights, plan: SourcePlan) -> torch.Tensor | None:
+        """For a route whose first hop sends one row per (token, expert) pair: each sent row's
+        routing weight (see `Route.source_weights`); None otherwise."""
+        return None
+
+    def _route(self, topk_weights, plan: SourcePlan, recv_counts, headers: Headers) -> Route:
+        """This dispatch's route, to be planned by its first forward as the metadata lands."""
+        return Route(topk=plan.topk_idx.shape[1], plan=self._stages(topk_weights, plan, recv_counts, headers),
+                     source_weights=self._source_weights(topk_weights, plan))
 
     def _layout(self, topk_idx: torch.Tensor) -> TokenLayout:
         """Where this rank's tokens go: rows per expert, rank and domain (`routing.compute_layout`;
@@ -379,38 +390,29 @@ class Dispatcher:
         a = self.expert_alignment
         return rows if a == 1 else (rows + a - 1) // a * a
 
-    def _expand_route(self, route: Route, local_ids: torch.Tensor, bits: torch.Tensor, headers: Headers,
-                      dtype: torch.dtype, src_key: torch.Tensor | None = None, bound: int = 1) -> None:
+    def _expand(self, local_ids: torch.Tensor, bits: torch.Tensor, headers: Headers, dtype: torch.dtype,
+                src_key: torch.Tensor | None = None, bound: int = 1) -> tuple[Stage, ExpertRows]:
         """The last stage of a route whose rows arrive with their metadata (dedup, hierarchical,
         allgather): expand the R received rows into expert rows (`expand_local`, same
-        ``src_key`` / ``bound``) and append the hop that does it (`_finish_route`).
-        local_ids: int64 [R, K] local expert of each slot (-1: elsewhere); bits: the
-        slots' weights as fp64 bits [R, K]; dtype: the routing weights' dtype."""
+        ``src_key`` / ``bound``), see `_expansion`. local_ids: int64 [R, K] local expert of
+        each slot (-1: elsewhere); bits: the slots' weights as fp64 bits [R, K]; dtype: the
+        routing weights' dtype."""
         row, k, expert = expand_local(local_ids, src_key, bound)
-        self._finish_route(route, row, k, expert, local_ids.shape[0], min(local_ids.shape[1], self.num_local_experts),
-                           headers, bits_weight(bits[row, k], dtype))
+        return self._expansion(row, k, expert, local_ids.shape[0], min(local_ids.shape[1], self.num_local_experts),
+                               headers, bits_weight(bits[row, k], dtype))
 
-    def _finish_route(self, route: Route, row, k, expert, num_src: int, num_slots: int, headers,
-                      row_weights) -> None:
-        """Append the local hop that expands the ``num_src`` received rows into padded,
-        expert-major output rows. row, k, expert: int64 [M_real] in output order;
-        row_weights [M_real]: the routing weight of each."""
+    def _expansion(self, row, k, expert, num_src: int, num_slots: int, headers: Headers,
+                   row_weights) -> tuple[Stage, ExpertRows]:
+        """The last stage: the local hop that expands the ``num_src`` received rows into
+        padded, expert-major output rows, and what it says of them. row, k, expert: int64
+        [M_real] in output order; row_weights [M_real]: the routing weight of each."""
         real = torch.bincount(expert, minlength=self.num_local_experts)
         padded = self._padded_counts(real, headers)
         last = ExpandHop.numbered(row, num_src, num_slots)
         if not torch.equal(padded, real):
             last.out_pos = padded_positions(expert, real, padded)
             last.out_rows = int(padded.sum())
-        route.hops.append(last)
-        route.row_k, route.row_weights = k, row_weights
-        route.tokens_per_expert, route.real_tokens_per_expert = padded, real
-
-    @staticmethod
-    def _send_meta(hop: AllToAllHop, meta: torch.Tensor, then) -> None:
-        """Start sending ``meta [R, m]`` int64 (one row per row ``hop`` sends) to the hop's
-        peers; ``then(received meta)`` plans what follows once it arrives (see `Route`)."""
-        hop.meta = hop.channel.all_to_all(meta, hop.send_splits, hop.recv_splits)
-        hop.then = then
+        return Stage(last), ExpertRows(k, row_weights, padded, real)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(ep_size={self.groups.ep_size}, domain_size={self.groups.domain_size}, "

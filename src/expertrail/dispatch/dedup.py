@@ -9,7 +9,7 @@ import torch
 
 from ..plan.cost import metadata_bytes
 from .base import Dispatcher, SourcePlan, weight_bits
-from .route import AllToAllHop, Route
+from .route import AllToAllHop, Stage
 
 
 def local_ids_for(topk_idx, dest_rank, rank_of_expert, local_of_expert):
@@ -29,18 +29,17 @@ class DedupDispatcher(Dispatcher):
         counts = layout.tokens_per_rank
         return SourcePlan(topk_idx, counts.unsqueeze(1), token, counts.tolist(), self.groups.ep_rank, dest)
 
-    def _route(self, topk_weights, plan, recv_counts, headers):
-        topk_idx, dest, token, send_splits = plan.topk_idx, plan.dest, plan.token, plan.send_splits
+    def _stages(self, topk_weights, plan, recv_counts, headers):
+        topk_idx, dest, token = plan.topk_idx, plan.dest, plan.token
         g = self.groups
         n, topk = topk_idx.shape
-        hop = AllToAllHop.numbered(token, n, min(topk, g.ep_size), channel=g.ep_channel, send_splits=send_splits,
+        hop = AllToAllHop.numbered(token, n, min(topk, g.ep_size), channel=g.ep_channel, send_splits=plan.send_splits,
                                    recv_splits=recv_counts[:, 0].tolist(), peers=list(range(g.ep_size)),
                                    meta_bytes=metadata_bytes(self.name, topk), me=g.ep_rank)
-        route = Route(hops=[hop], topk=topk)
-
-        def expand(meta):                      # rows arrive in (source, token) order
-            self._expand_route(route, meta[:, :topk], meta[:, topk:], headers, topk_weights.dtype)
         # Each row carries the local expert ids (on its destination) and weights of its slots.
         local = local_ids_for(topk_idx[token], dest, self.rank_of_expert, self.local_of_expert)
-        self._send_meta(hop, torch.cat([local, weight_bits(topk_weights[token])], 1), expand)
-        return route
+        meta = yield Stage(hop, torch.cat([local, weight_bits(topk_weights[token])], 1))
+        # Rows arrive in (source, token) order: expand each to its local experts.
+        last, rows = self._expand(meta[:, :topk], meta[:, topk:], headers, topk_weights.dtype)
+        yield last
+        return rows

@@ -82,7 +82,7 @@ class Headers:
     @property
     def needs_grad(self) -> bool:
         """Whether dispatch attaches gradients (x or topk_weights requires grad)."""
-        return bool(self.table[0, FIELDS.index("x_requires_grad")] or self.table[0, FIELDS.index("weights_require_grad")])
+        return bool(self.column("x_requires_grad")[0] or self.column("weights_require_grad")[0])
 
     @property
     def nbytes(self) -> int:

@@ -13,8 +13,7 @@ from ..plan.cost import metadata_bytes
 from ..routing import token_membership
 from .base import Dispatcher, SourcePlan, weight_bits
 from .dedup import local_ids_for
-from ..transport import concat_transfers
-from .route import AllToAllHop, Route, SplitHop
+from .route import AllToAllHop, SplitHop, Stage
 
 
 class HierarchicalDispatcher(Dispatcher):
@@ -33,27 +32,39 @@ class HierarchicalDispatcher(Dispatcher):
         return SourcePlan(topk_idx, torch.stack([layout.tokens_per_rank, to_rail_peer], 1), token,
                           per_domain.tolist(), g.domain_index, domain)
 
-    def _route(self, topk_weights, plan, recv_counts, headers):
-        topk_idx, domain, token, send_splits = plan.topk_idx, plan.dest, plan.token, plan.send_splits
+    def _stages(self, topk_weights, plan, recv_counts, headers):
+        topk_idx, domain, token = plan.topk_idx, plan.dest, plan.token
         g = self.groups
         n, topk = topk_idx.shape
         dev = topk_idx.device
-        size, me, first = g.domain_size, g.ep_rank, g.domain_index * g.domain_size
-        # Hop 1: over the rail group, one row per (token, domain).
-        hop1 = AllToAllHop.numbered(token, n, min(topk, g.num_domains), channel=g.rail_channel, send_splits=send_splits,
+        size, first = g.domain_size, g.domain_index * g.domain_size
+        # Hop 1: over the rail group, one row per (token, domain). A row carries its source
+        # (rank, token), the ids of its experts in the destination domain and its weights.
+        hop1 = AllToAllHop.numbered(token, n, min(topk, g.num_domains), channel=g.rail_channel,
+                                    send_splits=plan.send_splits,
                                     recv_splits=recv_counts[g.domain_rank::size, 1].tolist(),
                                     peers=[d * size + g.domain_rank for d in range(g.num_domains)],
                                     meta_bytes=metadata_bytes(self.name, topk), me=g.domain_index)
-        route = Route(hops=[hop1], topk=topk)
+        ids = topk_idx[token]
+        mask = (ids >= 0) & (self.rank_of_expert[ids.clamp(min=0)] // size == domain.unsqueeze(1))
+        meta = yield Stage(hop1, torch.cat([torch.full_like(token, g.ep_rank).unsqueeze(1), token.unsqueeze(1),
+                                            torch.where(mask, ids, torch.full_like(ids, -1)),
+                                            weight_bits(topk_weights[token])], 1))
 
-        # Rows each rank of my domain receives in hop 2, by the domain they come from.
-        hop2_recv = recv_counts[:, 0].view(g.num_domains, size)
+        # Hop 2: inside the domain, one row per (hop-1 row, rank of the domain holding one of its
+        # experts). With several domains it is split (`SplitHop`): the rows this rank sent itself
+        # in hop 1 are forwarded while the other domains' rows still cross the slow link.
+        ids = meta[:, 2:2 + topk]
+        member = token_membership(ids, self.rank_of_expert - first, size) if ids.numel() else \
+            torch.zeros(0, size, dtype=torch.bool, device=dev)
+        hop2_recv = recv_counts[:, 0].view(g.num_domains, size)   # rows I receive, by source domain
+        rows = torch.arange(meta.shape[0], device=dev)
 
-        def hop2_part(meta, ids, member, rows, start, num_src, recv_splits):
-            """The hop-2 exchange of hop-1 rows ``rows`` (of ``member [R1, size]``) from a level
-            of ``num_src`` rows starting at hop-1 row ``start``, and the metadata it sends."""
-            local_rank, row1 = torch.nonzero(member[rows].t()).unbind(1)
-            row1 = rows.index_select(0, row1)
+        def part(selected, start, num_src, recv_splits):
+            """The hop-2 exchange of hop-1 rows ``selected`` of a level of ``num_src`` rows
+            starting at hop-1 row ``start``, and the metadata it sends."""
+            local_rank, row1 = torch.nonzero(member[selected].t()).unbind(1)
+            row1 = selected.index_select(0, row1)
             hop = AllToAllHop.numbered(row1 - start, num_src, min(topk, size), channel=g.domain_channel,
                                        send_splits=torch.bincount(local_rank, minlength=size).tolist(),
                                        recv_splits=recv_splits, peers=[first + r for r in range(size)],
@@ -61,41 +72,19 @@ class HierarchicalDispatcher(Dispatcher):
             local = local_ids_for(ids[row1], first + local_rank, self.rank_of_expert, self.local_of_expert)
             return hop, torch.cat([meta[row1, :2], local, meta[row1, 2 + topk:]], 1)
 
-        def plan_hop2(meta):
-            # Hop 2: inside the domain, one row per (token, rank). With several domains it is
-            # split (`SplitHop`): the rows this rank sent itself in hop 1 are forwarded while
-            # the other domains' rows still cross the slow link.
-            ids = meta[:, 2:2 + topk]
-            member = token_membership(ids, self.rank_of_expert - first, size) if ids.numel() else \
-                torch.zeros(0, size, dtype=torch.bool, device=dev)
-            rows = torch.arange(meta.shape[0], device=dev)
-            if g.num_domains == 1 or size == 1:
-                hop2, meta2 = hop2_part(meta, ids, member, rows, 0, rows.numel(), hop2_recv.sum(0).tolist())
-                route.hops.append(hop2)
-                self._send_meta(hop2, meta2, expand)
-                return
+        if g.num_domains == 1 or size == 1:
+            meta2 = yield Stage(*part(rows, 0, rows.numel(), hop2_recv.sum(0).tolist()))
+        else:
             start, end = hop1.own_block_received()
             mine = (rows >= start) & (rows < end)
-            early, early_meta = hop2_part(meta, ids, member, rows[mine], start, end - start,
-                                          hop2_recv[g.domain_index].tolist())
-            late, late_meta = hop2_part(meta, ids, member, rows[~mine], 0, rows.numel(),
-                                        (hop2_recv.sum(0) - hop2_recv[g.domain_index]).tolist())
-            hop2 = SplitHop(early, late, (start, end))
-            route.hops.append(hop2)
-            hop2.meta = concat_transfers([h.channel.all_to_all(m, h.send_splits, h.recv_splits)
-                                          for h, m in ((early, early_meta), (late, late_meta))])
-            hop2.then = expand
+            early, early_meta = part(rows[mine], start, end - start, hop2_recv[g.domain_index].tolist())
+            late, late_meta = part(rows[~mine], 0, rows.numel(),
+                                   (hop2_recv.sum(0) - hop2_recv[g.domain_index]).tolist())
+            meta2 = yield Stage(SplitHop(early, late, (start, end)), [early_meta, late_meta])
 
-        def expand(meta2):
-            # Rows arrive grouped by forwarding rank; sort each expert's rows by (source, token).
-            most = max(1, int(headers.num_tokens.max()))
-            self._expand_route(route, meta2[:, 2:2 + topk], meta2[:, 2 + topk:], headers, topk_weights.dtype,
-                               src_key=meta2[:, 0] * most + meta2[:, 1], bound=g.ep_size * most)
-        # A hop-1 row carries its source (rank, token), the ids of its experts in the destination
-        # domain and its weights.
-        ids = topk_idx[token]
-        mask = (ids >= 0) & (self.rank_of_expert[ids.clamp(min=0)] // size == domain.unsqueeze(1))
-        meta = torch.cat([torch.full_like(token, me).unsqueeze(1), token.unsqueeze(1),
-                          torch.where(mask, ids, torch.full_like(ids, -1)), weight_bits(topk_weights[token])], 1)
-        self._send_meta(hop1, meta, plan_hop2)
-        return route
+        # Rows arrive grouped by forwarding rank; sort each expert's rows by (source, token).
+        most = max(1, int(headers.num_tokens.max()))
+        last, expert_rows = self._expand(meta2[:, 2:2 + topk], meta2[:, 2 + topk:], headers, topk_weights.dtype,
+                                         src_key=meta2[:, 0] * most + meta2[:, 1], bound=g.ep_size * most)
+        yield last
+        return expert_rows

@@ -13,13 +13,14 @@ transpose and vice versa, so gradients need no extra code per backend.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import kernels
 from ..kernels.torch_ops import CopyPositions, stable_argsort
-from ..transport import AllWorks, Channel, LandingRuns, Transfer
+from ..transport import AllWorks, Channel, LandingRuns, Transfer, concat_transfers
 
 LINK_CLASSES = ("self", "intra", "inter")
 
@@ -75,9 +76,6 @@ class Hop:
     num_src: rows of the previous level; num_slots: most copies of one source row
     positions: the `CopyPositions` of ``index`` / ``slot`` when the planner has them at hand
         (built from them on first use otherwise)
-    meta / then: on the first forward only, for a route planned in stages: ``meta`` is the
-        metadata of the rows this hop receives, in flight beside them (a `Transfer`), and
-        ``then(meta)`` plans the hops after this one (see `Route`)
 
     The kinds: `ExpandHop` and `InPlaceHop` (local: the last hop, into the padded expert-major
     output), `AllToAllHop`, `LandingHop` (an all-to-all whose rows land in place) and
@@ -89,8 +87,6 @@ class Hop:
     num_src: int
     num_slots: int
     positions: CopyPositions | None = None
-    meta: Transfer | None = None
-    then: object = None
 
     communicates = False
 
@@ -235,6 +231,11 @@ class AllToAllHop(Hop):
         """(start, end) of the received rows that this rank sent itself."""
         return own_block(self.recv_splits, self.channel.rank)
 
+    def send_meta(self, meta: torch.Tensor) -> Transfer:
+        """Start sending int64 metadata rows [R, m], one per row this hop sends, the way the
+        rows go (posted before them, so it lands first)."""
+        return self.channel.all_to_all(meta, self.send_splits, self.recv_splits)
+
     def send_back(self, rows: torch.Tensor, own_later: bool = False) -> Transfer:
         """Start the reverse exchange. own_later: this rank's own block of ``rows`` is not
         computed yet; the caller writes it into the Transfer's ``own_rows`` before waiting
@@ -301,6 +302,9 @@ class AllGatherHop(AllToAllHop):
 
     kind = "all-gather"
 
+    def send_meta(self, meta: torch.Tensor) -> Transfer:
+        return self.channel.all_gather(meta, self.recv_splits)
+
     def forward(self, rows: torch.Tensor, async_op: bool = False, sent: torch.Tensor | None = None,
                 out: torch.Tensor | None = None):
         transfer = self.channel.all_gather(rows, self.recv_splits)
@@ -332,8 +336,6 @@ class SplitHop:
 
     def __init__(self, early: AllToAllHop, late: AllToAllHop, own: tuple):
         self.early, self.late, self.own = early, late, own
-        self.meta: Transfer | None = None
-        self.then = None
 
     # One exchange's view, for stats and for the bench's bare collectives.
     channel = property(lambda self: self.late.channel)
@@ -357,6 +359,10 @@ class SplitHop:
         late = self.late.forward(level.wait() if in_flight else level, async_op=True, out=out[split:])
         transfer = Transfer(out, AllWorks([early, late]))
         return transfer if async_op else transfer.wait()
+
+    def send_meta(self, meta: list) -> Transfer:
+        """Metadata [early's, late's], received as early's then late's (as the rows)."""
+        return concat_transfers([part.send_meta(m) for part, m in zip((self.early, self.late), meta)])
 
     def send_back(self, rows: torch.Tensor) -> "_SplitBack":
         """Start the reverse exchanges, late's rows first."""
@@ -442,27 +448,50 @@ def reduce_rows(rows: torch.Tensor, index: torch.Tensor, slot: torch.Tensor, num
 
 
 @dataclass
+class Stage:
+    """One step of a route's plan: a hop, and the int64 metadata rows it sends beside its rows
+    (one per row it sends; for a `SplitHop` a list, early's then late's; None: none)."""
+
+    hop: object
+    meta: torch.Tensor | list | None = None
+
+
+@dataclass
+class ExpertRows:
+    """What a route's plan says of its expert rows at the end: row_k int64 [M_real], the top-k
+    slot of each real expert row; row_weights [M_real] its routing weight; tokens_per_expert /
+    real_tokens_per_expert int64 [E_local] rows per local expert with and without padding."""
+
+    row_k: torch.Tensor
+    row_weights: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    real_tokens_per_expert: torch.Tensor
+
+
+@dataclass
 class Route:
     """The hops of one dispatch plus what the last level's rows carry.
 
-    hops: communicating hops then the last (local, expanding) hop
     topk: K
-    row_k: int64 [M_real] top-k slot of each real expert row
-    row_weights: [M_real] routing weight of each real expert row
-    tokens_per_expert / real_tokens_per_expert: int64 [E_local] rows with and without padding
+    plan: the backend's plan, a generator of `Stage`s (see below); None once it has run
+    hops: communicating hops then the last (local, expanding) hop, appended as planned
+    row_k, row_weights, tokens_per_expert, real_tokens_per_expert: see `ExpertRows`
     source_weights: for routes whose first hop sends one row per (token, expert) pair, the
         weight of each sent row: combine then weights the exact expert outputs where they are
         summed, on the source rank, instead of rounding weighted rows before they travel
 
-    A route may be planned in stages: a backend plans the hops it can from the counts, and a
-    hop whose receivers need metadata to plan the rest sends it beside its rows (``Hop.meta``)
-    with a ``Hop.then`` that appends the next hops (the last one sets the row fields above).
-    The first `forward` (dispatch) runs them as the metadata arrives, so no exchange waits for
-    a separate metadata round; afterwards the route is complete and reused as is.
+    A backend plans a route top to bottom in one generator: it yields a `Stage` for each hop,
+    and for a stage that sends metadata beside its rows it is resumed with the metadata this
+    rank received, once it lands, to plan the next hop from it (who sent which rows, for which
+    experts); it returns the `ExpertRows`. The first `forward` (dispatch) drives it: it posts
+    each stage's metadata just before the stage's rows and resumes the plan while the rows are
+    still travelling, so no exchange waits for a separate metadata round. Afterwards the route
+    is complete and reused as is (combine, autograd).
     """
 
-    hops: list
     topk: int
+    plan: Generator | None = None
+    hops: list = field(default_factory=list)
     row_k: torch.Tensor | None = None
     row_weights: torch.Tensor | None = None
     tokens_per_expert: torch.Tensor | None = None
@@ -476,40 +505,50 @@ class Route:
         """[N, C] -> expert rows [M, C] (dispatch). With ``async_op`` the first exchange is
         left in flight and a `Transfer` is returned; its wait() plans and runs the remaining
         hops. ``sent``: the first hop's sent rows, already gathered (see `AllToAllHop.forward`)."""
-        first = self.hops[0]
-        if not first.communicates:
-            out = self._run(first.forward(rows, sent=sent), 1)
-            return Transfer(out) if async_op else out
-        transfer = first.forward(rows, async_op=True, sent=sent)
-
-        def finish(t):
-            self._plan_after(first)          # the metadata travels ahead of the rows
-            return self._run(t, 1)
-        pending = Transfer(transfer, None, finish)
+        if self.plan is None:
+            pending = Transfer(self.hops[0].forward(rows, async_op=True, sent=sent), None,
+                               lambda level: self._run(level, self.hops[1:]))
+        else:
+            stage = next(self.plan)
+            level, meta = self._start(stage, rows, sent)
+            pending = Transfer(level, None, lambda level: self._plan_and_run(level, meta))
         return pending if async_op else pending.wait()
 
-    def _run(self, level, start: int) -> torch.Tensor:
-        """Run hops ``start...`` on ``level``: the rows before hop ``start``, or the `Transfer`
-        bringing them (a `SplitHop` starts before it lands)."""
-        i = start
-        while i < len(self.hops):             # hops may be appended on the way
-            hop = self.hops[i]
+    def _start(self, stage: Stage, level, sent=None):
+        """Append ``stage``'s hop, post its metadata, then its rows -> (its rows in flight, or
+        its output; the metadata in flight, or None)."""
+        hop = stage.hop
+        self.hops.append(hop)
+        meta = None if stage.meta is None else hop.send_meta(stage.meta)
+        if not hop.communicates:
+            return hop.forward(level.wait() if isinstance(level, Transfer) else level), meta
+        if not isinstance(hop, SplitHop) and isinstance(level, Transfer):
+            level = level.wait()
+        return hop.forward(level, async_op=True, **({"sent": sent} if sent is not None else {})), meta
+
+    def _plan_and_run(self, level, meta) -> torch.Tensor:
+        """The first forward after its first stage: resume the plan with each stage's received
+        metadata (while the stage's rows travel), start the next stage, until the plan ends."""
+        while True:
+            try:
+                stage = self.plan.send(None if meta is None else meta.wait())
+            except StopIteration as end:
+                rows: ExpertRows = end.value
+                self.row_k, self.row_weights = rows.row_k, rows.row_weights
+                self.tokens_per_expert = rows.tokens_per_expert
+                self.real_tokens_per_expert = rows.real_tokens_per_expert
+                self.plan = None
+                return level.wait() if isinstance(level, Transfer) else level
+            level, meta = self._start(stage, level)
+
+    def _run(self, level, hops: list) -> torch.Tensor:
+        """Run ``hops`` on ``level``: the rows before them, or the `Transfer` bringing them (a
+        `SplitHop` starts before it lands)."""
+        for hop in hops:
             if not isinstance(hop, SplitHop) and isinstance(level, Transfer):
                 level = level.wait()
-            if not hop.communicates:
-                level = hop.forward(level)
-            else:
-                level = hop.forward(level, async_op=True)
-                self._plan_after(hop)
-            i += 1
+            level = hop.forward(level, async_op=True) if hop.communicates else hop.forward(level)
         return level.wait() if isinstance(level, Transfer) else level
-
-    @staticmethod
-    def _plan_after(hop: Hop) -> None:
-        if hop.then is not None:
-            then, meta = hop.then, hop.meta
-            hop.then = hop.meta = None
-            then(meta.wait())
 
     def exchanges(self) -> list[Exchange]:
         """The route's exchanges with other ranks, in dispatch order (a group of one, which
