@@ -60,9 +60,15 @@ def _worker(rank: int, world: int, port: int, backend: str, tasks, results, thre
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world)
+    parent = os.getppid()
     try:
         while True:
-            task = tasks.get()
+            try:
+                task = tasks.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:     # the pool's owner is gone (killed): do not linger
+                    break
+                continue
             if task is None:
                 break
             fn, args, kwargs = task

@@ -41,6 +41,8 @@ CONSTRUCTION_ERRORS = {
     "alignment": (er.ConfigError, "expert_alignment=0 must be >= 1"),
     "layout_differs": (er.ConfigMismatchError, "backend options: rank 0={'land_in_place': False}, rank 1="),
     "bad_layout": (er.ConfigError, "land_in_place='yes'; use True, False or None"),
+    "unknown_option": (er.ConfigError, "dedup: unknown option(s) hiden; the options are hidden, expert_alignment"),
+    "option_of_another_backend": (er.ConfigError, "dedup: unknown option(s) land_in_place"),
 }
 
 

@@ -266,6 +266,10 @@ def bad_construction(rank, world, kind):
         er.make_dispatcher("alltoall", groups_for(None, 2), num_experts=8, land_in_place=rank == 2)
     elif kind == "bad_layout":
         er.make_dispatcher("alltoall", groups_for(None, 2), num_experts=8, land_in_place="yes")
+    elif kind == "unknown_option":
+        er.make_dispatcher("dedup", groups_for(None, 2), num_experts=8, hiden=16)
+    elif kind == "option_of_another_backend":
+        er.make_dispatcher("dedup", groups_for(None, 2), num_experts=8, land_in_place=True)
 
 
 def hidden_differs_per_call(rank, world):

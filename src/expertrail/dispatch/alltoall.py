@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
 from ..kernels.torch_ops import CopyPositions, stable_argsort
 from ..plan.cost import metadata_bytes
 from ..transport import LandingRuns
 from .base import Dispatcher, SourcePlan, bits_weight, padded_positions, weight_bits
+from .config import AllToAllConfig
 from .route import AllToAllHop, ExpandHop, ExpertRows, InPlaceHop, LandingHop, Stage
 
 # Smallest mean run (bytes of rows per (source, destination, local expert)) for which received
@@ -73,20 +73,14 @@ def landing_pieces(send_counts: torch.Tensor, recv_counts: torch.Tensor, padding
 
 
 class AllToAllDispatcher(Dispatcher):
-    """Options as `Dispatcher`, plus ``land_in_place``: True / False forces the layout (see the
-    module docstring); None (default) lands in place when the mean run is large enough, or
-    when there is one run per peer anyway (one local expert)."""
+    """Options as `Dispatcher`, plus ``land_in_place`` (`AllToAllConfig`): True / False forces
+    the layout (see the module docstring); None (default) lands in place when the mean run is
+    large enough, or when there is one run per peer anyway (one local expert)."""
 
     name = "alltoall"
+    Config = AllToAllConfig
 
-    def __init__(self, groups, num_experts: int, *, land_in_place: bool | None = None, **options):
-        if land_in_place not in (None, True, False):
-            raise ConfigError(f"land_in_place={land_in_place!r}; use True, False or None (choose by size)")
-        self.land_in_place = land_in_place
-        super().__init__(groups, num_experts, **options)
-
-    def _settings(self) -> dict:
-        return {"land_in_place": self.land_in_place}
+    land_in_place = property(lambda self: self.config.land_in_place)
 
     def _lands_in_place(self, headers) -> bool:
         """Whether this dispatch lands rows in place; from every rank's header, so every rank

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError, InvalidInputError
+from ..errors import InvalidInputError
 from ..kernels.torch_ops import gather_rows, stable_argsort
-from ..routing import DROP_POLICIES, TokenLayout, apply_capacity, compute_layout, expert_capacity
+from ..routing import TokenLayout, apply_capacity, compute_layout, expert_capacity
 from ..topology import EPGroups, check_same_on_all_ranks, guarded
 from ..transport import Transfer
+from .config import DispatchConfig
 from .header import DTYPE_CODES, ERROR_KINDS, FIELDS, Header, Headers
 from .route import ExpandHop, ExpertRows, Route, Stage, TransferStats, own_block
 
@@ -105,53 +106,32 @@ class Dispatcher:
 
     Args:
         groups: the EPGroups to run on.
-        num_experts: E, a multiple of ``groups.ep_size``; expert e lives on EP rank e // E_local.
-        hidden: H; when given, inputs are checked against it and it is compared across ranks.
-        expert_alignment: pad each local expert's rows up to a multiple of this (zero rows).
-        capacity_factor: when set, each rank keeps at most ceil(N * K / E * capacity_factor)
-            rows per expert and drops the rest (``drop_policy`` "probs": lowest weights go
-            first; "position": latest tokens go first).
-        pad_to_capacity: pad every local expert to the sum of the senders' capacities, so the
-            output shape depends only on the token counts (static shapes).
-    Construction is collective over the EP group: settings are compared across ranks.
+        num_experts, options: the backend's `Config` (`DispatchConfig`: hidden,
+            expert_alignment, capacity_factor, drop_policy, pad_to_capacity, and a backend's own).
+    Construction is collective over the EP group: every setting is compared across ranks, then
+    checked; the settings are ``self.config``.
     """
 
     name = "base"
+    Config = DispatchConfig
 
-    def __init__(self, groups: EPGroups, num_experts: int, *, hidden: int | None = None,
-                 expert_alignment: int = 1, capacity_factor: float | None = None,
-                 drop_policy: str = "probs", pad_to_capacity: bool = False):
-        check_same_on_all_ranks({
-            "backend": self.name, "num_experts": num_experts, "hidden": hidden,
-            "expert_alignment": expert_alignment, "capacity_factor": capacity_factor,
-            "drop_policy": drop_policy, "pad_to_capacity": pad_to_capacity, "domain_size": groups.domain_size,
-            # one field for any backend's own options, so that every rank gathers as many fields
-            "backend options": self._settings(),
-        }, groups.ep_group, groups.device, f"{type(self).__name__}")
-        self.groups = groups
+    def __init__(self, groups: EPGroups, num_experts: int, **options):
+        config = self.Config.of(self.name, num_experts, options)
+        check_same_on_all_ranks({"backend": self.name, **config.shared_fields(), "domain_size": groups.domain_size,
+                                 "backend options": config.own_options()},
+                                groups.ep_group, groups.device, f"{type(self).__name__}")
+        config.check()
+        self.config, self.groups = config, groups
         self.num_experts = int(num_experts)
         self.num_local_experts = groups.num_local_experts(self.num_experts)
-        if hidden is not None and hidden < 1:
-            raise ConfigError(f"hidden={hidden} must be positive")
-        if int(expert_alignment) < 1:
-            raise ConfigError(f"expert_alignment={expert_alignment} must be >= 1")
-        if drop_policy not in DROP_POLICIES:
-            raise ConfigError(f"drop_policy={drop_policy!r}; choose one of {DROP_POLICIES}")
-        if capacity_factor is not None and capacity_factor <= 0:
-            raise ConfigError(f"capacity_factor={capacity_factor} must be positive (or None for no dropping)")
-        if pad_to_capacity and capacity_factor is None:
-            raise ConfigError("pad_to_capacity=True needs a capacity_factor")
-        self.hidden = hidden
-        self.expert_alignment = int(expert_alignment)
-        self.capacity_factor = capacity_factor
-        self.drop_policy = drop_policy
-        self.pad_to_capacity = pad_to_capacity
         self.rank_of_expert = groups.rank_of_expert(self.num_experts)
         self.local_of_expert = torch.arange(self.num_experts, device=groups.device) % self.num_local_experts
 
-    def _settings(self) -> dict:
-        """A backend's own options (name -> value), compared across ranks at construction."""
-        return {}
+    hidden = property(lambda self: self.config.hidden)
+    expert_alignment = property(lambda self: int(self.config.expert_alignment))
+    capacity_factor = property(lambda self: self.config.capacity_factor)
+    drop_policy = property(lambda self: self.config.drop_policy)
+    pad_to_capacity = property(lambda self: self.config.pad_to_capacity)
 
     # ---------------------------------------------------------------- public verbs
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
