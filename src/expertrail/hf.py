@@ -30,6 +30,7 @@ from torch import nn
 from .dispatch import make_dispatcher
 from .errors import ConfigError, ConfigMismatchError
 from .experts import GroupedExperts
+from .layer import expert_parallel_moe
 from .topology import EPGroups, all_gather_ints, all_gather_single, check_same_on_all_ranks, guarded
 
 # What ExpertParallelMoE reproduces. A block or experts module holding anything else may
@@ -220,12 +221,15 @@ class ExpertParallelMoE(nn.Module):
     unless ``check_weights=False``) and call forward together. ``block`` itself is left as
     it was. ``state_dict()`` is this rank's shard, tagged with its expert rows; loading a
     full (unpatched) checkpoint slices this rank's rows. `full_expert_weights` and `unpatch`
-    gather the full experts back.
+    gather the full experts back. ``num_chunks > 1`` runs the routed part in chunks whose
+    transfers overlap the expert compute, as `MoELayer` does (`layer.expert_parallel_moe`).
     """
 
     def __init__(self, block: nn.Module, groups: EPGroups, backend: str = "alltoall", check_weights: bool = True,
-                 **dispatcher_options):
+                 num_chunks: int = 1, **dispatcher_options):
         super().__init__()
+        if int(num_chunks) < 1:
+            raise ConfigError(f"num_chunks={num_chunks} must be >= 1")
         named = [(type(block).__name__, block)]
         if check_weights and is_sparse_moe_block(block):
             _agree_on_structure(named, groups)    # so that the checks below raise on every rank alike
@@ -240,6 +244,7 @@ class ExpertParallelMoE(nn.Module):
         self.gate = block.gate
         self.shared_experts = getattr(block, "shared_experts", None)
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
+        self.num_chunks = int(num_chunks)
         self.dispatcher = make_dispatcher(backend, groups, num_experts=num_experts, hidden=hidden, **dispatcher_options)
         self.groups = groups
         self.num_experts = num_experts
@@ -271,11 +276,10 @@ class ExpertParallelMoE(nn.Module):
                 1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         flat = hidden_states.reshape(-1, shape[-1])
         _, topk_weights, topk_idx = self.gate(flat)
-        pending = self.dispatcher.dispatch(flat, topk_idx, topk_weights, async_op=True)
-        shared = self.shared_experts(hidden_states) if self.shared_experts is not None else None
-        res = pending.wait()
-        y = self.dispatcher.combine(self.experts(res.tokens, res.tokens_per_expert), res).view(shape)
-        return y if shared is None else y + shared
+        shared = None if self.shared_experts is None else \
+            (lambda: self.shared_experts(hidden_states).reshape(flat.shape))
+        return expert_parallel_moe(self.dispatcher, flat, topk_idx, topk_weights, self.experts, shared,
+                                   self.num_chunks).view(shape)
 
     # -- saving and loading --
 
@@ -348,8 +352,9 @@ def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def patch_model(model: nn.Module, groups: EPGroups, backend: str = "alltoall", check_weights: bool = True,
-                **dispatcher_options) -> int:
-    """Replace every sparse MoE block of ``model`` by an `ExpertParallelMoE`; returns how many.
+                num_chunks: int = 1, **dispatcher_options) -> int:
+    """Replace every sparse MoE block of ``model`` by an `ExpertParallelMoE` (``backend``,
+    ``num_chunks`` and ``dispatcher_options`` as it takes them); returns how many.
 
     Collective: every rank of the EP group must patch the same model. Before anything is
     replaced, the ranks agree on the blocks found, and (unless ``check_weights=False``) on
@@ -381,7 +386,8 @@ def patch_model(model: nn.Module, groups: EPGroups, backend: str = "alltoall", c
     if check_weights:
         _compare_checksums(targets, groups)
     for name, block in targets:
-        _replace(model, name, ExpertParallelMoE(block, groups, backend, check_weights=False, **dispatcher_options))
+        _replace(model, name, ExpertParallelMoE(block, groups, backend, check_weights=False, num_chunks=num_chunks,
+                                                **dispatcher_options))
     return len(targets)
 
 

@@ -20,6 +20,27 @@ from .experts import GroupedExperts
 from .router import TopKRouter
 
 
+def expert_parallel_moe(dispatcher: Dispatcher, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                        experts, shared=None, num_chunks: int = 1) -> torch.Tensor:
+    """The sequence every expert-parallel MoE block runs (`MoELayer`, `hf.ExpertParallelMoE`):
+    dispatch, the shared experts while the rows travel, the routed experts, combine, and the
+    shared output added.
+
+    x [T, H]; topk_idx / topk_weights [T, K] (already mapped to replica slots, if any);
+    experts(tokens, tokens_per_expert) -> rows; shared: None, or a callable with no arguments
+    giving the shared experts' output [T, H]; num_chunks > 1: the routed part in overlapped
+    chunks (`Dispatcher.moe`). Returns [T, H].
+    """
+    if num_chunks > 1:
+        y = dispatcher.moe(x, topk_idx, topk_weights, experts, num_chunks)
+        return y if shared is None else y + shared()
+    pending = dispatcher.dispatch(x, topk_idx, topk_weights, async_op=True)
+    shared_out = None if shared is None else shared()          # while the rows travel
+    res = pending.wait()
+    y = dispatcher.combine(experts(res.tokens, res.tokens_per_expert), res)
+    return y if shared_out is None else y + shared_out
+
+
 class MoELayer(nn.Module):
     def __init__(self, router: TopKRouter, dispatcher: Dispatcher, experts: GroupedExperts,
                  shared_experts: nn.Module | None = None, num_chunks: int = 1, replicas=None,
@@ -63,18 +84,9 @@ class MoELayer(nn.Module):
             self.recorder.record(self.layer_index, routing.tokens_per_expert)
         topk_idx = routing.topk_idx if self.replicas is None else self.replicas(routing.topk_idx)
         flat = x.reshape(-1, shape[-1])
-        if self.num_chunks > 1:
-            y = self.dispatcher.moe(flat, topk_idx, routing.topk_weights, self.experts, self.num_chunks)
-            if self.shared_experts is not None:
-                y = y + self.shared_experts(flat)
-            return y.view(shape)
-        pending = self.dispatcher.dispatch(flat, topk_idx, routing.topk_weights, async_op=True)
-        shared = self.shared_experts(flat) if self.shared_experts is not None else None   # while rows travel
-        res = pending.wait()
-        y = self.dispatcher.combine(self.experts(res.tokens, res.tokens_per_expert), res)
-        if shared is not None:
-            y = y + shared
-        return y.view(shape)
+        shared = None if self.shared_experts is None else (lambda: self.shared_experts(flat))
+        return expert_parallel_moe(self.dispatcher, flat, topk_idx, routing.topk_weights, self.experts, shared,
+                                   self.num_chunks).view(shape)
 
 
 def router_loss(model: nn.Module) -> torch.Tensor | float:

@@ -38,6 +38,15 @@ def test_hf_block_equals_original_bf16(world4, kind, backend):
         world4.run(workers.hf_block_matches, kind, backend, ep_size, torch.bfloat16)
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_hf_block_in_overlapped_chunks_equals_original(world4, kind):
+    """num_chunks > 1: the routed part in chunks whose transfers overlap (as MoELayer's), the
+    same outputs and gradients."""
+    for backend in ("alltoall", "hierarchical"):
+        results = world4.run(workers.hf_block_matches, kind, backend, 4, torch.float32, 3)
+        _check_expert_grads(results, 4)
+
+
 def test_patch_model_replaces_every_moe_block(world4):
     assert world4.run(workers.patched_model_counts) == [(2, 2)] * 4
 

@@ -402,14 +402,14 @@ def tiny_block(kind: str, dtype):
     return block.to(dtype)
 
 
-def hf_block_matches(rank, world, kind, backend, ep_size, dtype=torch.float32):
+def hf_block_matches(rank, world, kind, backend, ep_size, dtype=torch.float32, num_chunks=1):
     """ExpertParallelMoE vs the original transformers block: output and gradients."""
     import copy
 
     from expertrail.hf import ExpertParallelMoE
     original = tiny_block(kind, dtype)
     groups = groups_for(ep_size, 1)
-    ep = ExpertParallelMoE(copy.deepcopy(original), groups, backend)
+    ep = ExpertParallelMoE(copy.deepcopy(original), groups, backend, num_chunks=num_chunks)
     n = 0 if rank == 1 else 3 + rank
     x = torch.randn(1, n, 32, generator=torch.Generator().manual_seed(rank)).to(dtype)
     cot = torch.randn(1, n, 32, generator=torch.Generator().manual_seed(100 + rank)).to(dtype)
