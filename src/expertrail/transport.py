@@ -29,7 +29,7 @@ class Transfer:
     (`route.SplitHop`).
     """
 
-    def __init__(self, out, work=None, finish=None, own_rows: torch.Tensor | None = None):
+    def __init__(self, out: torch.Tensor, work=None, finish=None, own_rows: torch.Tensor | None = None):
         self._out, self._work, self._finish = out, work, finish
         self.own_rows = own_rows
 
@@ -40,6 +40,20 @@ class Transfer:
         if self._finish is not None:
             self._out, self._finish = self._finish(self._out), None
         return self._out
+
+
+class Later:
+    """The rest of an operation, run on the first ``wait()`` (after its first exchange was
+    posted: the remaining hops of a dispatch, the reverse of a combine); later waits return the
+    same result."""
+
+    def __init__(self, rest):
+        self._rest, self._result = rest, None
+
+    def wait(self):
+        if self._rest is not None:
+            self._result, self._rest = self._rest(), None
+        return self._result
 
 
 class AllWorks:
@@ -53,9 +67,9 @@ class AllWorks:
             w.wait()
 
 
-def concat_transfers(transfers: list) -> Transfer:
-    """One Transfer yielding the rows of ``transfers``, concatenated in order."""
-    return Transfer(transfers, None, lambda ts: torch.cat([t.wait() for t in ts]))
+def concat_transfers(transfers: list) -> Later:
+    """The rows of ``transfers``, concatenated in order, on ``wait()``."""
+    return Later(lambda: torch.cat([t.wait() for t in transfers]))
 
 
 class Channel:

@@ -20,7 +20,7 @@ import torch
 
 from .. import kernels
 from ..kernels.torch_ops import CopyPositions, stable_argsort
-from ..transport import AllWorks, Channel, LandingRuns, Transfer, concat_transfers
+from ..transport import AllWorks, Channel, LandingRuns, Later, Transfer, concat_transfers
 
 LINK_CLASSES = ("self", "intra", "inter")
 
@@ -360,7 +360,7 @@ class SplitHop:
         transfer = Transfer(out, AllWorks([early, late]))
         return transfer if async_op else transfer.wait()
 
-    def send_meta(self, meta: list) -> Transfer:
+    def send_meta(self, meta: list) -> Later:
         """Metadata [early's, late's], received as early's then late's (as the rows)."""
         return concat_transfers([part.send_meta(m) for part, m in zip((self.early, self.late), meta)])
 
@@ -503,15 +503,15 @@ class Route:
 
     def forward(self, rows: torch.Tensor, async_op: bool = False, sent: torch.Tensor | None = None):
         """[N, C] -> expert rows [M, C] (dispatch). With ``async_op`` the first exchange is
-        left in flight and a `Transfer` is returned; its wait() plans and runs the remaining
+        left in flight and a `Later` is returned; its wait() plans and runs the remaining
         hops. ``sent``: the first hop's sent rows, already gathered (see `AllToAllHop.forward`)."""
         if self.plan is None:
-            pending = Transfer(self.hops[0].forward(rows, async_op=True, sent=sent), None,
-                               lambda level: self._run(level, self.hops[1:]))
+            first = self.hops[0].forward(rows, async_op=True, sent=sent)
+            pending = Later(lambda: self._run(first, self.hops[1:]))
         else:
             stage = next(self.plan)
             level, meta = self._start(stage, rows, sent)
-            pending = Transfer(level, None, lambda level: self._plan_and_run(level, meta))
+            pending = Later(lambda: self._plan_and_run(level, meta))
         return pending if async_op else pending.wait()
 
     def _start(self, stage: Stage, level, sent=None):
@@ -589,7 +589,7 @@ class Route:
 
     def transpose_async(self, rows: torch.Tensor, weights: torch.Tensor | None = None,
                         out_dtype: torch.dtype | None = None, at_source: bool | None = None,
-                        agree=None) -> Transfer:
+                        agree=None) -> Transfer | Later:
         """`transpose` with the first reverse exchange left in flight.
 
         at_source: this rank leaves ``weights`` to the source side (default:
@@ -617,7 +617,8 @@ class Route:
             for hop, before in zip(earlier, earlier[1:] + [None]):
                 back = hop.reverse(back, before, dtype, lambda hop=hop: landed(hop))
             return back.to(out_dtype or dtype)
-        return Transfer(earlier[0].send_back(rows), None, finish)
+        back = earlier[0].send_back(rows)
+        return Later(lambda: finish(back))
 
     def _source_side_weights(self, peers_at_source) -> torch.Tensor | None:
         """The weights the first hop's reduce applies: ``source_weights`` for the rows of peers
