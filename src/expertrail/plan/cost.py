@@ -170,7 +170,7 @@ def metadata_bytes(algorithm: str, topk: int) -> int:
     """Bytes of int64 metadata expertrail's engine sends beside each dispatched row: alltoall a
     row's k and weight; dedup and allgather the token's K expert ids and K weights;
     hierarchical (both hops) its source rank and token, K ids and K weights. The backends take
-    their ``Hop.meta_bytes`` from here, so the planner and the engine count alike."""
+    their ``AllToAllHop.meta_bytes`` from here, so the planner and the engine count alike."""
     per_row = {"alltoall": 2, "dedup": 2 * topk, "allgather": 2 * topk, "hierarchical": 2 + 2 * topk}
     return 8 * per_row.get(algorithm, 0)
 
