@@ -108,9 +108,6 @@ class AllToAllDispatcher(Dispatcher):
         return SourcePlan(topk_idx, counts, pairs // max(k, 1), counts.sum(1).tolist(), self.groups.ep_rank,
                           pairs=pairs)
 
-    def _source_weights(self, topk_weights, plan):
-        return topk_weights.reshape(-1).index_select(0, plan.pairs)
-
     def _stages(self, topk_weights, plan, recv_counts, headers):
         pairs, token, send_splits = plan.pairs, plan.token, plan.send_splits
         topk = plan.topk_idx.shape[1]
@@ -147,7 +144,9 @@ class AllToAllDispatcher(Dispatcher):
                              out_rows=out_rows if real_pos is not None else None)
         # A row carries its k and its weight (its expert follows from where it lands); nothing in
         # the plan depends on them.
-        received = yield Stage(hop, torch.stack([k, weight_bits(self._source_weights(topk_weights, plan))], 1))
+        # Combine weights the exact expert outputs on this (source) side: see `Route.source_weights`.
+        source_weights = topk_weights.reshape(-1).index_select(0, pairs)
+        received = yield Stage(hop, torch.stack([k, weight_bits(source_weights)], 1))
         yield Stage(last)
         ordered = received.index_select(0, from_received)
-        return ExpertRows(ordered[:, 0], bits_weight(ordered[:, 1], topk_weights.dtype), padded, real)
+        return ExpertRows(ordered[:, 0], bits_weight(ordered[:, 1], topk_weights.dtype), padded, real, source_weights)

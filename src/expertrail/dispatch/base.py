@@ -277,15 +277,9 @@ class Dispatcher:
         hop (`_expand` or `_expansion` give it) and return its `ExpertRows`."""
         raise NotImplementedError
 
-    def _source_weights(self, topk_weights, plan: SourcePlan) -> torch.Tensor | None:
-        """For a route whose first hop sends one row per (token, expert) pair: each sent row's
-        routing weight (see `Route.source_weights`); None otherwise."""
-        return None
-
     def _route(self, topk_weights, plan: SourcePlan, recv_counts, headers: Headers) -> Route:
         """This dispatch's route, to be planned by its first forward as the metadata lands."""
-        return Route(topk=plan.topk_idx.shape[1], plan=self._stages(topk_weights, plan, recv_counts, headers),
-                     source_weights=self._source_weights(topk_weights, plan))
+        return Route(topk=plan.topk_idx.shape[1], plan=self._stages(topk_weights, plan, recv_counts, headers))
 
     def _layout(self, topk_idx: torch.Tensor) -> TokenLayout:
         """Where this rank's tokens go: rows per expert, rank and domain (`routing.compute_layout`;

@@ -69,15 +69,15 @@ class Headers:
 
     @property
     def hidden(self) -> int:
-        return int(self.table[0, FIELDS.index("hidden")])
+        return int(self.column("hidden")[0])
 
     @property
     def topk(self) -> int:
-        return int(self.table[0, FIELDS.index("topk")])
+        return int(self.column("topk")[0])
 
     @property
     def dtype(self) -> torch.dtype:
-        return CODE_DTYPES[int(self.table[0, FIELDS.index("dtype")])]
+        return CODE_DTYPES[int(self.column("dtype")[0])]
 
     @property
     def needs_grad(self) -> bool:

@@ -341,13 +341,13 @@ class SplitHop:
     channel = property(lambda self: self.late.channel)
     peers = property(lambda self: self.late.peers)
     meta_bytes = property(lambda self: self.late.meta_bytes)
-    num_src = property(lambda self: self.late.num_src)
     send_splits = property(lambda self: [a + b for a, b in zip(self.early.send_splits, self.late.send_splits)])
     recv_splits = property(lambda self: [a + b for a, b in zip(self.early.recv_splits, self.late.recv_splits)])
 
-    def forward(self, level, async_op: bool = False):
+    def forward(self, level, async_op: bool = False, sent=None):
         """The previous level's rows [num_src, C], or the `Transfer` bringing them -> the rows
-        received [sum(recv_splits), C]: early's exchange is posted before ``level`` is waited for."""
+        received [sum(recv_splits), C]: early's exchange is posted before ``level`` is waited for.
+        (``sent``: as other hops take it; a split hop is never a route's first.)"""
         start, end = self.own
         in_flight = isinstance(level, Transfer)
         own_rows = level.own_rows if in_flight and level.own_rows is not None else None
@@ -460,12 +460,14 @@ class Stage:
 class ExpertRows:
     """What a route's plan says of its expert rows at the end: row_k int64 [M_real], the top-k
     slot of each real expert row; row_weights [M_real] its routing weight; tokens_per_expert /
-    real_tokens_per_expert int64 [E_local] rows per local expert with and without padding."""
+    real_tokens_per_expert int64 [E_local] rows per local expert with and without padding;
+    source_weights: see `Route`."""
 
     row_k: torch.Tensor
     row_weights: torch.Tensor
     tokens_per_expert: torch.Tensor
     real_tokens_per_expert: torch.Tensor
+    source_weights: torch.Tensor | None = None
 
 
 @dataclass
@@ -506,7 +508,7 @@ class Route:
         left in flight and a `Later` is returned; its wait() plans and runs the remaining
         hops. ``sent``: the first hop's sent rows, already gathered (see `AllToAllHop.forward`)."""
         if self.plan is None:
-            first = self.hops[0].forward(rows, async_op=True, sent=sent)
+            first = self._step(self.hops[0], rows, sent)
             pending = Later(lambda: self._run(first, self.hops[1:]))
         else:
             stage = next(self.plan)
@@ -517,14 +519,17 @@ class Route:
     def _start(self, stage: Stage, level, sent=None):
         """Append ``stage``'s hop, post its metadata, then its rows -> (its rows in flight, or
         its output; the metadata in flight, or None)."""
-        hop = stage.hop
-        self.hops.append(hop)
-        meta = None if stage.meta is None else hop.send_meta(stage.meta)
-        if not hop.communicates:
-            return hop.forward(level.wait() if isinstance(level, Transfer) else level), meta
+        self.hops.append(stage.hop)
+        meta = None if stage.meta is None else stage.hop.send_meta(stage.meta)
+        return self._step(stage.hop, level, sent), meta
+
+    @staticmethod
+    def _step(hop, level, sent=None):
+        """Run ``hop`` on ``level`` (rows, or the `Transfer` bringing them: a `SplitHop` starts
+        before it lands) -> its output, or for a communicating hop the Transfer of its rows."""
         if not isinstance(hop, SplitHop) and isinstance(level, Transfer):
             level = level.wait()
-        return hop.forward(level, async_op=True, **({"sent": sent} if sent is not None else {})), meta
+        return hop.forward(level, async_op=True, sent=sent) if hop.communicates else hop.forward(level)
 
     def _plan_and_run(self, level, meta) -> torch.Tensor:
         """The first forward after its first stage: resume the plan with each stage's received
@@ -537,6 +542,7 @@ class Route:
                 self.row_k, self.row_weights = rows.row_k, rows.row_weights
                 self.tokens_per_expert = rows.tokens_per_expert
                 self.real_tokens_per_expert = rows.real_tokens_per_expert
+                self.source_weights = rows.source_weights
                 self.plan = None
                 return level.wait() if isinstance(level, Transfer) else level
             level, meta = self._start(stage, level)
@@ -545,9 +551,7 @@ class Route:
         """Run ``hops`` on ``level``: the rows before them, or the `Transfer` bringing them (a
         `SplitHop` starts before it lands)."""
         for hop in hops:
-            if not isinstance(hop, SplitHop) and isinstance(level, Transfer):
-                level = level.wait()
-            level = hop.forward(level, async_op=True) if hop.communicates else hop.forward(level)
+            level = self._step(hop, level)
         return level.wait() if isinstance(level, Transfer) else level
 
     def exchanges(self) -> list[Exchange]:

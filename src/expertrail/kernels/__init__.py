@@ -1,8 +1,8 @@
 """Local data movement of dispatch and combine: the torch kernels (`torch_ops`) and the Triton fast path.
 
-``permute_rows`` (one read of each row, written to each of its destinations),
-``reduce_copies_dense`` (the weighted sum of each row's copies in fp32, fixed order, written
-once) and ``layout_counts``. The torch implementations are the reference and the CPU path; the
+``copy_rows`` (one read of each row, written to each of its copies), ``reduce_copies`` (the
+weighted sum of each row's copies in fp32, fixed order, written once) and ``layout_counts``,
+each choosing between the two in one place. The torch implementations are the reference and the CPU path; the
 Triton kernels run for CUDA tensors when Triton is installed (`set_mode`: "torch" turns them
 off, "triton" forces them, e.g. on the CPU with ``TRITON_INTERPRET=1`` in tests; the mode at
 import is ``EXPERTRAIL_KERNELS``, default "auto").
@@ -48,24 +48,6 @@ def use_triton(t: torch.Tensor) -> bool:
     if _mode == "torch" or not (_mode == "triton" or t.is_cuda):
         return False
     return bool(_triton_kernels())
-
-
-def permute_rows(rows: torch.Tensor, dest: torch.Tensor, out_rows: int, zero_rows: torch.Tensor | None = None):
-    """out[dest[i, s]] = rows[i] for every dest >= 0; ``zero_rows`` (padding) set to zero.
-
-    rows [R, C]; dest int64 [R, S] (-1: no copy) -> out [out_rows, C]; rows of ``out`` that no
-    copy and no ``zero_rows`` cover are undefined.
-    """
-    impl = _triton_kernels() if use_triton(rows) else torch_ops
-    return impl.permute_rows(rows, dest, out_rows, zero_rows)
-
-
-def reduce_copies_dense(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None,
-                        out_dtype: torch.dtype) -> torch.Tensor:
-    """out[i] = sum over s ascending of weights[pos[i, s]] * rows[pos[i, s]] (pos -1: skip),
-    accumulated in fp32 (fp64 for fp64). rows [R, C], pos int64 [N, S] -> [N, C]."""
-    impl = _triton_kernels() if use_triton(rows) else torch_ops
-    return impl.reduce_copies_dense(rows, pos, weights, out_dtype)
 
 
 def copy_rows(rows: torch.Tensor, index: torch.Tensor, out_rows: int, destinations, zero_rows=None,
