@@ -283,8 +283,8 @@ def format_table(report: dict) -> str:
 def predict_backends(report: dict, links: dict, local: dict | None = None) -> None:
     """Add to every backend of ``report`` the planner's predicted times on this machine (its
     measured links and local pass figures, ``local``, as a `Hardware` entry, this run's shape,
-    layout and rank 0's routing) and
-    its count of this run's dispatch rows and bytes per link class from every rank's routing
+    layout and rank 0's routing) and its count of this run's dispatch rows and bytes per link
+    class from every rank's routing
     (`plan.cost.rows_by_link`), to set beside what the engine sent: ``predicted_dispatch_s``,
     ``predicted_combine_s``, ``predicted_total_s``, ``planner_rows``, ``planner_bytes``,
     ``planner_bytes_match``."""

@@ -4,7 +4,7 @@ planner.
 
 `measure_links` times a bare all-to-all, sent as the engine sends rows (point-to-point
 transfers all posted at once on gloo, ``all_to_all_single`` on NCCL; gloo's own
-``all_to_all_single`` walks its peers in lockstep and reached 70-75% of a shaped link's rate
+``all_to_all_single`` walks its peers in lockstep and reached 70-80% of a shaped link's rate
 where the engine's transfers reached it), over every rank's domain group and, separately, over
 every rank's rail group (all groups of a class at once, as in a dispatch), at several sizes:
 the latency is the time of the smallest exchange, the bandwidth the slope between the
