@@ -2,8 +2,14 @@
 import torch
 
 from expertrail.dispatch.base import expand_local
-from expertrail.dispatch.route import number_copies, reduce_rows
+from expertrail import kernels
+from expertrail.dispatch.route import number_copies
 from expertrail.kernels.torch_ops import CopyPositions, stable_argsort, take_rows
+
+
+def reduce_rows(rows, index, slot, num_out, num_slots, weights, out_dtype):
+    """out[i] = sum over s (ascending) of weights * rows[j] where index[j] == i and slot[j] == s."""
+    return kernels.reduce_copies(rows, CopyPositions.build(index, slot, num_out, num_slots), weights, out_dtype)
 
 
 def test_reduce_rows_sums_copies_in_slot_order_in_fp32():

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .configs import BenchConfig
 from .dispatch import make_dispatcher
-from .dispatch.route import LINK_CLASSES
+from .transport import LINK_CLASSES
 from .errors import ExpertrailError
 from .reference import reference_dispatch, reference_moe
 from .topology import EPGroups, all_gather_single

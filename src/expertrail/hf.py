@@ -226,10 +226,12 @@ class ExpertParallelMoE(nn.Module):
     """
 
     def __init__(self, block: nn.Module, groups: EPGroups, backend: str = "alltoall", check_weights: bool = True,
-                 num_chunks: int = 1, **dispatcher_options):
+                 num_chunks: int = 1, replicas=None, **dispatcher_options):
         super().__init__()
         if int(num_chunks) < 1:
             raise ConfigError(f"num_chunks={num_chunks} must be >= 1")
+        if replicas is not None:
+            replicas.agree(groups, "ExpertParallelMoE expert placement")
         named = [(type(block).__name__, block)]
         if check_weights and is_sparse_moe_block(block):
             _agree_on_structure(named, groups)    # so that the checks below raise on every rank alike
@@ -241,24 +243,29 @@ class ExpertParallelMoE(nn.Module):
             _compare_checksums(named, groups)
         fused = block.experts
         num_experts, two_f, hidden = fused.gate_up_proj.shape
+        if replicas is not None and replicas.log_to_phys.shape[0] != num_experts:
+            raise ConfigError(f"replicas map {replicas.log_to_phys.shape[0]} experts but {type(block).__name__} has "
+                              f"{num_experts}: plan the placement for this block's experts")
         self.gate = block.gate
         self.shared_experts = getattr(block, "shared_experts", None)
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
         self.num_chunks = int(num_chunks)
-        self.dispatcher = make_dispatcher(backend, groups, num_experts=num_experts, hidden=hidden, **dispatcher_options)
-        self.groups = groups
+        slots = num_experts if replicas is None else replicas.num_slots
+        self.dispatcher = make_dispatcher(backend, groups, num_experts=slots, hidden=hidden, **dispatcher_options)
+        self.groups, self.replicas = groups, replicas
         self.num_experts = num_experts
         local = self.dispatcher.num_local_experts
         first = groups.ep_rank * local
         weight = fused.gate_up_proj
         self.experts = GroupedExperts(local, hidden, two_f // 2, dtype=weight.dtype, device=weight.device,
                                       activation=getattr(fused, "act_fn", nn.functional.silu))
+        self.first_expert = first
         with torch.no_grad():
-            self.experts.gate_up_proj.copy_(fused.gate_up_proj[first:first + local])
-            self.experts.down_proj.copy_(fused.down_proj[first:first + local])
+            rows = self.local_experts().to(weight.device)
+            self.experts.gate_up_proj.copy_(fused.gate_up_proj.index_select(0, rows))
+            self.experts.down_proj.copy_(fused.down_proj.index_select(0, rows))
         self.experts.gate_up_proj.requires_grad_(fused.gate_up_proj.requires_grad)
         self.experts.down_proj.requires_grad_(fused.down_proj.requires_grad)
-        self.first_expert = first
         # The block to give back on `unpatch`: the same router and shared experts objects (so
         # it sees their training), the full expert tensors replaced by meta placeholders (so
         # no rank keeps all experts). Kept out of the module tree: not a submodule, not saved.
@@ -276,22 +283,67 @@ class ExpertParallelMoE(nn.Module):
                 1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         flat = hidden_states.reshape(-1, shape[-1])
         _, topk_weights, topk_idx = self.gate(flat)
+        if self.replicas is not None:
+            topk_idx = self.replicas(topk_idx.long())
         shared = None if self.shared_experts is None else \
             (lambda: self.shared_experts(hidden_states).reshape(flat.shape))
         return expert_parallel_moe(self.dispatcher, flat, topk_idx, topk_weights, self.experts, shared,
                                    self.num_chunks).view(shape)
 
+    # -- hot-expert replicas --
+
+    def slot_experts(self) -> torch.Tensor:
+        """int64 [S]: the logical expert each physical slot holds (S = E without replicas)."""
+        if self.replicas is None:
+            return torch.arange(self.num_experts)
+        return self.replicas.slot_experts.cpu()
+
+    def local_experts(self) -> torch.Tensor:
+        """int64 [E_local]: the logical expert of each of this rank's expert rows."""
+        return self.slot_experts()[self.first_expert:self.first_expert + self.experts.num_local_experts]
+
+    def set_replicas(self, replicas, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Route through the placement ``replicas`` (a balance.ReplicaRouter with the same
+        number of slots) from now on: each rank receives the expert weights its new slots lack
+        from a rank that holds them (`balance.migrate`), and with ``optimizer`` the expert
+        parameters' per-slot state (momenta...) moves with them. Collective over the EP group;
+        the block's outputs are unchanged."""
+        from .balance import migrate
+        replicas.agree(self.groups, "ExpertParallelMoE expert placement")
+        if replicas.num_slots != self.dispatcher.num_experts or replicas.log_to_phys.shape[0] != self.num_experts:
+            raise ConfigError(f"replicas has {replicas.num_slots} slots for {replicas.log_to_phys.shape[0]} experts, "
+                              f"this block {self.dispatcher.num_experts} slots for {self.num_experts}: the slot count "
+                              "is fixed at construction (pass replicas= there)")
+        old, new = self.slot_experts().numpy(), replicas.slot_experts.cpu().numpy()
+        params = [self.experts.gate_up_proj, self.experts.down_proj]
+        states = [] if optimizer is None else [(p, name) for p in params for name, t in optimizer.state.get(p, {}).items()
+                                               if torch.is_tensor(t) and t.shape == p.shape]
+        tensors = [p.detach() for p in params] + [optimizer.state[p][name] for p, name in states]
+        moved = migrate(tensors, old, new, self.groups.ep_rank, list(self.groups.ep_ranks), self.groups.ep_group)
+        with torch.no_grad():
+            for p, t in zip(params, moved):
+                p.copy_(t)
+        for (p, name), t in zip(states, moved[len(params):]):
+            optimizer.state[p][name].copy_(t)
+        self.replicas = replicas
+
     # -- saving and loading --
 
     def get_extra_state(self) -> torch.Tensor:
-        """int64 [3]: (first expert, E_local, E) of the expert rows in this shard."""
-        return torch.tensor([self.first_expert, self.experts.num_local_experts, self.num_experts])
+        """int64 [3] (first expert row, E_local, E) of the expert rows in this shard; with
+        replicas [4], the placement's digest added."""
+        tag = [self.first_expert, self.experts.num_local_experts, self.num_experts]
+        return torch.tensor(tag if self.replicas is None else tag + [self.replicas.digest()])
 
     def set_extra_state(self, state) -> None:
         have = [int(v) for v in torch.as_tensor(state).tolist()]
         mine = self.get_extra_state().tolist()
+        if have[3:] != mine[3:]:
+            raise ConfigMismatchError("this state dict's expert shard was saved under another replica placement (or "
+                                      "none): load it into a block with the same replicas, or save with "
+                                      "expertrail.hf.full_state_dict(model)")
         if have != mine:
-            a, n, e = have
+            a, n, e = have[:3]
             raise ConfigMismatchError(
                 f"this state dict holds experts [{a}, {a + n}) of {e}, but this rank holds experts "
                 f"[{mine[0]}, {mine[0] + mine[1]}) of {mine[2]}: a patched model's state_dict() is one rank's shard. "
@@ -303,26 +355,29 @@ class ExpertParallelMoE(nn.Module):
         # A full checkpoint (the unpatched block's, or full_state_dict's) has E expert rows and
         # no expert-row tag: keep this rank's rows. load_state_dict hands children this dict
         # (its own copy), so the rows replaced here are the ones experts loads.
-        local, first = self.experts.num_local_experts, self.first_expert
+        # When a shard also has E rows, only the missing tag tells a full checkpoint.
+        tag = prefix + "_extra_state"
+        ambiguous = self.experts.num_local_experts == self.num_experts
         full = []
         for name in ("gate_up_proj", "down_proj"):
             key = f"{prefix}experts.{name}"
             t = state_dict.get(key)
-            if t is not None and t.dim() == 3 and t.shape[0] == self.num_experts and local != self.num_experts:
-                state_dict[key] = t[first:first + local]
+            if t is not None and t.dim() == 3 and t.shape[0] == self.num_experts and not (ambiguous and tag in state_dict):
+                state_dict[key] = t.index_select(0, self.local_experts().to(t.device))
                 full.append(key)
-        tag = prefix + "_extra_state"
         if full and tag in state_dict:
             raise ConfigMismatchError(f"{', '.join(full)} hold all {self.num_experts} experts but the state dict also "
                                       f"has {tag}, which marks a one-rank shard: the state dict mixes two formats")
-        if full or (local == self.num_experts and tag not in state_dict):
+        if full:
             state_dict[tag] = self.get_extra_state()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
     def full_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The full expert tensors, gathered from the EP group: ``gate_up_proj [E, 2F, H]`` and
-        ``down_proj [E, H, F]``, detached, on this rank's expert device. Collective."""
+        ``down_proj [E, H, F]``, detached, on this rank's expert device. Collective. With
+        replicas each expert's first slot stands for it (replicas of one expert are trained
+        apart: each slot gets the gradient of the tokens routed to it)."""
         return self._gather(self.experts.gate_up_proj), self._gather(self.experts.down_proj)
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
@@ -331,6 +386,8 @@ class ExpertParallelMoE(nn.Module):
         out = torch.empty((g.ep_size * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=g.device)
         with guarded("the expert all_gather", g.label, g.timeout):
             all_gather_single(out, src, group=g.ep_group)
+        if self.replicas is not None:
+            out = out.index_select(0, self.replicas.log_to_phys[:, 0].to(out.device))
         return out.to(local.device)
 
     def unpatch(self) -> nn.Module:
@@ -352,9 +409,11 @@ def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def patch_model(model: nn.Module, groups: EPGroups, backend: str = "alltoall", check_weights: bool = True,
-                num_chunks: int = 1, **dispatcher_options) -> int:
+                num_chunks: int = 1, replicas=None, **dispatcher_options) -> int:
     """Replace every sparse MoE block of ``model`` by an `ExpertParallelMoE` (``backend``,
     ``num_chunks`` and ``dispatcher_options`` as it takes them); returns how many.
+    ``replicas``: None, one balance.ReplicaRouter for every block, or a list of them, one per
+    block in module order (``Placement`` layer i for block i).
 
     Collective: every rank of the EP group must patch the same model. Before anything is
     replaced, the ranks agree on the blocks found, and (unless ``check_weights=False``) on
@@ -385,9 +444,13 @@ def patch_model(model: nn.Module, groups: EPGroups, backend: str = "alltoall", c
                           + f"\nSupported: {RECOGNISED}")
     if check_weights:
         _compare_checksums(targets, groups)
-    for name, block in targets:
+    per_block = replicas if isinstance(replicas, (list, tuple)) else [replicas] * len(targets)
+    if len(per_block) != len(targets):
+        raise ConfigError(f"replicas lists {len(per_block)} placements for {len(targets)} MoE blocks: give one per "
+                          "block, in module order, or one for all")
+    for (name, block), placement in zip(targets, per_block):
         _replace(model, name, ExpertParallelMoE(block, groups, backend, check_weights=False, num_chunks=num_chunks,
-                                                **dispatcher_options))
+                                                replicas=placement, **dispatcher_options))
     return len(targets)
 
 

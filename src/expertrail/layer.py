@@ -67,13 +67,7 @@ class MoELayer(nn.Module):
     def set_replicas(self, replicas) -> None:
         """Route through ``replicas`` (a balance.ReplicaRouter) from now on, after checking that
         every rank of the EP group uses the same placement (collective)."""
-        import zlib
-
-        from .topology import check_same_on_all_ranks
-        digest = zlib.crc32(replicas.log_to_phys.cpu().numpy().tobytes()) & 0x7FFFFFFF
-        groups = self.dispatcher.groups
-        check_same_on_all_ranks({"placement_crc32": digest, "slots": replicas.num_slots}, groups.ep_group,
-                                groups.device, "MoELayer expert placement")
+        replicas.agree(self.dispatcher.groups, "MoELayer expert placement")
         self.replicas = replicas
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,11 +5,11 @@ of rows, point-to-point transfers, and the tags that keep exchanges in flight to
 `EPGroups.channel` hands out one channel per process group, so that every exchange on a group
 draws its tags from the same counter. An exchange returns a `Transfer`, whose ``wait()`` gives
 the received rows. `LandingRuns` is an all-to-all whose rows land straight in their final
-places, piece by piece.
+places, piece by piece. `TransferStats` counts what one operation sent, per link class.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -229,3 +229,39 @@ class LandingRuns:
             sends += [(sent[a], p, first_tag + j) for j, a in enumerate(send[p]) if send_sizes[a]]
             recvs += [(landing[b], p, first_tag + j) for j, b in enumerate(recv[p]) if recv_sizes[b]]
         return Transfer(out, AllWorks(self.channel.post(sends, recvs)))
+
+
+LINK_CLASSES = ("self", "intra", "inter")
+
+
+@dataclass
+class TransferStats:
+    """What this rank handed to collectives in one operation, per link class.
+
+    ``bytes`` and ``rows`` count the payload rows with their metadata, as sent; link classes are
+    ``self`` (to this rank), ``intra`` (another rank of its domain) and ``inter`` (another
+    domain). ``control_bytes`` counts the small count/flag exchanges that size the transfers.
+    """
+
+    bytes: dict = field(default_factory=lambda: dict.fromkeys(LINK_CLASSES, 0))
+    rows: dict = field(default_factory=lambda: dict.fromkeys(LINK_CLASSES, 0))
+    control_bytes: int = 0
+
+    def add(self, link: str, rows: int, row_bytes: int) -> None:
+        self.rows[link] += rows
+        self.bytes[link] += rows * row_bytes
+
+    @property
+    def remote_bytes(self) -> int:
+        return self.bytes["intra"] + self.bytes["inter"]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+def link_class(me: int, peer: int, domain_size: int) -> str:
+    """The link class between EP ranks ``me`` and ``peer`` for domains of ``domain_size`` ranks."""
+    if peer == me:
+        return "self"
+    return "intra" if peer // domain_size == me // domain_size else "inter"

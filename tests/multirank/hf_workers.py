@@ -170,3 +170,87 @@ def load_other_ranks_shard(rank, world):
     assert torch.equal(fresh.model.layers[0].mlp.experts.gate_up_proj,
                        original.model.layers[0].mlp.experts.gate_up_proj[2 * rank:2 * rank + 2])
     return refused
+
+
+def _placement(seed: int, slots: int, world: int):
+    """A ReplicaRouter for 8 experts on ``slots`` slots, planned from a skewed random load."""
+    import numpy as np
+
+    from expertrail.balance import ReplicaRouter, plan_placement
+    load = np.random.default_rng(seed).gamma(0.5, 10, 8)
+    return ReplicaRouter.from_placement(plan_placement(load, slots, world))
+
+
+def block_with_replicas(rank, world, backend):
+    """ExpertParallelMoE(replicas=...): the original block's outputs and gradients (each
+    expert's gradient split over its slots), a rebalance that moves weights and optimizer
+    state, and shards and full checkpoints under a placement."""
+    original = tiny_block("qwen3_moe", torch.float32)
+    groups = groups_for(None, 2)
+    first = _placement(0, 12, world)
+    ep = ExpertParallelMoE(copy.deepcopy(original), groups, backend, replicas=first)
+    assert ep.dispatcher.num_experts == 12 and ep.experts.num_local_experts == 3
+    assert torch.equal(ep.experts.down_proj.detach(), original.experts.down_proj[ep.local_experts()])
+    x = torch.randn(1, 5 + rank, 32, generator=torch.Generator().manual_seed(rank))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = original(xa), ep(xb)
+    yb.square().sum().backward()
+    ya.square().sum().backward()
+    # Each slot gets the gradient of the tokens routed to it: summed over an expert's slots
+    # (on every rank) they give the original expert's gradient (summed over ranks).
+    per_slot = torch.zeros(12, *original.experts.down_proj.shape[1:])
+    per_slot[ep.first_expert:ep.first_expert + 3] = ep.experts.down_proj.grad
+    dist.all_reduce(per_slot)
+    want = original.experts.down_proj.grad.clone()
+    dist.all_reduce(want)
+    got = torch.zeros_like(want).index_add_(0, first.slot_experts, per_slot)
+    for a, b in ((yb, ya), (xb.grad, xa.grad), (got, want)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+    # Rebalance: weights and the optimizer's per-slot state move with their experts.
+    opt = torch.optim.SGD(ep.experts.parameters(), lr=0.0, momentum=0.9)
+    opt.step()
+    for p in ep.experts.parameters():       # mark each slot's state with its logical expert
+        opt.state[p]["momentum_buffer"] = ep.local_experts().view(-1, 1, 1).float().expand_as(p).clone()
+    shard = {k: v.clone() for k, v in ep.state_dict().items()}
+    second = _placement(1, 12, world)
+    ep.set_replicas(second, opt)
+    rows = ep.local_experts()
+    assert torch.equal(rows, second.slot_experts[ep.first_expert:ep.first_expert + 3])
+    assert torch.equal(ep.experts.gate_up_proj.detach(), original.experts.gate_up_proj[rows])
+    for p in ep.experts.parameters():
+        assert torch.equal(opt.state[p]["momentum_buffer"][:, 0, 0], rows.float())
+    with torch.no_grad():
+        torch.testing.assert_close(ep(x), ya.detach(), rtol=1e-5, atol=1e-5)
+    full = ep.full_expert_weights()
+    assert torch.equal(full[0], original.experts.gate_up_proj) and torch.equal(full[1], original.experts.down_proj)
+
+    # Saving and loading: a shard needs its placement; a full checkpoint loads under any.
+    try:
+        ep.load_state_dict(shard)
+        refused = None
+    except er.ConfigMismatchError as err:
+        refused = str(err)
+    assert refused is not None and "another replica placement" in refused, refused
+    other = ExpertParallelMoE(copy.deepcopy(original), groups, backend, replicas=first)
+    other.load_state_dict(shard)
+    fresh = ExpertParallelMoE(copy.deepcopy(original), groups, backend, replicas=second)
+    with torch.no_grad():
+        fresh.experts.down_proj.zero_()
+    fresh.load_state_dict(original.state_dict())
+    assert torch.equal(fresh.experts.down_proj, ep.experts.down_proj)
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), ya.detach(), rtol=1e-5, atol=1e-5)
+    return ep.first_expert
+
+
+def patched_model_with_replicas(rank, world):
+    """patch_model(replicas=[one per block]): the same logits as the original model."""
+    model = tiny_qwen3()
+    ep_model = copy.deepcopy(model)
+    assert patch_model(ep_model, groups_for(None, 2), backend="hierarchical",
+                       replicas=[_placement(2, 12, world), _placement(3, 16, world)]) == 2
+    slots = [m.dispatcher.num_experts for m in ep_model.modules() if isinstance(m, ExpertParallelMoE)]
+    with torch.no_grad():
+        torch.testing.assert_close(ep_model(_ids(rank)).logits, model(_ids(rank)).logits, rtol=1e-5, atol=1e-5)
+    return slots

@@ -100,3 +100,14 @@ def test_state_dict_shard_of_another_rank_is_refused(world4):
     assert refused[0] is None                     # rank 0 loads its own shard
     for message in refused[1:]:
         assert "this state dict holds experts [0, 2) of 8" in message and "full_state_dict" in message, message
+
+
+@pytest.mark.parametrize("backend", sorted(er.BACKENDS))
+def test_hf_block_with_replicas_equals_original_and_rebalances(world4, backend):
+    """replicas= on the HF block: hot experts on several slots, the original's outputs and
+    gradients; set_replicas moves weights and optimizer state; checkpoints under a placement."""
+    assert world4.run(hf_workers.block_with_replicas, backend) == [0, 3, 6, 9]
+
+
+def test_patch_model_with_a_placement_per_block(world4):
+    assert world4.run(hf_workers.patched_model_with_replicas) == [[12, 16]] * 4

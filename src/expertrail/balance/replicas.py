@@ -7,6 +7,8 @@ no rank draws random numbers.
 """
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import torch
 
@@ -24,6 +26,26 @@ class ReplicaRouter:
     @classmethod
     def from_placement(cls, placement, layer: int = 0, device=None) -> "ReplicaRouter":
         return cls(placement.log_to_phys[layer], placement.replicas[layer], device)
+
+    @property
+    def slot_experts(self) -> torch.Tensor:
+        """int64 [S]: the logical expert each physical slot holds."""
+        valid = self.log_to_phys >= 0
+        experts = torch.arange(self.log_to_phys.shape[0], device=self.log_to_phys.device)
+        out = torch.empty(self.num_slots, dtype=torch.int64, device=self.log_to_phys.device)
+        out[self.log_to_phys[valid]] = experts.unsqueeze(1).expand_as(valid)[valid]
+        return out
+
+    def digest(self) -> int:
+        """A crc32 of the slot map: equal on two ranks when they place experts alike."""
+        return zlib.crc32(self.log_to_phys.cpu().numpy().tobytes()) & 0x7FFFFFFF
+
+    def agree(self, groups, what: str) -> None:
+        """Raise ConfigMismatchError on every rank of ``groups``' EP group unless every rank
+        holds this same map (collective)."""
+        from ..topology import check_same_on_all_ranks
+        check_same_on_all_ranks({"placement_crc32": self.digest(), "slots": self.num_slots}, groups.ep_group,
+                                groups.device, what)
 
     def __call__(self, topk_idx: torch.Tensor) -> torch.Tensor:
         """int64 [N, K] logical ids (-1 kept) -> physical slot ids."""

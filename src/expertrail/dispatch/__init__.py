@@ -7,7 +7,7 @@ from .alltoall import AllToAllDispatcher
 from .base import DispatchResult, Dispatcher
 from .dedup import DedupDispatcher
 from .hierarchical import HierarchicalDispatcher
-from .route import TransferStats
+from ..transport import TransferStats
 
 BACKENDS = {cls.name: cls for cls in (AllGatherDispatcher, AllToAllDispatcher, DedupDispatcher,
                                       HierarchicalDispatcher)}

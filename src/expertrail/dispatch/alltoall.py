@@ -80,13 +80,11 @@ class AllToAllDispatcher(Dispatcher):
     name = "alltoall"
     Config = AllToAllConfig
 
-    land_in_place = property(lambda self: self.config.land_in_place)
-
     def _lands_in_place(self, headers) -> bool:
         """Whether this dispatch lands rows in place; from every rank's header, so every rank
         decides the same."""
-        if self.land_in_place is not None:
-            return self.land_in_place
+        if self.config.land_in_place is not None:
+            return self.config.land_in_place
         if self.num_local_experts == 1:
             return True       # one run per peer: nothing to trade
         rows = int(headers.num_tokens.sum()) * headers.topk

@@ -18,7 +18,8 @@ from ..topology import EPGroups, check_same_on_all_ranks, guarded
 from ..transport import Transfer
 from .config import DispatchConfig
 from .header import DTYPE_CODES, ERROR_KINDS, FIELDS, Header, Headers
-from .route import ExpandHop, ExpertRows, Route, Stage, TransferStats, own_block
+from ..transport import TransferStats
+from .route import ExpandHop, ExpertRows, Route, Stage, own_block
 
 def weight_bits(weights: torch.Tensor) -> torch.Tensor:
     """Float weights -> int64 bit patterns of their fp64 value (travel with int metadata)."""
@@ -74,11 +75,6 @@ class SourcePlan:
     dest: torch.Tensor | None = None
     pairs: torch.Tensor | None = None
 
-    def first_rows(self) -> tuple | None:
-        """(the tokens the first hop sends, in order; the (start, end) range of them this rank
-        sends itself), or None: gathered while the counts travel (`Dispatcher._gather_first`)."""
-        return None if self.token is None else (self.token, own_block(self.send_splits, self.me))
-
 
 @dataclass
 class DispatchResult:
@@ -127,12 +123,6 @@ class Dispatcher:
         self.rank_of_expert = groups.rank_of_expert(self.num_experts)
         self.local_of_expert = torch.arange(self.num_experts, device=groups.device) % self.num_local_experts
 
-    hidden = property(lambda self: self.config.hidden)
-    expert_alignment = property(lambda self: int(self.config.expert_alignment))
-    capacity_factor = property(lambda self: self.config.capacity_factor)
-    drop_policy = property(lambda self: self.config.drop_policy)
-    pad_to_capacity = property(lambda self: self.config.pad_to_capacity)
-
     # ---------------------------------------------------------------- public verbs
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  async_op: bool = False):
@@ -149,9 +139,9 @@ class Dispatcher:
     def _dispatch(self, x, topk_idx, topk_weights, async_op):
         error, message = self._check_inputs(x, topk_idx, topk_weights)
         topk_idx = topk_idx.long() if error == 0 else topk_idx
-        if error == 0 and self.capacity_factor is not None:
+        if error == 0 and self.config.capacity_factor is not None:
             topk_idx = apply_capacity(topk_idx, topk_weights.detach(), self.num_experts,
-                                      self.capacity_factor, self.drop_policy)
+                                      self.config.capacity_factor, self.config.drop_policy)
         plan = self._plan_source(topk_idx) if error == 0 else None
         control = self._start_control(plan.counts if plan else self._no_counts(),
                                       Header.of(x, topk_idx, topk_weights, error).pack())
@@ -163,10 +153,23 @@ class Dispatcher:
             route = self._route(topk_weights.detach(), plan, recv_counts, headers)
             route.label, route.timeout = self.groups.label, self.groups.timeout
             transfer = route.forward(x.detach(), async_op=True, sent=sent)
-        stats_args = (x.shape[1] * x.element_size(), self.groups.ep_rank, self.groups.domain_size,
-                      recv_counts.numel() * 8 + headers.nbytes)
-        pending = PendingDispatch(x, topk_weights, route, transfer, stats_args, headers.needs_grad)   # agreed
+        control_bytes = recv_counts.numel() * 8 + headers.nbytes
+        pending = Pending("dispatch", route, lambda: self._dispatch_result(
+            x, topk_weights, route, transfer.wait(), control_bytes, headers.needs_grad))   # needs_grad: agreed
         return pending if async_op else pending.wait()
+
+    def _dispatch_result(self, x, topk_weights, route: Route, tokens, control_bytes: int,
+                         attach_grad: bool) -> DispatchResult:
+        """The DispatchResult once the rows have landed (the route is complete from here on)."""
+        weights = route.expert_weights()
+        stats = route.stats(x.shape[1] * x.element_size(), self.groups.ep_rank, self.groups.domain_size)
+        stats.control_bytes = control_bytes
+        if attach_grad:
+            tokens, weights = _DispatchFunction.apply(x, topk_weights, route, tokens, weights)
+        route.remember_weights(weights)
+        return DispatchResult(tokens=tokens, tokens_per_expert=route.tokens_per_expert,
+                              real_tokens_per_expert=route.real_tokens_per_expert, weights=weights, stats=stats,
+                              route=route)
 
     def combine(self, expert_out: torch.Tensor, res: DispatchResult, weighted: bool = True,
                 async_op: bool = False):
@@ -209,7 +212,7 @@ class Dispatcher:
         with torch.no_grad():
             transfer = res.route.transpose_async(rows, weights, at_source=at_source,
                                                  agree=lambda: self._finish_combine_flags(flags, message))
-        pending = PendingCombine(rows, weights, res.route, transfer)
+        pending = Pending("combine", res.route, lambda: _CombineFunction.apply(rows, weights, res.route, transfer))
         return pending if async_op else pending.wait()
 
     def _check_expert_out(self, expert_out, res: DispatchResult) -> tuple[int, str | None]:
@@ -289,8 +292,7 @@ class Dispatcher:
     def _gather_first(self, x: torch.Tensor, plan: SourcePlan) -> torch.Tensor | None:
         """The first hop's sent rows [R, H] (None when the plan does not list them); rows that
         stay on this rank are left unfilled, the hop puts them in place directly."""
-        first = plan.first_rows()
-        return None if first is None else gather_rows(x, *first)
+        return None if plan.token is None else gather_rows(x, plan.token, own_block(plan.send_splits, plan.me))
 
     count_columns = 1
 
@@ -334,8 +336,8 @@ class Dispatcher:
         if topk_weights.shape != topk_idx.shape:
             return 1, (f"{where}: topk_weights {tuple(topk_weights.shape)} must have the shape of topk_idx "
                        f"{tuple(topk_idx.shape)} (same N and K)")
-        if self.hidden is not None and x.shape[1] != self.hidden:
-            return 1, f"{where}: x has hidden size {x.shape[1]} but the dispatcher was built with hidden={self.hidden}"
+        if self.config.hidden is not None and x.shape[1] != self.config.hidden:
+            return 1, f"{where}: x has hidden size {x.shape[1]} but the dispatcher was built with hidden={self.config.hidden}"
         if x.dtype not in DTYPE_CODES:
             return 2, f"{where}: x must be float32, bfloat16, float16 or float64, got {x.dtype}"
         if topk_idx.dtype.is_floating_point or topk_idx.dtype == torch.bool or topk_idx.is_complex():
@@ -357,11 +359,11 @@ class Dispatcher:
 
     def _padded_counts(self, real: torch.Tensor, headers: Headers) -> torch.Tensor:
         rows = real
-        if self.pad_to_capacity:
-            cap = sum(expert_capacity(int(n), headers.topk, self.num_experts, self.capacity_factor)
+        if self.config.pad_to_capacity:
+            cap = sum(expert_capacity(int(n), headers.topk, self.num_experts, self.config.capacity_factor)
                       for n in headers.num_tokens.tolist())
             rows = torch.full_like(real, cap)
-        a = self.expert_alignment
+        a = int(self.config.expert_alignment)
         return rows if a == 1 else (rows + a - 1) // a * a
 
     def _expand(self, local_ids: torch.Tensor, bits: torch.Tensor, headers: Headers, dtype: torch.dtype,
@@ -390,52 +392,22 @@ class Dispatcher:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(ep_size={self.groups.ep_size}, domain_size={self.groups.domain_size}, "
-                f"num_experts={self.num_experts}, expert_alignment={self.expert_alignment}, "
-                f"capacity_factor={self.capacity_factor})")
+                f"num_experts={self.num_experts}, expert_alignment={self.config.expert_alignment}, "
+                f"capacity_factor={self.config.capacity_factor})")
 
 
-class PendingDispatch:
-    """A dispatch whose rows are in flight; ``wait()`` returns the DispatchResult."""
+class Pending:
+    """A dispatch or combine whose rows are in flight; ``wait()`` returns its result (the
+    DispatchResult, or y [N, H]), computed once."""
 
-    def __init__(self, x, topk_weights, route, transfer, stats_args, attach_grad):
-        self._args = (x, topk_weights, route, transfer, stats_args, attach_grad)
-        self._result = None
+    def __init__(self, verb: str, route: Route, finish):
+        self.verb, self.route, self._finish, self._result = verb, route, finish, None
 
-    def wait(self) -> DispatchResult:
-        if self._result is None:
-            with guarded("dispatch (wait)", self._args[2].label, self._args[2].timeout):
-                self._finish()
-        return self._result
-
-    def _finish(self) -> None:
-        if self._result is None:
-            x, topk_weights, route, transfer, (row_bytes, rank, domain_size, control_bytes), attach_grad = self._args
-            tokens = transfer.wait()                   # the route is complete from here on
-            weights = route.expert_weights()
-            stats = route.stats(row_bytes, rank, domain_size)
-            stats.control_bytes = control_bytes
-            if attach_grad:
-                tokens, weights = _DispatchFunction.apply(x, topk_weights, route, tokens, weights)
-            route.remember_weights(weights)
-            self._result = DispatchResult(tokens=tokens, tokens_per_expert=route.tokens_per_expert,
-                                          real_tokens_per_expert=route.real_tokens_per_expert,
-                                          weights=weights, stats=stats, route=route)
-            self._args = None
-
-
-class PendingCombine:
-    """A combine whose rows are in flight; ``wait()`` returns y [N, H]."""
-
-    def __init__(self, expert_out, weights, route, transfer):
-        self._args = (expert_out, weights, route, transfer)
-        self._result = None
-
-    def wait(self) -> torch.Tensor:
-        if self._result is None:
-            route = self._args[2]
-            with guarded("combine (wait)", route.label, route.timeout):
-                self._result = _CombineFunction.apply(*self._args)
-            self._args = None
+    def wait(self):
+        if self._finish is not None:
+            with guarded(f"{self.verb} (wait)", self.route.label, self.route.timeout):
+                self._result = self._finish()
+            self._finish = None
         return self._result
 
 

@@ -20,36 +20,7 @@ import torch
 
 from .. import kernels
 from ..kernels.torch_ops import CopyPositions, stable_argsort
-from ..transport import AllWorks, Channel, LandingRuns, Later, Transfer, concat_transfers
-
-LINK_CLASSES = ("self", "intra", "inter")
-
-
-
-@dataclass
-class TransferStats:
-    """What this rank handed to collectives in one operation, per link class.
-
-    ``bytes`` and ``rows`` count the payload rows with their metadata, as sent; link classes are
-    ``self`` (to this rank), ``intra`` (another rank of its domain) and ``inter`` (another
-    domain). ``control_bytes`` counts the small count/flag exchanges that size the transfers.
-    """
-
-    bytes: dict = field(default_factory=lambda: dict.fromkeys(LINK_CLASSES, 0))
-    rows: dict = field(default_factory=lambda: dict.fromkeys(LINK_CLASSES, 0))
-    control_bytes: int = 0
-
-    def add(self, link: str, rows: int, row_bytes: int) -> None:
-        self.rows[link] += rows
-        self.bytes[link] += rows * row_bytes
-
-    @property
-    def remote_bytes(self) -> int:
-        return self.bytes["intra"] + self.bytes["inter"]
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
+from ..transport import AllWorks, Channel, LandingRuns, Later, Transfer, TransferStats, concat_transfers, link_class
 
 
 def number_copies(index: torch.Tensor, num_src: int, num_slots: int) -> tuple[torch.Tensor, CopyPositions]:
@@ -389,9 +360,7 @@ class SplitHop:
         summed[start:end] = self.early.reduce(back.early.wait(), None, dtype)
         return summed if before is None else before.send_back(summed)
 
-    def transpose(self, rows: torch.Tensor) -> torch.Tensor:
-        """Received rows -> [num_src, C], copies summed per source row (unweighted)."""
-        return self.reverse(self.send_back(rows), None, rows.dtype, lambda: None)
+    transpose = AllToAllHop.transpose
 
     def add_stats(self, stats: TransferStats, payload_bytes: int, my_rank: int, domain_size: int,
                   backward: bool = False) -> None:
@@ -430,21 +399,6 @@ def own_block(send_splits: list, me: int) -> tuple:
     """(start, end) of the block sent to peer ``me`` among rows laid out peer by peer."""
     start = sum(send_splits[:me])
     return start, start + send_splits[me]
-
-
-def link_class(me: int, peer: int, domain_size: int) -> str:
-    if peer == me:
-        return "self"
-    return "intra" if peer // domain_size == me // domain_size else "inter"
-
-
-def reduce_rows(rows: torch.Tensor, index: torch.Tensor, slot: torch.Tensor, num_out: int,
-                num_slots: int, weights: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """out[i] = sum over s (ascending) of weights * rows[j] where index[j] == i and slot[j] == s.
-
-    rows [R, C], index/slot int64 [R], weights [R] or None -> [num_out, C] in ``out_dtype``.
-    """
-    return kernels.reduce_copies(rows, CopyPositions.build(index, slot, num_out, num_slots), weights, out_dtype)
 
 
 @dataclass
@@ -651,7 +605,7 @@ class Route:
         real = grad_weights if last.out_pos is None else grad_weights.index_select(0, last.out_pos)
         per_row = torch.zeros(last.index.numel(), self.topk, dtype=grad_weights.dtype, device=grad_weights.device)
         per_row[torch.arange(per_row.shape[0], device=per_row.device), self.row_k] = real
-        level = reduce_rows(per_row, last.index, last.slot, last.num_src, last.num_slots, None, per_row.dtype)
+        level = last.reduce(per_row, None, per_row.dtype)
         for hop in reversed(self.hops[:-1]):
             level = hop.transpose(level)
         return level
