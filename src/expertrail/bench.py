@@ -18,6 +18,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
+from . import fp8
 from .configs import BenchConfig
 from .dispatch import make_dispatcher
 from .transport import LINK_CLASSES
@@ -55,12 +56,13 @@ def _agree_ok(ok: bool) -> bool:
     return _reduce_over_ranks([0.0 if ok else 1.0], dist.ReduceOp.MAX)[0] == 0.0
 
 
-def bare_collectives(res, x_bytes_per_row: int, device):
+def bare_collectives(res, x_bytes_per_row: int, device, wire_bytes_per_row: int | None = None):
     """A function replaying ``res``'s exchanges (same peers, same byte counts, one collective
-    per hop and direction) on preallocated buffers with no local work."""
+    per hop and direction) on preallocated buffers with no local work. Dispatch rows are
+    ``wire_bytes_per_row`` (fp8 rows; default: as combine's, ``x_bytes_per_row``)."""
     plans = []
     for hop in res.route.exchanges():
-        row = x_bytes_per_row + hop.meta_bytes
+        row = (wire_bytes_per_row or x_bytes_per_row) + hop.meta_bytes
         if hop.kind == "all-gather":
             most = max(hop.recv_splits)
             send = torch.empty(most * row, dtype=torch.uint8, device=device)
@@ -105,6 +107,8 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
                *make_routing(cfg.routing, cfg.tokens, cfg.experts, cfg.topk, r, world, cfg.seed))
               for r in range(world)]
     xs, idxs, ws = zip(*inputs)
+    if cfg.payload == "fp8":          # the reference of fp8 rows: the same quantization, then exact
+        xs = [fp8.dequantize(fp8.quantize(t), cfg.hidden, dtype) for t in xs]
     ref_tokens = reference_dispatch(xs, idxs, ws, cfg.experts, world)[rank][0]
     ref_y = reference_moe([xs[rank]], [idxs[rank]], [ws[rank]], lambda rows, e: rows, cfg.experts)[0]
     x, idx, w = (t.to(dev) for t in inputs[rank])
@@ -113,17 +117,24 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
     warmup = max(1, cfg.warmup)                     # the first iteration is the correctness check
     steps = warmup + 2 * cfg.iters + (2 * (cfg.iters + 1) if cfg.chunks > 1 else 0)
     progress = _progress(rank == 0 and cfg.progress, len(cfg.backends) * steps)
-    dispatchers = {b: make_dispatcher(b, groups, num_experts=cfg.experts, hidden=cfg.hidden) for b in cfg.backends}
-    last, replays = {}, {}
+    # fp8: rows arrive as fp8 values and scales, as FP8 experts take them (DeepEP's and
+    # Hybrid-EP's FP8 dispatch); the identity experts' output is their dequantization, made once.
+    options = {"payload": "fp8", "dequantize": False} if cfg.payload == "fp8" else {}
+    dispatchers = {b: make_dispatcher(b, groups, num_experts=cfg.experts, hidden=cfg.hidden, **options)
+                   for b in cfg.backends}
+    wire_row = fp8.row_bytes(cfg.hidden) if cfg.payload == "fp8" else None
+    last, replays, expert_out = {}, {}, {}
     for backend, d in dispatchers.items():           # check, warm up, and record each backend's exchanges
         for it in range(warmup):
             res = d.dispatch(x, idx, w)
-            y = d.combine(res.tokens, res)
             if it == 0:
-                _check(backend, res, y, ref_tokens, ref_y, dtype, rank)
+                expert_out[backend] = _rows(res)
+            y = d.combine(expert_out[backend], res)
+            if it == 0:
+                _check(backend, expert_out[backend], y, ref_tokens, ref_y, dtype, rank)
             progress.advance()
         last[backend] = res
-        replays[backend] = bare_collectives(res, cfg.hidden * x.element_size(), dev)
+        replays[backend] = bare_collectives(res, cfg.hidden * x.element_size(), dev, wire_row)
     # Timed rounds: each round runs every backend once, then its bare collectives, so that all
     # of them see the same moments of a shared, noisy machine.
     times = {b: ([], [], [], []) for b in cfg.backends}
@@ -134,7 +145,7 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
             t0 = _clock(dev)
             res = d.dispatch(x, idx, w)
             t1 = _clock(dev)
-            d.combine(res.tokens, res)
+            d.combine(expert_out[backend], res)
             t2 = _clock(dev)
             disp.append(t1 - t0)
             comb.append(t2 - t1)
@@ -210,9 +221,14 @@ def _sum_over_ranks(per_class: dict) -> dict:
     return dict(zip(LINK_CLASSES, (int(v) for v in _reduce_over_ranks([per_class[c] for c in LINK_CLASSES]))))
 
 
-def _check(backend, res, y, ref_tokens, ref_y, dtype, rank) -> None:
+def _rows(res) -> torch.Tensor:
+    """The dispatched rows in the tokens' dtype (fp8 rows dequantized with their scales)."""
+    return res.tokens if res.scales is None else fp8.dequantize_values(res.tokens, res.scales, res.dtype)
+
+
+def _check(backend, tokens, y, ref_tokens, ref_y, dtype, rank) -> None:
     problem = None
-    tokens, y = res.tokens.cpu(), y.cpu()
+    tokens, y = tokens.cpu(), y.cpu()
     if not torch.equal(tokens, ref_tokens):
         problem = "dispatched rows differ from the reference"
     else:
@@ -261,7 +277,8 @@ def format_table(report: dict) -> str:
     cfg = report["config"]
     head = (f"expertrail bench: world {cfg['world']}, domain {cfg['domain_size']}, {cfg['tokens']} tokens/rank, "
             f"hidden {cfg['hidden']}, {cfg['experts']} experts, top-{cfg['topk']}, {cfg['dtype']}, "
-            f"routing {cfg['routing']}, {cfg['iters']} iters (slowest rank per iter)")
+            f"routing {cfg['routing']}, {cfg['iters']} iters (slowest rank per iter); payload "
+            f"{cfg.get('payload', 'native')}, allocator {'glibc heap (--malloc-heap)' if cfg.get('malloc_heap') else 'default'}")
     cols = ["backend", "dispatch ms", "combine ms", "total ms (min-max)", "bare ms", "x bare",
             "self MB", "intra MB", "inter MB", "algo GB/s", "check"]
     rows = []

@@ -40,6 +40,12 @@ def _bench_parser(sub) -> None:
     p.add_argument("--json", metavar="PATH", help="write every figure and the configuration as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot time per backend and bytes per link class")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--payload", choices=("native", "fp8"), default=d.payload,
+                   help="dispatch rows in the tokens' dtype, or as fp8 e4m3 with one fp32 scale per 128 values "
+                        "(combine stays in the tokens' dtype) (default %(default)s)")
+    p.add_argument("--malloc-heap", action="store_true",
+                   help="set glibc on every rank to keep large blocks on its heap (process-wide mallopt; off by "
+                        "default: the ranks run with the allocator a user's process has)")
     c = p.add_argument_group("on an emulated multi-node cluster (docs/emulated-cluster.md; needs root)")
     c.add_argument("--nodes", type=_positive_int(2), default=None,
                    help="run on this many emulated nodes, launched by torchrun per node (default: local ranks)")
@@ -385,8 +391,8 @@ def _run_bench(args) -> int:
     cfg = BenchConfig(world=args.world, domain_size=args.domain_size, hidden=args.hidden, tokens=args.tokens,
                       experts=args.experts, topk=args.topk, backends=backends, dtype=args.dtype,
                       routing=args.routing, iters=args.iters, warmup=args.warmup, seed=args.seed,
-                      chunks=args.chunks, expert_ffn=args.expert_ffn,
-                      progress=not args.no_progress and sys.stderr.isatty())
+                      chunks=args.chunks, expert_ffn=args.expert_ffn, payload=args.payload,
+                      malloc_heap=args.malloc_heap, progress=not args.no_progress and sys.stderr.isatty())
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:     # launched by torchrun
         import torch
         import torch.distributed as dist
@@ -394,6 +400,9 @@ def _run_bench(args) -> int:
         if use_nccl:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if use_nccl else "gloo")
+        if args.malloc_heap:
+            from .launch import use_heap_for_large_buffers
+            use_heap_for_large_buffers()
         cfg.world = dist.get_world_size()
         report = bench_rank(dist.get_rank(), cfg.world, cfg)
         if os.environ.get("EXPERTRAIL_CLUSTER") or args.emit_hardware:
@@ -408,7 +417,7 @@ def _run_bench(args) -> int:
     import torch
     from .launch import LocalRanks
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= cfg.world else "gloo"
-    with LocalRanks(cfg.world, backend=backend) as ranks:
+    with LocalRanks(cfg.world, backend=backend, malloc_heap=args.malloc_heap) as ranks:
         report = ranks.run(bench_rank, cfg)[0]
     _report(report, args)
     return 0

@@ -29,6 +29,8 @@ class BenchConfig:
     chunks: int = 1
     expert_ffn: int = 256
     progress: bool = True
+    payload: str = "native"        # or "fp8": dispatch rows as float8 e4m3 + per-128 scales
+    malloc_heap: bool = False      # the ranks' glibc set to keep large blocks (see launch.py)
 
 
 @dataclass

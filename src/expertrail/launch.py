@@ -21,9 +21,10 @@ import torch.multiprocessing as mp
 
 def use_heap_for_large_buffers() -> bool:
     """Make glibc serve large allocations from its heap and keep freed memory (no mmap/munmap
-    per tensor), as PyTorch's caching allocator does on GPU. Without it every fresh 30 MB CPU
-    tensor costs ~20 ms of page faults on first touch. Process-wide; returns False where glibc's
-    mallopt is not available."""
+    per tensor). Process-wide, so not something a library does to its user's process: only
+    ``LocalRanks(malloc_heap=True)`` and ``expertrail bench --malloc-heap`` call it, to show
+    what the allocator costs (docs/benchmarks.md). Returns False where glibc's mallopt is not
+    available."""
     import ctypes
     import ctypes.util
     try:
@@ -53,9 +54,10 @@ class RankError(RuntimeError):
         super().__init__(f"raised on rank(s) {sorted(errors)}; rank {first}:\n{errors[first][1]}")
 
 
-def _worker(rank: int, world: int, port: int, backend: str, tasks, results, threads: int) -> None:
+def _worker(rank: int, world: int, port: int, backend: str, tasks, results, threads: int, malloc_heap: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    use_heap_for_large_buffers()
+    if malloc_heap:
+        use_heap_for_large_buffers()
     torch.set_num_threads(threads)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -85,10 +87,14 @@ def _worker(rank: int, world: int, port: int, backend: str, tasks, results, thre
 
 
 class LocalRanks:
-    """W local processes in one process group (gloo, or NCCL with ``backend="nccl"``)."""
+    """W local processes in one process group (gloo, or NCCL with ``backend="nccl"``), each
+    with ``threads`` torch threads and the default allocator (``malloc_heap=True``: glibc set
+    to keep large blocks, see `use_heap_for_large_buffers`)."""
 
-    def __init__(self, world: int, backend: str = "gloo", threads: int = 1, timeout: float = 600.0):
+    def __init__(self, world: int, backend: str = "gloo", threads: int = 1, timeout: float = 600.0,
+                 malloc_heap: bool = False):
         self.world, self.backend, self.threads, self.timeout = world, backend, threads, timeout
+        self.malloc_heap = malloc_heap
         self._procs = None
 
     def __enter__(self) -> "LocalRanks":
@@ -98,7 +104,7 @@ class LocalRanks:
         port = free_port()
         self._procs = [ctx.Process(target=_worker, daemon=True,
                                    args=(r, self.world, port, self.backend, self._tasks[r], self._results,
-                                         self.threads)) for r in range(self.world)]
+                                         self.threads, self.malloc_heap)) for r in range(self.world)]
         for p in self._procs:
             p.start()
         return self

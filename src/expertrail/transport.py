@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .kernels.torch_ops import take_rows
+from .workspace import allocate, allocate_zeros
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -140,7 +141,7 @@ class Channel:
             mine = take_rows(*own, out=out) if own is not None else rows if out is None else out.copy_(rows)
             return Transfer(mine, own_rows=mine)
         if out is None:
-            out = rows.new_empty(sum(recv_splits), *rows.shape[1:])
+            out = allocate((sum(recv_splits), *rows.shape[1:]), rows.dtype, rows.device)
         if own_later and not self.gloo:
             raise ValueError("own_later needs point-to-point transfers (gloo): a collective reads every block at once")
         me = self.rank
@@ -167,9 +168,10 @@ class Channel:
         if self.size == 1:
             return Transfer(rows)
         most = max(counts)
-        padded = rows.new_zeros(most, *rows.shape[1:])
+        padded = allocate((most, *rows.shape[1:]), rows.dtype, rows.device)
         padded[:rows.shape[0]] = rows
-        out = rows.new_empty(len(counts) * most, *rows.shape[1:])
+        padded[rows.shape[0]:] = 0
+        out = allocate((len(counts) * most, *rows.shape[1:]), rows.dtype, rows.device)
         work = all_gather_single(out, padded, group=self.group, async_op=True)
         if all(c == most for c in counts):
             return Transfer(out, work)
@@ -212,8 +214,8 @@ class LandingRuns:
         from ``source[index]`` straight into place (their pieces of ``rows`` are not read)."""
         send, recv, send_sizes, recv_sizes = (self.send, self.recv, self.send_sizes, self.recv_sizes) if forward \
             else (self.recv, self.send, self.recv_sizes, self.send_sizes)
-        out = rows.new_zeros(sum(recv_sizes), *rows.shape[1:]) if forward and self.zero_fill else \
-            rows.new_empty(sum(recv_sizes), *rows.shape[1:])
+        out = (allocate_zeros if forward and self.zero_fill else allocate)((sum(recv_sizes), *rows.shape[1:]),
+                                                                          rows.dtype, rows.device)
         sent, landing = rows.split_with_sizes(send_sizes), out.split_with_sizes(recv_sizes)  # views, one call each
         sends, recvs = [], []
         first_tag = self.channel.reserve_tags(max(len(pieces) for pieces in send))

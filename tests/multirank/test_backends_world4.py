@@ -148,3 +148,33 @@ def test_planner_counts_the_rows_and_bytes_the_engine_sends(world4, backend):
             planner = rows_by_link(results[0][2], 16, Layout(4, domain_size), backend)
             assert planner == engine_rows, (domain_size, scenario, planner, engine_rows)
             assert {c: n * row_bytes for c, n in planner.items()} == engine_bytes, (domain_size, scenario)
+
+
+@pytest.mark.parametrize("backend", sorted(er.BACKENDS))
+def test_fp8_payload_matches_the_quantized_reference(world4, backend):
+    """payload="fp8" on every backend: the rows of the quantized input, bitwise (the same on
+    every backend), within e4m3's step; fp8 output with scales; combine and gradients in x's
+    dtype; dispatch bytes as the planner counts fp8 rows."""
+    from expertrail.plan.catalog import MoEModel
+    from expertrail.plan.cost import Layout, metadata_bytes, row_bytes, rows_by_link
+    for domain_size, scenario, dtype in ((1, "random", torch.bfloat16), (2, "one_rank", torch.float32),
+                                         (4, "one_expert", torch.bfloat16)):
+        results = world4.run(workers.fp8_payload, backend, domain_size, scenario, dtype)
+        rows = rows_by_link(results[0][3], 16, Layout(4, domain_size), backend)
+        model = MoEModel(name="t", hidden=200, num_experts=16, topk=4, moe_ffn=8, layers=1)
+        wire = row_bytes(model, "fp8", "dispatch") + metadata_bytes(backend, 4)
+        fp8_bytes = {c: sum(r[1][c] for r in results) for c in rows}
+        assert fp8_bytes == {c: n * wire for c, n in rows.items()}, (domain_size, scenario)
+
+
+def test_fp8_rows_are_the_same_on_every_backend(world4):
+    tokens = {b: world4.run(workers.fp8_payload, b, 2, "random", torch.bfloat16) for b in sorted(er.BACKENDS)}
+    first = next(iter(tokens.values()))
+    for b, results in tokens.items():
+        for mine, theirs in zip(results, first):
+            assert torch.equal(mine[0], theirs[0]), b
+
+
+@pytest.mark.parametrize("backend", sorted(er.BACKENDS))
+def test_workspace_reuses_buffers_safely(world4, backend):
+    assert all(hw > 0 for hw in world4.run(workers.workspace_reuse, backend))

@@ -848,3 +848,100 @@ def route_exchanges(rank, world, backend, domain_size):
     sent = sum(sum(max(e.recv_splits) for _ in e.peers) if e.kind == "all-gather" else sum(e.send_splits)
                for e in exchanges)
     return [(e.kind, e.peers) for e in exchanges], sent == sum(res.stats.rows.values())
+
+
+def fp8_payload(rank, world, backend, domain_size, scenario, dtype):
+    """payload="fp8": rows are the reference's rows of the quantized input (the same bytes on
+    every backend), within e4m3's step of the unquantized ones; fp8 output mode gives the same
+    values with their scales; combine travels in x's dtype; gradients pass straight through to
+    x; dispatch bytes as the planner counts fp8 rows. Returns (tokens, fp8 bytes, native bytes)."""
+    from expertrail import fp8
+    hidden, experts, topk = 200, 16, 4                 # two scale blocks, the last one short
+    groups = groups_for(None, domain_size)
+    d = er.make_dispatcher(backend, groups, num_experts=experts, payload="fp8")
+    raw = er.make_dispatcher(backend, groups, num_experts=experts, payload="fp8", dequantize=False)
+    native = er.make_dispatcher(backend, groups, num_experts=experts)
+    xs, idxs, ws = make_inputs(scenario, world, hidden, experts, topk, 7, dtype)
+    xs = [x * torch.logspace(-2, 2, x.shape[0]).to(dtype).unsqueeze(1) for x in xs]     # magnitudes differ
+    quantized = [fp8.dequantize(fp8.quantize(x), hidden, dtype) for x in xs]
+    x = xs[rank].clone().requires_grad_()
+    res = d.dispatch(x, idxs[rank], ws[rank])
+    ref_tokens, ref_counts, _ = reference_dispatch(quantized, idxs, ws, experts, world)[rank]
+    assert res.tokens.dtype == dtype and res.scales is None
+    assert torch.equal(res.tokens.detach(), ref_tokens) and torch.equal(res.tokens_per_expert, ref_counts)
+    exact, _, _ = reference_dispatch(xs, idxs, ws, experts, world)[rank]
+    blocks = torch.nn.functional.pad(exact.float(), (0, 56)).view(-1, 2, 128)
+    err = torch.nn.functional.pad((res.tokens.detach().float() - exact.float()).abs(), (0, 56)).view(-1, 2, 128)
+    assert (err.amax(-1) <= 2 ** -3 * blocks.abs().amax(-1)).all(), "fp8 error beyond e4m3's step of the amax"
+    packed = raw.dispatch(xs[rank], idxs[rank], ws[rank])
+    assert packed.tokens.dtype == fp8.FP8 and packed.scales.shape == (packed.tokens.shape[0], 2)
+    assert torch.equal(fp8.dequantize_values(packed.tokens, packed.scales, dtype), ref_tokens)
+    out = expert_fn(res.tokens, row_experts(res, rank, experts // world))
+    y = d.combine(out, res)
+    assert y.dtype == dtype and res.combine_stats.total_bytes == \
+        sum(res.combine_stats.rows.values()) * hidden * x.element_size()
+    yref = reference_moe([t.double() for t in quantized], idxs, [w.double() for w in ws], expert_fn, experts)[rank]
+    _assert_close(y.double(), yref, 1e-6 if dtype == torch.float32 else 2e-2, f"{backend} fp8 combine")
+    y.float().sum().backward()                          # straight through: d y / d x as for the quantized x
+    xq = quantized[rank].double().requires_grad_()
+    reference_moe([xq if r == rank else q.double() for r, q in enumerate(quantized)], idxs,
+                  [w.double() for w in ws], expert_fn, experts)[rank].sum().backward()
+    _assert_close(x.grad.double(), xq.grad, 1e-5 if dtype == torch.float32 else 5e-2, f"{backend} fp8 grad x")
+    plain = native.dispatch(xs[rank].to(torch.bfloat16), idxs[rank], ws[rank])
+    return res.tokens.detach(), dict(res.stats.bytes), dict(plain.stats.bytes), [i.numpy() for i in idxs]
+
+
+def workspace_reuse(rank, world, backend):
+    """Buffers are reused call after call, never under a live tensor: results kept across
+    later calls stay intact, two dispatches in flight at once, backward after a second forward,
+    chunked overlap; the pool stops growing once the largest call has run."""
+    groups = groups_for(None, 2)
+    d = er.make_dispatcher(backend, groups, num_experts=16)
+    ws_ = d.workspace
+    calls = [make_inputs("random", world, 8192, 16, 4, seed, torch.float32) for seed in range(4)]   # rows of 32 KiB: pooled
+    x0, i0, w0 = (t[rank] for t in calls[0])
+    first = d.dispatch(x0, i0, w0)
+    kept = first.tokens.clone()
+    y_first = d.combine(first.tokens * 2, first)
+    kept_y = y_first.clone()
+    for xs, idxs, wts in calls[1:]:                    # later calls must not write into kept results
+        res = d.dispatch(xs[rank], idxs[rank], wts[rank])
+        d.combine(res.tokens, res)
+    assert torch.equal(first.tokens, kept) and torch.equal(y_first, kept_y)
+    # Two dispatches in flight at once, then waited for in reverse order.
+    (xa, ia, wa), (xb, ib, wb) = ((t[rank] for t in c) for c in calls[1:3])
+    pa, pb = d.dispatch(xa, ia, wa, async_op=True), d.dispatch(xb, ib, wb, async_op=True)
+    rb, ra = pb.wait(), pa.wait()
+    ref_a, ref_b = (reference_dispatch(*c, 16, world)[rank][0] for c in calls[1:3])
+    assert torch.equal(ra.tokens, ref_a) and torch.equal(rb.tokens, ref_b)
+    # Backward of the first forward after a second forward has run.
+    x1 = xa.clone().requires_grad_()
+    r1 = d.dispatch(x1, ia, wa)
+    y1 = d.combine(r1.tokens * 3, r1)
+    r2 = d.dispatch(xb.clone().requires_grad_(), ib, wb)
+    d.combine(r2.tokens, r2).sum().backward()
+    y1.sum().backward()
+    xr = [t.double().requires_grad_() if r == rank else t.double() for r, t in enumerate(calls[1][0])]
+    reference_moe(xr, calls[1][1], [w.double() for w in calls[1][2]], lambda rows, e: 3 * rows, 16)[rank].sum().backward()
+    _assert_close(x1.grad.double(), xr[rank].grad, 1e-5, f"{backend} backward after a second forward")
+    # Chunked overlap: several dispatches in flight, results as unchunked.
+    experts = lambda tokens, counts: tokens * 2
+    y_chunked = d.moe(xa, ia, wa, experts, num_chunks=3)
+    y_plain = d.moe(xa, ia, wa, experts, num_chunks=1)
+    assert torch.equal(y_chunked, y_plain)
+    # Steady state: buffers only grow, so repeating a sequence of calls soon adds no buffer
+    # (every rank runs the same number of passes: no early exit).
+    grew = []
+    for _ in range(6):
+        before = (ws_.allocated, ws_.high_water_bytes)
+        for xs, idxs, wts in calls:
+            res = d.dispatch(xs[rank], idxs[rank], wts[rank])
+            d.combine(res.tokens, res)
+        grew.append((ws_.allocated, ws_.high_water_bytes) != before)
+    steady = not any(grew[3:]) and ws_.reused > 0, f"passes that grew the pool: {grew}, {ws_!r}"
+    ws_.release()
+    released = ws_.nbytes
+    res = d.dispatch(xa, ia, wa)               # last collective: assertions below cannot strand a peer
+    assert steady[0], steady[1]
+    assert released == 0 and torch.equal(res.tokens, ref_a)
+    return ws_.high_water_bytes

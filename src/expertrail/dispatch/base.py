@@ -16,9 +16,11 @@ from ..kernels.torch_ops import gather_rows, stable_argsort
 from ..routing import TokenLayout, apply_capacity, compute_layout, expert_capacity
 from ..topology import EPGroups, check_same_on_all_ranks, guarded
 from ..transport import Transfer
+from .. import fp8
 from .config import DispatchConfig
 from .header import DTYPE_CODES, ERROR_KINDS, FIELDS, Header, Headers
 from ..transport import TransferStats
+from ..workspace import Workspace
 from .route import ExpandHop, ExpertRows, Route, Stage, own_block
 
 def weight_bits(weights: torch.Tensor) -> torch.Tensor:
@@ -86,6 +88,13 @@ class DispatchResult:
     real_tokens_per_expert: int64 [E_local] rows per local expert without padding
     weights: [M] topk_weights.dtype, routing weight of each row (0 on padding rows)
     stats: TransferStats of the dispatch; combine_stats: of the last combine of this result
+    scales: with ``payload="fp8", dequantize=False``: fp32 [M, ceil(H / 128)], the scale of
+        each 128-value block of ``tokens`` (then float8_e4m3fn); else None
+    dtype: x's dtype: the dtype rows travel back in and combine returns
+
+    Which tensors are fresh: ``tokens`` and combine's output are views of buffers from the
+    dispatcher's `Workspace`, which never hands a buffer out again while any tensor views it,
+    so they stay valid as long as they are kept; the other fields are ordinary tensors.
     """
 
     tokens: torch.Tensor
@@ -95,6 +104,8 @@ class DispatchResult:
     stats: TransferStats
     route: Route
     combine_stats: TransferStats | None = None
+    scales: torch.Tensor | None = None
+    dtype: torch.dtype | None = None
 
 
 class Dispatcher:
@@ -122,6 +133,7 @@ class Dispatcher:
         self.num_local_experts = groups.num_local_experts(self.num_experts)
         self.rank_of_expert = groups.rank_of_expert(self.num_experts)
         self.local_of_expert = torch.arange(self.num_experts, device=groups.device) % self.num_local_experts
+        self.workspace = Workspace()
 
     # ---------------------------------------------------------------- public verbs
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -133,7 +145,7 @@ class Dispatcher:
         DispatchResult, or with ``async_op`` a handle whose ``wait()`` returns it: the routing
         metadata is exchanged before returning, the rows travel in the background.
         """
-        with guarded(f"{self.name} dispatch", self.groups.label, self.groups.timeout):
+        with guarded(f"{self.name} dispatch", self.groups.label, self.groups.timeout), self.workspace.active():
             return self._dispatch(x, topk_idx, topk_weights, async_op)
 
     def _dispatch(self, x, topk_idx, topk_weights, async_op):
@@ -145,31 +157,40 @@ class Dispatcher:
         plan = self._plan_source(topk_idx) if error == 0 else None
         control = self._start_control(plan.counts if plan else self._no_counts(),
                                       Header.of(x, topk_idx, topk_weights, error).pack())
-        # While the counts travel, gather the rows the first hop will send (local work only:
-        # nothing is sent before every rank's input is known to be valid).
-        sent = self._gather_first(x.detach(), plan) if plan else None
+        # While the counts travel, quantize (fp8) and gather the rows the first hop will send
+        # (local work only: nothing is sent before every rank's input is known to be valid).
+        wire = fp8.quantize(x.detach()) if plan and self.config.payload == "fp8" else x.detach()
+        sent = self._gather_first(wire, plan) if plan else None
         recv_counts, headers = self._finish_control(control, message)
         with torch.no_grad():
             route = self._route(topk_weights.detach(), plan, recv_counts, headers)
-            route.label, route.timeout = self.groups.label, self.groups.timeout
-            transfer = route.forward(x.detach(), async_op=True, sent=sent)
+            route.label, route.timeout, route.workspace = self.groups.label, self.groups.timeout, self.workspace
+            transfer = route.forward(wire, async_op=True, sent=sent)
         control_bytes = recv_counts.numel() * 8 + headers.nbytes
+        wire_bytes = wire.shape[1] * wire.element_size()
         pending = Pending("dispatch", route, lambda: self._dispatch_result(
-            x, topk_weights, route, transfer.wait(), control_bytes, headers.needs_grad))   # needs_grad: agreed
+            x, topk_weights, route, transfer.wait(), wire_bytes, control_bytes, headers.needs_grad))   # agreed
         return pending if async_op else pending.wait()
 
-    def _dispatch_result(self, x, topk_weights, route: Route, tokens, control_bytes: int,
+    def _dispatch_result(self, x, topk_weights, route: Route, rows, row_bytes: int, control_bytes: int,
                          attach_grad: bool) -> DispatchResult:
-        """The DispatchResult once the rows have landed (the route is complete from here on)."""
+        """The DispatchResult once the rows have landed (the route is complete from here on).
+        fp8 rows are dequantized (gradients pass straight through the quantization) or
+        unpacked into values and scales."""
+        tokens, scales = rows, None
+        if self.config.payload == "fp8":
+            tokens = fp8.dequantize(rows, x.shape[1], x.dtype) if self.config.dequantize else None
+            if tokens is None:
+                tokens, scales = fp8.unpack(rows, x.shape[1])
         weights = route.expert_weights()
-        stats = route.stats(x.shape[1] * x.element_size(), self.groups.ep_rank, self.groups.domain_size)
+        stats = route.stats(row_bytes, self.groups.ep_rank, self.groups.domain_size)
         stats.control_bytes = control_bytes
         if attach_grad:
             tokens, weights = _DispatchFunction.apply(x, topk_weights, route, tokens, weights)
         route.remember_weights(weights)
         return DispatchResult(tokens=tokens, tokens_per_expert=route.tokens_per_expert,
                               real_tokens_per_expert=route.real_tokens_per_expert, weights=weights, stats=stats,
-                              route=route)
+                              route=route, scales=scales, dtype=x.dtype)
 
     def combine(self, expert_out: torch.Tensor, res: DispatchResult, weighted: bool = True,
                 async_op: bool = False):
@@ -177,8 +198,8 @@ class Dispatcher:
         ``weighted=False``, for weights already applied on the expert side).
 
         expert_out: [M, H] with M = res.tokens.shape[0] and H the dispatched hidden size;
-        padding rows are ignored. Any float dtype: it is cast to the dispatched dtype
-        (``res.tokens.dtype``), the dtype rows travel in, so y is [N, H] in that dtype, summed
+        padding rows are ignored. Any float dtype: it is cast to x's dtype (``res.dtype``; with
+        an fp8 payload too), the dtype rows travel back in, so y is [N, H] in that dtype, summed
         in fp32 in a fixed order. With ``async_op`` a handle whose ``wait()`` returns y.
         Where the weights are applied: when ``res.weights`` is passed as dispatch returned it
         (not replaced, not changed in place), a backend whose first hop sends one row per
@@ -191,7 +212,8 @@ class Dispatcher:
         `InvalidInputError` as soon as the first exchange lands, never a timeout (see
         `_start_combine_flags`).
         """
-        with guarded(f"{self.name} combine", self.groups.label, self.groups.timeout):
+        with res.route.running(f"{self.name} combine") if isinstance(res, DispatchResult) else \
+                guarded(f"{self.name} combine", self.groups.label, self.groups.timeout):
             return self._combine(expert_out, res, weighted, async_op)
 
     def _combine(self, expert_out, res, weighted, async_op):
@@ -200,9 +222,9 @@ class Dispatcher:
                                     f"got {type(res).__name__}")
         error, message = self._check_expert_out(expert_out, res)
         if error:   # take part with zero rows of the agreed shape, so that no peer waits; raise in agreement
-            rows = res.tokens.detach().new_zeros(res.tokens.shape)
+            rows = res.tokens.new_zeros(res.tokens.shape, dtype=res.dtype)
         else:
-            rows = expert_out if expert_out.dtype == res.tokens.dtype else expert_out.to(res.tokens.dtype)
+            rows = expert_out if expert_out.dtype == res.dtype else expert_out.to(res.dtype)
         weights = res.weights if weighted else None
         at_source = res.route.weights_at_source(weights)
         needs_grad = torch.is_grad_enabled() and (rows.requires_grad or (weights is not None and weights.requires_grad))
@@ -405,7 +427,7 @@ class Pending:
 
     def wait(self):
         if self._finish is not None:
-            with guarded(f"{self.verb} (wait)", self.route.label, self.route.timeout):
+            with self.route.running(f"{self.verb} (wait)"):
                 self._result = self._finish()
             self._finish = None
         return self._result
@@ -418,6 +440,9 @@ class _DispatchFunction(torch.autograd.Function):
     def forward(ctx, x, topk_weights, route, tokens, weights):
         ctx.route = route
         ctx.x_dtype = x.dtype
+        ctx.tokens_differentiable = tokens.dtype != fp8.FP8    # fp8 rows for FP8 experts: no gradient path
+        if not ctx.tokens_differentiable:
+            ctx.mark_non_differentiable(tokens)
         return tokens, weights
 
     @staticmethod
@@ -425,8 +450,9 @@ class _DispatchFunction(torch.autograd.Function):
         # needs_input_grad agrees across ranks (checked in dispatch), so all ranks run the same
         # collectives here.
         route = ctx.route
-        with guarded("dispatch backward", route.label, route.timeout):
-            grad_x = route.transpose(grad_tokens, out_dtype=ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        with route.running("dispatch backward"):
+            grad_x = route.transpose(grad_tokens, out_dtype=ctx.x_dtype) \
+                if ctx.needs_input_grad[0] and ctx.tokens_differentiable else None
             grad_w = route.weights_transpose(grad_weights) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None, None
 
@@ -444,7 +470,7 @@ class _CombineFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         expert_out, weights = ctx.saved_tensors
-        with guarded("combine backward", ctx.route.label, ctx.route.timeout):
+        with ctx.route.running("combine backward"):
             grad_rows = ctx.route.forward(grad_y.contiguous())
         if weights is None:
             return grad_rows.to(expert_out.dtype), None, None, None

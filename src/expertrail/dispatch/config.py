@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 from ..errors import ConfigError
 from ..routing import DROP_POLICIES
 
+PAYLOADS = ("native", "fp8")
+
 
 @dataclass(frozen=True)
 class DispatchConfig:
@@ -25,6 +27,10 @@ class DispatchConfig:
         "position": latest tokens go first).
     pad_to_capacity: pad every local expert to the sum of the senders' capacities, so the
         output shape depends only on the token counts (static shapes).
+    payload: "native" (rows travel in x's dtype) or "fp8" (float8 e4m3 with one fp32 scale per
+        128 values, `expertrail.fp8`; combine still travels in x's dtype).
+    dequantize: with fp8, whether ``res.tokens`` are the rows dequantized to x's dtype (True)
+        or the fp8 values, with their scales in ``res.scales``, for FP8 experts (False).
     """
 
     num_experts: int
@@ -33,6 +39,8 @@ class DispatchConfig:
     capacity_factor: float | None = None
     drop_policy: str = "probs"
     pad_to_capacity: bool = False
+    payload: str = "native"
+    dequantize: bool = True
 
     @classmethod
     def of(cls, backend: str, num_experts: int, options: dict) -> "DispatchConfig":
@@ -67,6 +75,10 @@ class DispatchConfig:
             raise ConfigError(f"capacity_factor={self.capacity_factor} must be positive (or None for no dropping)")
         if self.pad_to_capacity and self.capacity_factor is None:
             raise ConfigError("pad_to_capacity=True needs a capacity_factor")
+        if self.payload not in PAYLOADS:
+            raise ConfigError(f"payload={self.payload!r}; choose one of {PAYLOADS}")
+        if self.dequantize is not True and self.payload != "fp8":
+            raise ConfigError("dequantize=False needs payload='fp8' (native rows are never quantized)")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ transpose and vice versa, so gradients need no extra code per backend.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -19,8 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import kernels
+from ..topology import guarded
 from ..kernels.torch_ops import CopyPositions, stable_argsort
 from ..transport import AllWorks, Channel, LandingRuns, Later, Transfer, TransferStats, concat_transfers, link_class
+from ..workspace import Workspace, allocate, allocate_zeros
 
 
 def number_copies(index: torch.Tensor, num_src: int, num_slots: int) -> tuple[torch.Tensor, CopyPositions]:
@@ -106,7 +109,7 @@ class ExpandHop(Hop):
         """Real output rows [M_real, ...] -> padded output [M, ...] (zeros on padding)."""
         if self.out_pos is None:
             return rows
-        out = rows.new_zeros(self.out_rows, *rows.shape[1:])
+        out = allocate_zeros((self.out_rows, *rows.shape[1:]), rows.dtype, rows.device)
         return out.index_copy_(0, self.out_pos, rows)
 
     def real_rows(self, rows: torch.Tensor) -> torch.Tensor:
@@ -325,7 +328,7 @@ class SplitHop:
         if own_rows is None:
             own_rows = (level.wait() if in_flight else level)[start:end]
         split = sum(self.early.recv_splits)
-        out = own_rows.new_empty(split + sum(self.late.recv_splits), *own_rows.shape[1:])
+        out = allocate((split + sum(self.late.recv_splits), *own_rows.shape[1:]), own_rows.dtype, own_rows.device)
         early = self.early.forward(own_rows, async_op=True, out=out[:split])
         late = self.late.forward(level.wait() if in_flight else level, async_op=True, out=out[split:])
         transfer = Transfer(out, AllWorks([early, late]))
@@ -456,6 +459,16 @@ class Route:
     dispatched_weights: object = None     # weakref to res.weights and its version, see combine
     label: str = "the EP group"           # for error messages
     timeout: float | None = None
+    workspace: Workspace | None = None    # the dispatcher's buffers (see `running`)
+
+    @contextlib.contextmanager
+    def running(self, what: str):
+        """The context every step of this route runs in: errors and timeouts named after
+        ``what`` on this route's group (`topology.guarded`), row buffers from the dispatcher's
+        `Workspace`."""
+        with guarded(what, self.label, self.timeout), \
+                (self.workspace.active() if self.workspace is not None else contextlib.nullcontext()):
+            yield
 
     def forward(self, rows: torch.Tensor, async_op: bool = False, sent: torch.Tensor | None = None):
         """[N, C] -> expert rows [M, C] (dispatch). With ``async_op`` the first exchange is

@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..workspace import allocate, allocate_zeros
+
 
 _SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _RADIX_BOUND = 1 << 16
@@ -40,9 +42,9 @@ def take_rows(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None 
 def gather_rows(rows: torch.Tensor, index: torch.Tensor, skip: tuple | None = None) -> torch.Tensor:
     """rows[index] -> [len(index), C]; the output rows in the range ``skip = (start, end)`` are
     left unfilled (rows that stay on this rank and are put in place by the hop itself)."""
+    out = allocate((index.numel(), *rows.shape[1:]), rows.dtype, rows.device)
     if skip is None or skip[0] == skip[1]:
-        return take_rows(rows, index)
-    out = rows.new_empty(index.numel(), *rows.shape[1:])
+        return take_rows(rows, index, out=out)
     start, end = skip
     take_rows(rows, index[:start], out=out[:start])
     take_rows(rows, index[end:], out=out[end:])
@@ -164,7 +166,12 @@ def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tens
     num_src, width = copies.num_src, rows.shape[1]
     if copies.pos.numel() == 0:
         return rows.new_zeros(num_src, width, dtype=out_dtype)
-    if copies.num_slots == 1 and weights is None:       # a permutation (with holes): no sum
+    if copies.num_slots == 1 and weights is None and rows.dtype == out_dtype:    # a permutation (with holes)
+        if copies.pos.numel() == num_src:
+            return take_rows(rows, copies.pos, out=allocate((num_src, width), out_dtype, rows.device))
+        return allocate_zeros((num_src, width), out_dtype, rows.device).index_copy_(0, copies.source,
+                                                                                   take_rows(rows, copies.pos))
+    if copies.num_slots == 1 and weights is None:
         picked = take_rows(rows, copies.pos)
         if copies.pos.numel() == num_src:
             return picked.to(out_dtype)

@@ -1,0 +1,136 @@
+"""expertrail as a user's own script runs it: plain spawned processes, the default allocator.
+
+4 gloo ranks started with ``torch.multiprocessing.spawn`` (no launcher settings: glibc's default
+malloc, ``torch.set_num_threads(1)``), each calling dispatch -> a per-expert scale -> combine,
+beside the bare ``all_to_all_single`` of the same rows out and back (buffers allocated once).
+Backends and the bare collectives alternate round by round, so the machine's noise falls on
+all alike. Prints the mean time per call and its ratio to the bare collectives.
+
+``--soak N`` instead runs N calls with token counts changing every call and prints the
+resident memory (RSS) at the high-water mark and at the end (growth should stay under 2%).
+
+    .venv/bin/python benchmarks/user_process.py [--dtype fp32|bf16] [--tokens 4096] [--soak 1000]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _inputs(rank, tokens, hidden, experts, topk, dtype, seed):
+    g = torch.Generator().manual_seed(seed * 131 + rank)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)]) if tokens else \
+        torch.zeros(0, topk, dtype=torch.int64)
+    w = torch.rand(tokens, topk, generator=g).to(dtype)
+    return x, idx, w
+
+
+def _moe(d, x, idx, w, scale):
+    res = d.dispatch(x, idx, w)
+    per_row = torch.repeat_interleave(scale, res.tokens_per_expert, output_size=res.tokens.shape[0])
+    return d.combine(res.tokens * per_row.unsqueeze(1), res)
+
+
+def _worker(rank, world, port, args, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import expertrail as er
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    groups = er.EPGroups.from_default(domain_size=2)
+    dispatchers = {b: er.make_dispatcher(b, groups, num_experts=args.experts) for b in args.backends}
+    scale = torch.linspace(0.5, 1.5, args.experts // world).to(dtype)
+    x, idx, w = _inputs(rank, args.tokens, args.hidden, args.experts, args.topk, dtype, 0)
+    if args.soak:
+        d = dispatchers[args.backends[0]]
+        rss = []
+        for i in range(args.soak):
+            n = args.tokens - (i * 7919 + rank * 104729) % (args.tokens // 2)   # changes every call
+            _moe(d, x[:n], idx[:n], w[:n], scale)
+            rss.append(_rss_bytes())
+        peak_at = max(range(len(rss)), key=rss.__getitem__)
+        warm = rss[len(rss) // 10]
+        result = {"rss_after_warmup": warm, "rss_peak": rss[peak_at], "rss_end": rss[-1],
+                  "growth_after_warmup": rss[-1] / warm - 1, "peak_call": peak_at}
+    else:
+        rows = args.tokens * args.topk
+        send = x.repeat(args.topk, 1)
+        recv, back = torch.empty_like(send), torch.empty_like(send)
+        splits = [rows // world] * world
+        splits[-1] += rows - sum(splits)
+
+        def bare():
+            dist.all_to_all_single(recv, send, splits, splits)
+            dist.all_to_all_single(back, recv, splits, splits)
+        calls = {"bare": bare, **{b: (lambda d=d: _moe(d, x, idx, w, scale)) for b, d in dispatchers.items()}}
+        times = {name: [] for name in calls}
+        for name, fn in calls.items():           # warm-up
+            fn()
+        for _ in range(args.iters):
+            for name, fn in calls.items():
+                dist.barrier()
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+        result = {name: statistics.mean(t) for name, t in times.items()}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(gathered, f)
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--backends", nargs="+", default=["alltoall", "dedup", "hierarchical"])
+    p.add_argument("--soak", type=int, default=0, help="calls with changing token counts; report RSS")
+    p.add_argument("--json", help="write the per-rank results here")
+    args = p.parse_args(argv)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out_path = args.json or f"/tmp/user_process_{os.getpid()}.json"
+    mp.spawn(_worker, args=(4, port, args, out_path), nprocs=4)
+    with open(out_path) as f:
+        per_rank = json.load(f)
+    if not args.json:
+        os.unlink(out_path)
+    if args.soak:
+        print(f"{args.soak} calls of {args.backends[0]}, {args.dtype}, tokens changing every call")
+        print("rank | RSS after warm-up (MB) | peak (MB) | end (MB) | growth after warm-up")
+        for r, res in enumerate(per_rank):
+            print(f"{r} | {res['rss_after_warmup'] / 2**20:.0f} | {res['rss_peak'] / 2**20:.0f} | "
+                  f"{res['rss_end'] / 2**20:.0f} | {100 * res['growth_after_warmup']:+.2f}%")
+        return 0
+    mean = {name: max(r[name] for r in per_rank) for name in per_rank[0]}    # the slowest rank sets the pace
+    print(f"4 ranks, {args.tokens} tokens/rank, hidden {args.hidden}, {args.experts} experts, top-{args.topk}, "
+          f"{args.dtype}, default allocator, mean of {args.iters}")
+    print("| call | ms | x bare |\n|---|---|---|")
+    for name, t in mean.items():
+        print(f"| {name} | {1e3 * t:.1f} | {t / mean['bare']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
