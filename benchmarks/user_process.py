@@ -7,7 +7,8 @@ Backends and the bare collectives alternate round by round, so the machine's noi
 all alike. Prints the mean time per call and its ratio to the bare collectives.
 
 ``--soak N`` instead runs N calls with token counts changing every call and prints the
-resident memory (RSS) at the high-water mark and at the end (growth should stay under 2%).
+resident memory (RSS) when the dispatcher's buffer pool last grew (its high-water mark) and at
+the end: growth since should stay under 2%.
 
     .venv/bin/python benchmarks/user_process.py [--dtype fp32|bf16] [--tokens 4096] [--soak 1000]
 """
@@ -57,15 +58,18 @@ def _worker(rank, world, port, args, out_path):
     x, idx, w = _inputs(rank, args.tokens, args.hidden, args.experts, args.topk, dtype, 0)
     if args.soak:
         d = dispatchers[args.backends[0]]
-        rss = []
+        rss, grew = [], []
         for i in range(args.soak):
             n = args.tokens - (i * 7919 + rank * 104729) % (args.tokens // 2)   # changes every call
+            before = d.workspace.allocated
             _moe(d, x[:n], idx[:n], w[:n], scale)
             rss.append(_rss_bytes())
-        peak_at = max(range(len(rss)), key=rss.__getitem__)
-        warm = rss[len(rss) // 10]
-        result = {"rss_after_warmup": warm, "rss_peak": rss[peak_at], "rss_end": rss[-1],
-                  "growth_after_warmup": rss[-1] / warm - 1, "peak_call": peak_at}
+            grew.append(d.workspace.allocated != before)
+        high_water_call = max([i for i, g in enumerate(grew) if g], default=0)   # the pool's last growth
+        result = {"rss_at_high_water": rss[high_water_call], "rss_end": rss[-1], "high_water_call": high_water_call,
+                  "growth_after_high_water": rss[-1] / rss[high_water_call] - 1,
+                  "pool_MB": d.workspace.high_water_bytes / 2**20,
+                  "rss_at": {f"{q}%": rss[len(rss) * q // 100 - 1] for q in (10, 25, 50, 75, 100)}}
     else:
         rows = args.tokens * args.topk
         send = x.repeat(args.topk, 1)
@@ -118,10 +122,14 @@ def main(argv=None) -> int:
         os.unlink(out_path)
     if args.soak:
         print(f"{args.soak} calls of {args.backends[0]}, {args.dtype}, tokens changing every call")
-        print("rank | RSS after warm-up (MB) | peak (MB) | end (MB) | growth after warm-up")
+        marks = list(per_rank[0]["rss_at"])
+        print("| rank | pool's last growth (call) | pool MB | RSS then (MB) | RSS at " + " / ".join(marks)
+              + " of the calls (MB) | growth since the pool's last growth |")
+        print("|---|---|---|---|---|---|")
         for r, res in enumerate(per_rank):
-            print(f"{r} | {res['rss_after_warmup'] / 2**20:.0f} | {res['rss_peak'] / 2**20:.0f} | "
-                  f"{res['rss_end'] / 2**20:.0f} | {100 * res['growth_after_warmup']:+.2f}%")
+            print(f"| {r} | {res['high_water_call']} | {res['pool_MB']:.0f} | {res['rss_at_high_water'] / 2**20:.0f} | "
+                  + " / ".join(f"{v / 2**20:.0f}" for v in res["rss_at"].values())
+                  + f" | {100 * res['growth_after_high_water']:+.2f}% |")
         return 0
     mean = {name: max(r[name] for r in per_rank) for name in per_rank[0]}    # the slowest rank sets the pace
     print(f"4 ranks, {args.tokens} tokens/rank, hidden {args.hidden}, {args.experts} experts, top-{args.topk}, "

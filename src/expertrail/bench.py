@@ -307,7 +307,7 @@ def predict_backends(report: dict, links: dict, local: dict | None = None) -> No
     ``planner_bytes_match``."""
     from .links import measured_hardware
     from .plan.catalog import MoEModel
-    from .plan.cost import Layout, metadata_bytes, predict, rows_by_link
+    from .plan.cost import Layout, metadata_bytes, predict, row_bytes, rows_by_link
     cfg = report["config"]
     idx = [make_routing(cfg["routing"], cfg["tokens"], cfg["experts"], cfg["topk"], r, cfg["world"],
                         cfg["seed"])[0].numpy() for r in range(cfg["world"])]
@@ -315,13 +315,15 @@ def predict_backends(report: dict, links: dict, local: dict | None = None) -> No
     layout = Layout(cfg["world"], cfg["domain_size"])
     model = MoEModel("bench", cfg["hidden"], cfg["experts"], cfg["topk"], cfg["expert_ffn"], 1)
     precision = "fp32" if cfg["dtype"] == "fp32" else "bf16"        # fp16 rows are as wide as bf16
+    if cfg.get("payload") == "fp8":
+        precision = "fp8"            # the planner's fp8: fp8 dispatch rows, bf16 combine rows
     for name, r in report["results"].items():
         # this engine: a route's hops run in turn (hierarchical overlaps only the rows a rank
         # forwards of its own), rows carry its metadata, and its local passes take the
         # measured time
         p = predict(hw, model, layout, name, idx[0], precision=precision, pipelined=False, engine=True)
         rows = rows_by_link(idx, cfg["experts"], layout, name)
-        row = cfg["hidden"] * DTYPES[cfg["dtype"]].itemsize + metadata_bytes(name, cfg["topk"])
+        row = row_bytes(model, precision, "dispatch") + metadata_bytes(name, cfg["topk"])
         planner_bytes = {link: n * row for link, n in rows.items()}
         r.update(predicted_dispatch_s=p.dispatch_s, predicted_combine_s=p.combine_s,
                  predicted_total_s=p.dispatch_s + p.combine_s, planner_rows=rows,

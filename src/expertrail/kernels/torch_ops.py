@@ -188,9 +188,25 @@ def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tens
                 index, offsets = index.repeat_interleave(parts), offsets * parts
         else:
             per_copy = per_copy.to(table.dtype)
-    out = torch.nn.functional.embedding_bag(index, table, offsets, mode="sum", per_sample_weights=per_copy,
-                                            include_last_offset=True)
+    out = allocate((num_src, width), table.dtype, rows.device)
+    _embedding_bag_sum(table, index, offsets, per_copy, out)
     return out.to(out_dtype)
+
+
+_BAG_FORWARD = getattr(getattr(torch.ops.aten, "_embedding_bag_forward_only", None), "out", None)
+
+
+def _embedding_bag_sum(table, index, offsets, per_copy, out) -> None:
+    """``embedding_bag(..., mode="sum", include_last_offset=True)`` written into ``out`` (a
+    workspace buffer; empty bags give zero rows). Uses aten's forward-only out variant, which
+    the functional form lacks; without it, a copy."""
+    if _BAG_FORWARD is None:
+        out.copy_(torch.nn.functional.embedding_bag(index, table, offsets, mode="sum", per_sample_weights=per_copy,
+                                                    include_last_offset=True))
+        return
+    aux = [torch.empty(0, dtype=torch.int64, device=index.device) for _ in range(3)]
+    _BAG_FORWARD(table, index, offsets, False, 0, False, per_copy, True, -1, out0=out, out1=aux[0], out2=aux[1],
+                 out3=aux[2])
 
 
 def _split(values: torch.Tensor, dtype: torch.dtype, parts: int) -> torch.Tensor:
