@@ -41,6 +41,8 @@ SMALL = [
     (r"benchmarks/layouts\.py", "--shrink 256 --iters 2 --warmup 1"),
     (r"benchmarks/messages\.py", "--rows-per-peer 16 --hidden 8 --iters 2 --warmup 1"),
     (r"benchmarks/soak\.py", "--iters 30 --warmup 10"),
+    (r"benchmarks/user_process\.py.*--soak", "--tokens 256 --hidden 64 --soak 20"),
+    (r"benchmarks/user_process\.py", "--tokens 256 --hidden 64 --iters 2"),
 ]
 # Commands that build an emulated cluster (network namespaces): they need root, as in CI.
 NEEDS_NAMESPACES = re.compile(r"expertrail (cluster |bench .*--nodes)")
