@@ -58,7 +58,9 @@ def test_fp8_rows_within_e4m3_step_of_the_block_amax(hidden, dtype):
     g = torch.Generator().manual_seed(hidden)
     x = (torch.randn(64, hidden, generator=g) * torch.logspace(-4, 4, 64).unsqueeze(1)).to(dtype)
     x[5] = 0                                                    # a zero row: scale 1, values 0
+    kept = x.clone()
     rows = fp8.quantize(x)
+    assert torch.equal(x, kept), "quantize changed its input"
     assert rows.dtype == torch.uint8 and rows.shape == (64, fp8.row_bytes(hidden))
     assert fp8.row_bytes(hidden) == hidden + 4 * -(-hidden // 128)
     back = fp8.dequantize(rows, hidden, dtype)

@@ -34,7 +34,7 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     blocks = (x if h == b * BLOCK else torch.nn.functional.pad(x, (0, b * BLOCK - h))).view(n, b, BLOCK)
     amax = blocks.abs().amax(-1).float()                  # exact in x's dtype: no widened copy for it
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))        # [N, B] fp32
-    scaled = blocks.float().div_(scale.unsqueeze(-1)).view(n, b * BLOCK)[:, :h]
+    scaled = torch.div(blocks, scale.unsqueeze(-1)).view(n, b * BLOCK)[:, :h]    # fp32, never in place on x
     out = torch.empty(n, row_bytes(h), dtype=torch.uint8, device=x.device)
     out[:, :h].view(FP8).copy_(scaled)                    # rounded to e4m3 as it is written
     out[:, h:] = scale.view(torch.uint8).view(n, 4 * b)

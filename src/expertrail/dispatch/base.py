@@ -11,17 +11,17 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import fp8
 from ..errors import InvalidInputError
 from ..kernels.torch_ops import gather_rows, stable_argsort
 from ..routing import TokenLayout, apply_capacity, compute_layout, expert_capacity
 from ..topology import EPGroups, check_same_on_all_ranks, guarded
-from ..transport import Transfer
-from .. import fp8
+from ..transport import Transfer, TransferStats
+from ..workspace import Workspace
 from .config import DispatchConfig
 from .header import DTYPE_CODES, ERROR_KINDS, FIELDS, Header, Headers
-from ..transport import TransferStats
-from ..workspace import Workspace
 from .route import ExpandHop, ExpertRows, Route, Stage, own_block
+
 
 def weight_bits(weights: torch.Tensor) -> torch.Tensor:
     """Float weights -> int64 bit patterns of their fp64 value (travel with int metadata)."""
@@ -106,6 +106,10 @@ class DispatchResult:
     combine_stats: TransferStats | None = None
     scales: torch.Tensor | None = None
     dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        if self.dtype is None:
+            self.dtype = self.tokens.dtype
 
 
 class Dispatcher:

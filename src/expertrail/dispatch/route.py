@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import kernels
-from ..topology import guarded
 from ..kernels.torch_ops import CopyPositions, stable_argsort
+from ..topology import guarded
 from ..transport import AllWorks, Channel, LandingRuns, Later, Transfer, TransferStats, concat_transfers, link_class
 from ..workspace import Workspace, allocate, allocate_zeros
 
