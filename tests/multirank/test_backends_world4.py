@@ -177,4 +177,4 @@ def test_fp8_rows_are_the_same_on_every_backend(world4):
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 def test_workspace_reuses_buffers_safely(world4, backend):
-    assert all(hw > 0 for hw in world4.run(workers.workspace_reuse, backend))
+    assert all(sizes[0] > 0 for sizes in world4.run(workers.workspace_reuse, backend))
