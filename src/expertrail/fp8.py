@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .workspace import allocate
+
 BLOCK = 128
 E4M3_MAX = 448.0
 FP8 = torch.float8_e4m3fn
@@ -35,7 +37,7 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     amax = blocks.abs().amax(-1).float()                  # exact in x's dtype: no widened copy for it
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))        # [N, B] fp32
     scaled = torch.div(blocks, scale.unsqueeze(-1)).view(n, b * BLOCK)[:, :h]    # fp32, never in place on x
-    out = torch.empty(n, row_bytes(h), dtype=torch.uint8, device=x.device)
+    out = allocate((n, row_bytes(h)), torch.uint8, x.device)      # a dispatcher's buffer when inside one
     out[:, :h].view(FP8).copy_(scaled)                    # rounded to e4m3 as it is written
     out[:, h:] = scale.view(torch.uint8).view(n, 4 * b)
     return out
@@ -43,10 +45,10 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
 
 def unpack(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed rows uint8 [M, row_bytes(H)] -> (values float8_e4m3fn [M, H], scales fp32
-    [M, ceil(H / 128)]), both fresh contiguous tensors."""
-    values = rows[:, :hidden].contiguous().view(FP8)
-    scales = rows[:, hidden:].contiguous().view(torch.float32)
-    return values, scales
+    [M, ceil(H / 128)]), both contiguous copies."""
+    values = allocate((rows.shape[0], hidden), torch.uint8, rows.device).copy_(rows[:, :hidden])
+    scales = allocate((rows.shape[0], rows.shape[1] - hidden), torch.uint8, rows.device).copy_(rows[:, hidden:])
+    return values.view(FP8), scales.view(torch.float32)
 
 
 def dequantize(rows: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
@@ -59,4 +61,5 @@ def dequantize_values(values: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     each value times its block's scale in fp32, rounded once to ``dtype``."""
     (m, hidden), b = values.shape, scales.shape[1]
     wide = torch.nn.functional.pad(values.float(), (0, b * BLOCK - hidden)).view(m, b, BLOCK)
-    return (wide * scales.unsqueeze(-1)).view(m, b * BLOCK)[:, :hidden].to(dtype)
+    out = allocate((m, hidden), dtype, values.device)
+    return out.copy_(wide.mul_(scales.unsqueeze(-1)).view(m, b * BLOCK)[:, :hidden])
