@@ -24,6 +24,7 @@ wait and backward), or plain torch allocation outside one.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import weakref
 
@@ -64,10 +65,7 @@ class Workspace:
 
     def empty(self, shape, dtype: torch.dtype, device) -> torch.Tensor:
         shape = tuple(int(s) for s in shape)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = itemsize
-        for s in shape:
-            nbytes *= s
+        nbytes = dtype.itemsize * math.prod(shape)
         if not self.enabled or nbytes < MIN_POOLED_BYTES:
             return torch.empty(shape, dtype=dtype, device=device)
         device = torch.device(device)
@@ -90,9 +88,6 @@ class Workspace:
             self.allocated += 1
             self.high_water_bytes = max(self.high_water_bytes, self.nbytes)
         return buf[:nbytes].view(dtype).view(shape)
-
-    def zeros(self, shape, dtype: torch.dtype, device) -> torch.Tensor:
-        return self.empty(shape, dtype, device).zero_()
 
     def release(self) -> None:
         """Give every buffer back (tensors still viewing one keep it alive until they go)."""
