@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-import weakref
 
 import torch
 
@@ -102,7 +101,7 @@ class Workspace:
     def active(self):
         """Make this workspace the one `allocate` uses on this thread, for the block."""
         previous = getattr(_current, "workspace", None)
-        _current.workspace = weakref.ref(self)
+        _current.workspace = self
         try:
             yield self
         finally:
@@ -114,8 +113,7 @@ class Workspace:
 
 
 def current() -> Workspace | None:
-    ref = getattr(_current, "workspace", None)
-    return None if ref is None else ref()
+    return getattr(_current, "workspace", None)
 
 
 def allocate(shape, dtype: torch.dtype, device) -> torch.Tensor:

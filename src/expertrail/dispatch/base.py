@@ -182,10 +182,10 @@ class Dispatcher:
         fp8 rows are dequantized (gradients pass straight through the quantization) or
         unpacked into values and scales."""
         tokens, scales = rows, None
-        if self.config.payload == "fp8":
-            tokens = fp8.dequantize(rows, x.shape[1], x.dtype) if self.config.dequantize else None
-            if tokens is None:
-                tokens, scales = fp8.unpack(rows, x.shape[1])
+        if self.config.payload == "fp8" and self.config.dequantize:
+            tokens = fp8.dequantize(rows, x.shape[1], x.dtype)
+        elif self.config.payload == "fp8":
+            tokens, scales = fp8.unpack(rows, x.shape[1])
         weights = route.expert_weights()
         stats = route.stats(row_bytes, self.groups.ep_rank, self.groups.domain_size)
         stats.control_bytes = control_bytes

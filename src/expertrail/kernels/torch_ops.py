@@ -166,16 +166,13 @@ def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tens
     num_src, width = copies.num_src, rows.shape[1]
     if copies.pos.numel() == 0:
         return rows.new_zeros(num_src, width, dtype=out_dtype)
-    if copies.num_slots == 1 and weights is None and rows.dtype == out_dtype:    # a permutation (with holes)
+    if copies.num_slots == 1 and weights is None:       # a permutation (with holes): no sum
         if copies.pos.numel() == num_src:
-            return take_rows(rows, copies.pos, out=allocate((num_src, width), out_dtype, rows.device))
-        return allocate_zeros((num_src, width), out_dtype, rows.device).index_copy_(0, copies.source,
-                                                                                   take_rows(rows, copies.pos))
-    if copies.num_slots == 1 and weights is None:
-        picked = take_rows(rows, copies.pos)
-        if copies.pos.numel() == num_src:
-            return picked.to(out_dtype)
-        return picked.new_zeros(num_src, width).index_copy_(0, copies.source, picked).to(out_dtype)
+            picked = take_rows(rows, copies.pos, out=allocate((num_src, width), rows.dtype, rows.device))
+        else:
+            picked = allocate_zeros((num_src, width), rows.dtype, rows.device).index_copy_(
+                0, copies.source, take_rows(rows, copies.pos))
+        return picked.to(out_dtype)
     native = rows.dtype in _NATIVE and (rows.dtype == out_dtype or rows.dtype != torch.bfloat16)
     table = rows if native else rows.to(accumulation_dtype(rows.dtype))
     index, offsets, per_copy = copies.pos, copies.offsets, None
