@@ -2,8 +2,9 @@
 
 4 gloo ranks started with ``torch.multiprocessing.spawn`` (no launcher settings: glibc's default
 malloc, ``torch.set_num_threads(1)``), each calling dispatch -> a per-expert scale -> combine,
-beside the bare ``all_to_all_single`` of the same rows out and back (buffers allocated once).
-Backends and the bare collectives alternate round by round, so the machine's noise falls on
+beside the bare ``all_to_all_single`` of the same rows out and back (buffers allocated once)
+and the ``floor``: the least any dispatcher moving one row per (token, expert) must do for the
+same call (`_floor`). Backends and the bare collectives alternate round by round, so the machine's noise falls on
 all alike. Prints the mean time per call and its ratio to the bare collectives.
 
 ``--soak N`` instead runs N calls with token counts changing every call and prints the
@@ -46,6 +47,37 @@ def _moe(d, x, idx, w, scale):
     return d.combine(res.tokens * per_row.unsqueeze(1), res)
 
 
+def _floor(x, idx, w, scale, world):
+    """The least work any one-row-per-(token, expert) dispatcher does for the same call: the
+    counts exchange, the gather into per-rank order, the rows out, a scale (one pass into a
+    fresh tensor, as the user's per-expert scale), the rows back and the weighted sum. A lower
+    bound: the routing is sorted once outside the call, buffers are allocated once, nothing is
+    checked, and the received rows stay source-major (experts need them expert-major). Its time
+    over the bare collectives' is what the algorithm itself costs on this machine."""
+    n, k = idx.shape
+    experts = scale.numel() * world
+    order = torch.argsort(idx.reshape(-1), stable=True)
+    at = torch.empty_like(order)
+    at[order] = torch.arange(order.numel())
+    token = order // k
+    send_counts = torch.bincount(idx.reshape(-1), minlength=experts).view(world, -1)
+    gathered = torch.empty(n * k, x.shape[1], dtype=x.dtype)
+    back = torch.empty_like(gathered)
+    recv_counts = torch.empty_like(send_counts)
+    received = torch.empty(n * k * world, x.shape[1], dtype=x.dtype)     # room for any split
+
+    def floor():
+        dist.all_to_all_single(recv_counts, send_counts)
+        send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        torch.index_select(x, 0, token, out=gathered)
+        rows = received[:sum(recv_splits)]
+        dist.all_to_all_single(rows, gathered, recv_splits, send_splits)
+        expert_out = rows * scale[0]        # a fresh tensor, as the user's scale makes
+        dist.all_to_all_single(back, expert_out, send_splits, recv_splits)
+        return torch.nn.functional.embedding_bag(at.view(n, k), back, per_sample_weights=w, mode="sum")
+    return floor
+
+
 def _worker(rank, world, port, args, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -80,7 +112,8 @@ def _worker(rank, world, port, args, out_path):
         def bare():
             dist.all_to_all_single(recv, send, splits, splits)
             dist.all_to_all_single(back, recv, splits, splits)
-        calls = {"bare": bare, **{b: (lambda d=d: _moe(d, x, idx, w, scale)) for b, d in dispatchers.items()}}
+        calls = {"bare": bare, "floor": _floor(x, idx, w, scale, world),
+                 **{b: (lambda d=d: _moe(d, x, idx, w, scale)) for b, d in dispatchers.items()}}
         times = {name: [] for name in calls}
         for name, fn in calls.items():           # warm-up
             fn()
