@@ -21,9 +21,10 @@ def test_train_matches_single_process_for_every_backend(tmp_path):
 def test_summary_names_the_first_step_beyond_the_tolerance():
     from expertrail.configs import TrainConfig
     from expertrail.train import summarize
-    report = summarize(TrainConfig(tolerance=1e-4), [4.0, 3.0, 2.0, 1.0],
-                       {"ok": [4.0, 3.0, 2.0, 1.0 + 5e-5], "off": [4.0, 3.0, 2.1, 1.0],
-                        "nan": [4.0, float("nan"), 2.0, 1.0]})["backends"]
+    runs = {name: {"sequential": {"losses": losses, "step_times": [1.0] * 4}}
+            for name, losses in (("ok", [4.0, 3.0, 2.0, 1.0 + 5e-5]), ("off", [4.0, 3.0, 2.1, 1.0]),
+                                 ("nan", [4.0, float("nan"), 2.0, 1.0]))}
+    report = summarize(TrainConfig(tolerance=1e-4), [4.0, 3.0, 2.0, 1.0], runs)["backends"]
     assert report["ok"]["matches_reference"] and report["ok"]["first_bad_step"] is None
     assert report["off"]["first_bad_step"] == 2 and not report["off"]["matches_reference"]
     assert report["nan"]["first_bad_step"] == 1
@@ -43,3 +44,25 @@ def test_train_help_describes_every_option_with_its_default():
         options = out.stdout[out.stdout.index("options:"):]
         described = " ".join(options[options.index(f"  {option} "):].split()[:40])
         assert f"default {default}" in described, (option, described)
+
+
+def test_train_overlap_reports_both_runs_with_identical_losses(tmp_path):
+    path = tmp_path / "train.json"
+    out = subprocess.run([sys.executable, "-m", "expertrail", "train", "--overlap", "--micro-batches", "2", "--steps",
+                          "3", "--world", "2", "--backends", "alltoall,dedup", "--json", str(path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(path.read_text())
+    assert report["config"]["overlap"] and report["config"]["micro_batches"] == 2
+    for name, r in report["backends"].items():
+        assert len(r["losses"]) == 3 and r["step_time_s"] > 0, name
+        assert r["same_losses"] and r["losses"] == r["without_overlap"]["losses"], name
+        assert r["max_abs_diff"] <= 1e-4, name
+        assert r["overlap_speedup"] == r["without_overlap"]["step_time_s"] / r["step_time_s"]
+    assert "losses identical: yes" in out.stdout
+
+
+def test_overlap_needs_two_micro_batches():
+    out = subprocess.run([sys.executable, "-m", "expertrail", "train", "--overlap", "--micro-batches", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--overlap needs at least 2 micro-batches" in out.stderr, out.stderr

@@ -65,9 +65,9 @@ def _inter_link_argument(parser) -> None:
 _CLUSTER_OPTIONS = ("--nodes", "--ranks-per-node", "--inter-link")
 
 
-def _bench_on_cluster(args, argv: list) -> int:
-    """`bench --nodes N`: bring an emulated cluster up, run this same bench on it under
-    torchrun (one launcher per node), tear it down."""
+def _on_cluster(args, argv: list) -> int:
+    """`bench` / `train` with ``--nodes N``: bring an emulated cluster up, run this same
+    command on it under torchrun (one launcher per node), tear it down."""
     from .cluster import Cluster, LinkSpec
     link = LinkSpec.parse(args.inter_link)
     inner, skip = [], False
@@ -80,10 +80,11 @@ def _bench_on_cluster(args, argv: list) -> int:
             skip = "=" not in arg
             continue
         inner.append(arg)
-    if "--domain-size" not in {a.split("=", 1)[0] for a in inner}:
+    if args.command == "bench" and "--domain-size" not in {a.split("=", 1)[0] for a in inner}:
         inner += ["--domain-size", str(args.ranks_per_node)]
     with Cluster(args.nodes, link) as c:
-        c.run(["-m", "expertrail", "bench", *inner, "--no-progress"], args.ranks_per_node)
+        c.run(["-m", "expertrail", args.command, *inner, *(["--no-progress"] if args.command == "bench" else [])],
+              args.ranks_per_node)
     return 0
 
 
@@ -109,7 +110,25 @@ def _train_parser(sub) -> None:
     p.add_argument("--tolerance", type=float, default=d.tolerance,
                    help="largest |loss - single-process loss| allowed at any step (default %(default)s; "
                         "measured differences are about 5e-7 in fp32)")
-    p.add_argument("--json", metavar="PATH", help="write the losses as JSON")
+    p.add_argument("--ffn", type=int, default=d.ffn, help="expert (and shared expert) FFN width (default %(default)s)")
+    p.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence (default %(default)s)")
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per micro-batch (default %(default)s)")
+    p.add_argument("--micro-batches", type=_positive_int(1), default=None,
+                   help="micro-batches per step, gradients accumulated (default 1; 4 with --overlap)")
+    p.add_argument("--overlap", action="store_true",
+                   help="also train with two micro-batches in flight (1F1B: one's forward beside the other's "
+                        "backward, taking turns at every dispatch and combine, expert weight gradients delayed; "
+                        "docs/overlap.md), step by step beside the run without; the losses must be identical")
+    p.add_argument("--timeline", metavar="PATH.png",
+                   help="draw rank 0's compute and exchanges over one step of each run (with --overlap)")
+    p.add_argument("--json", metavar="PATH",
+                   help="write per backend the per-step losses and step_time_s (median), and the reference")
+    c = p.add_argument_group("on an emulated multi-node cluster (docs/emulated-cluster.md; needs root)")
+    c.add_argument("--nodes", type=_positive_int(2), default=None,
+                   help="run on this many emulated nodes, launched by torchrun per node (default: local ranks)")
+    c.add_argument("--ranks-per-node", type=_positive_int(2), default=2,
+                   help="ranks per node, the EP domain size (default %(default)s)")
+    _inter_link_argument(c)
 
 
 class _ConfigArguments(argparse.ArgumentParser):
@@ -342,16 +361,23 @@ def _backend_list(text: str) -> list:
 
 
 def _run_train(args) -> int:
-    import json
-
-    from .launch import LocalRanks, RankError
     from .configs import TrainConfig
-    from .train import summarize, train_rank, train_reference
     backends = _backend_list(args.backends)
-    cfg = TrainConfig(steps=args.steps, layers=args.layers, experts=args.experts, topk=args.topk,
-                      hidden=args.hidden, lr=args.lr, seed=args.seed, tolerance=args.tolerance)
+    micro_batches = args.micro_batches or (4 if args.overlap else 1)
+    if args.overlap and micro_batches < 2:
+        raise ConfigError(f"--overlap needs at least 2 micro-batches per step (got --micro-batches {micro_batches}): "
+                          "overlap runs one micro-batch's forward beside another's backward")
+    cfg = TrainConfig(steps=args.steps, layers=args.layers, experts=args.experts, topk=args.topk, hidden=args.hidden,
+                      ffn=args.ffn, seq=args.seq, batch=args.batch, micro_batches=micro_batches, overlap=args.overlap,
+                      lr=args.lr, seed=args.seed, tolerance=args.tolerance)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:     # launched by torchrun (e.g. on a cluster)
+        return _train_under_torchrun(args, cfg, backends)
+    if args.nodes:
+        return _on_cluster(args, list(args.argv_seen))
+    from .launch import LocalRanks, RankError
+    from .train import timeline_spans, train_rank, train_reference
     reference = train_reference(cfg, args.world)
-    runs, crashed = {}, {}
+    runs, crashed, spans = {}, {}, None
     with LocalRanks(args.world) as ranks:
         for b in backends:
             try:
@@ -359,26 +385,76 @@ def _run_train(args) -> int:
             except RankError as err:          # report it, go on with the other backends
                 first = err.errors[min(err.errors)]
                 crashed[b] = f"raised on rank(s) {sorted(err.errors)}: {first[0]}"
+        if args.timeline and runs:
+            spans = ranks.run(timeline_spans, cfg, next(iter(runs)))[0]
+    return _train_report(cfg, reference, runs, crashed, spans, args, args.world)
+
+
+def _train_under_torchrun(args, cfg, backends: list) -> int:
+    """`train` as one rank of a torchrun launch: every backend trained, rank 0 reports."""
+    import torch.distributed as dist
+
+    from .train import timeline_spans, train_rank, train_reference
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    domain = int(os.environ.get("LOCAL_WORLD_SIZE", max(1, world // 2)))
+    runs, crashed, spans = {}, {}, None
+    for b in backends:
+        try:
+            runs[b] = train_rank(rank, world, cfg, b, domain_size=domain)
+        except ExpertrailError as err:        # raised on every rank alike: go on with the others
+            crashed[b] = f"raised: {err}"
+    if args.timeline and runs:
+        spans = timeline_spans(rank, world, cfg, next(iter(runs)), domain_size=domain)
+    rc = 0
+    if rank == 0:
+        rc = _train_report(cfg, train_reference(cfg, world), runs, crashed, spans, args, world)
+    dist.barrier()              # tear down together: a rank that leaves early aborts its peers' gloo threads
+    dist.destroy_process_group()
+    return rc
+
+
+def _train_report(cfg, reference: list, runs: dict, crashed: dict, spans, args, world: int) -> int:
+    """Print the losses (and with --overlap the step times), write --json / --timeline;
+    1 if a backend failed."""
+    import json
+
+    from .train import summarize, write_timeline
     report = summarize(cfg, reference, runs)
+    rows = report["backends"]
     print(f"tiny MoE LM: {cfg.layers} layers, {cfg.experts} experts, top-{cfg.topk}, hidden {cfg.hidden}, "
-          f"{args.world} ranks x {cfg.batch} sequences of {cfg.seq}; loss per step")
-    print(f"{'step':>4}  {'1 process':>10}" + "".join(f"  {b:>12}" for b in runs))
+          f"ffn {cfg.ffn}, {world} ranks x {cfg.micro_batches} micro-batch(es) x {cfg.batch} sequences of "
+          f"{cfg.seq}; loss per step")
+    print(f"{'step':>4}  {'1 process':>10}" + "".join(f"  {b:>12}" for b in rows))
     for step, ref in enumerate(reference):
-        print(f"{step:>4}  {ref:>10.6f}" + "".join(f"  {runs[b][step]:>12.6f}" for b in runs))
+        print(f"{step:>4}  {ref:>10.6f}" + "".join(f"  {rows[b]['losses'][step]:>12.6f}" for b in rows))
     failures = [f"{b} {message}" for b, message in crashed.items()]
-    for b, r in report["backends"].items():
+    for b, r in rows.items():
         print(f"{b}: max |loss - single process| = {r['max_abs_diff']:.2e}, loss {r['losses'][0]:.3f} -> "
-              f"{r['losses'][-1]:.3f}")
+              f"{r['losses'][-1]:.3f}, step {1e3 * r['step_time_s']:.1f} ms")
+        if cfg.overlap:
+            without = r["without_overlap"]
+            print(f"{b}: step {1e3 * without['step_time_s']:.1f} ms without overlap, {1e3 * r['step_time_s']:.1f} ms "
+                  f"with ({r['overlap_speedup']:.2f}x); losses identical: {'yes' if r['same_losses'] else 'NO'}")
+            if not r["same_losses"]:
+                failures.append(f"{b}: the overlapped run's losses differ from the run without overlap")
         if not r["matches_reference"]:
             step = r["first_bad_step"]
-            failures.append(f"{b}: at step {step} the loss is {runs[b][step]:.6g}, the single-process run's "
+            failures.append(f"{b}: at step {step} the loss is {r['losses'][step]:.6g}, the single-process run's "
                             f"{reference[step]:.6g} (tolerance {cfg.tolerance:g})")
         elif not r["loss_fell"]:
             failures.append(f"{b}: the loss did not fall by 10% ({r['losses'][0]:.4f} -> {r['losses'][-1]:.4f})")
     if args.json:
         report["crashed"] = crashed
+        if os.environ.get("EXPERTRAIL_CLUSTER"):
+            report["emulated"] = {"cluster": os.environ["EXPERTRAIL_CLUSTER"],
+                                  "inter_link": os.environ.get("EXPERTRAIL_INTER_LINK", "?"),
+                                  "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", 0))}
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    if spans is not None:
+        write_timeline(spans, args.timeline)
+        print(f"wrote {args.timeline}")
     for line in failures:
         print(f"FAILED: {line}", file=sys.stderr)
     return 1 if failures else 0
@@ -413,7 +489,7 @@ def _run_bench(args) -> int:
         dist.destroy_process_group()
         return 0
     if args.nodes:
-        return _bench_on_cluster(args, list(args.argv_seen))
+        return _on_cluster(args, list(args.argv_seen))
     import torch
     from .launch import LocalRanks
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= cfg.world else "gloo"

@@ -43,7 +43,9 @@ class TrainConfig:
     topk: int = 2
     ffn: int = 32
     seq: int = 16
-    batch: int = 4            # sequences per rank per step
+    batch: int = 4            # sequences per rank per micro-batch
+    micro_batches: int = 1    # per step, gradients accumulated
+    overlap: bool = False     # also train with micro-batches overlapped (`schedule`), side by side
     steps: int = 20
     lr: float = 0.3
     aux_loss_coeff: float = 1e-2

@@ -3,6 +3,10 @@
 Weights are laid out as Hugging Face transformers 5 fuses them, so checkpoints map 1:1:
 ``gate_up_proj [E, 2F, H]`` (the F gate rows first, then the F up rows) and
 ``down_proj [E, H, F]``. An expert computes ``down @ (silu(gate @ x) * (up @ x))``.
+
+Their backwards compute the weight gradients with the same kernels now or, inside an
+overlapped schedule with delayed weight gradients (`schedule`), at the task's next switch
+point, while an exchange is in flight.
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from . import schedule
 from .errors import InvalidInputError
 
 
@@ -34,6 +39,63 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
     # Fallback: one GEMM per expert (E_local is small; tokens are never looped over).
     return torch.cat([rows @ w.T for rows, w in zip(x.split(counts), weight)]) if counts else x.new_zeros(0, weight.shape[1])
+
+
+def grouped_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, counts: list) -> torch.Tensor:
+    """The weight gradient of `grouped_linear`: [E, out, in], expert e's ``grad_out_e.T @ x_e``.
+
+    grad_out: [M, out]; x: [M, in]; offsets / counts as `grouped_linear`."""
+    aligned = all(t.shape[1] * t.element_size() % 16 == 0 and t.shape[0] * t.element_size() % 16 == 0
+                  for t in (grad_out, x))
+    if aligned and grouped_mm_supported(x.device, x.dtype):
+        return torch._grouped_mm(grad_out.t(), x, offs=offsets)
+    return torch.stack([g.T @ rows for g, rows in zip(grad_out.split(counts), x.split(counts))])
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """`grouped_linear` with its weight gradient computed now or, inside an overlapped
+    schedule with delayed weight gradients, later (`schedule.defer`), into ``weight.grad``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offsets, counts):
+        ctx.save_for_backward(x, weight, offsets)
+        ctx.counts = counts
+        return grouped_linear(x, weight, offsets, counts)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, offsets = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_x = grouped_linear(grad_out, weight.transpose(1, 2), offsets, ctx.counts) \
+            if ctx.needs_input_grad[0] else None
+        return grad_x, _weight_grad(ctx, weight, lambda: grouped_weight_grad(grad_out, x, offsets, ctx.counts)), \
+            None, None
+
+
+class _Linear(torch.autograd.Function):
+    """``x @ weight.T`` (no bias) with its weight gradient delayable, as `_GroupedLinear`."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        flat_grad, flat_x = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
+        return grad_x, _weight_grad(ctx, weight, lambda: flat_grad.T @ flat_x)
+
+
+def _weight_grad(ctx, weight: torch.Tensor, compute):
+    """The weight gradient to return from a backward: ``compute()`` now, or None after handing
+    it to the schedule, which adds it into ``weight.grad`` at the task's next switch point."""
+    if not ctx.needs_input_grad[1]:
+        return None
+    if schedule.defer(lambda: schedule.accumulate_grad(weight, compute())):
+        return None
+    return compute()
 
 
 class GroupedExperts(nn.Module):
@@ -64,9 +126,9 @@ class GroupedExperts(nn.Module):
             raise InvalidInputError(f"tokens_per_expert sums to {sum(counts)} but tokens has {tokens.shape[0]} rows")
         offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
         x = tokens.to(self.gate_up_proj.dtype)
-        gate_up = grouped_linear(x, self.gate_up_proj, offsets, counts)
+        gate_up = _GroupedLinear.apply(x, self.gate_up_proj, offsets, counts)
         gate, up = gate_up.split(self.ffn_hidden, dim=-1)
-        return grouped_linear(self.activation(gate) * up, self.down_proj, offsets, counts).to(tokens.dtype)
+        return _GroupedLinear.apply(self.activation(gate) * up, self.down_proj, offsets, counts).to(tokens.dtype)
 
 
 class SwiGLUMLP(nn.Module):
@@ -79,5 +141,5 @@ class SwiGLUMLP(nn.Module):
         self.ffn_hidden = ffn_hidden
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.ffn_hidden, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = _Linear.apply(x, self.gate_up_proj.weight).split(self.ffn_hidden, dim=-1)
+        return _Linear.apply(F.silu(gate) * up, self.down_proj.weight)

@@ -12,6 +12,8 @@ tokens grouped by expert directly) as the reference: per-step losses must agree.
 """
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import asdict, replace
 
 import torch
@@ -24,6 +26,7 @@ from .dispatch import make_dispatcher
 from .experts import GroupedExperts, SwiGLUMLP
 from .layer import MoELayer, router_loss
 from .router import RouterConfig, TopKRouter
+from .schedule import Timeline, train_micro_batches
 from .topology import EPGroups
 
 
@@ -130,10 +133,10 @@ def build_ep_model(cfg: TrainConfig, groups: EPGroups, backend: str) -> TinyMoEL
     return model
 
 
-def make_batch(cfg: TrainConfig, step: int, rank: int) -> torch.Tensor:
+def make_batch(cfg: TrainConfig, step: int, rank: int, micro_batch: int = 0) -> torch.Tensor:
     """[batch, seq + 1] tokens following a fixed random rule from a random start."""
     rule = torch.randperm(cfg.vocab, generator=torch.Generator().manual_seed(cfg.seed + 12345))
-    g = torch.Generator().manual_seed(cfg.seed * 7919 + step * 104729 + rank)
+    g = torch.Generator().manual_seed(cfg.seed * 7919 + (step * cfg.micro_batches + micro_batch) * 104729 + rank)
     seq = [torch.randint(0, cfg.vocab, (cfg.batch,), generator=g)]
     for _ in range(cfg.seq):
         seq.append(rule[seq[-1]])
@@ -146,63 +149,142 @@ def lm_loss(model: TinyMoELM, batch: torch.Tensor) -> torch.Tensor:
 
 
 def train_reference(cfg: TrainConfig, world: int) -> list:
-    """Per-step losses of the single-process run on the global batch (all ranks' data)."""
+    """Per-step losses of the single-process run on the global batch (all ranks' data), with
+    the same micro-batches."""
     model, _ = build_full_model(cfg)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     losses = []
     for step in range(cfg.steps):
-        batch = torch.cat([make_batch(cfg, step, r) for r in range(world)])
-        loss = lm_loss(model, batch)
-        (loss + router_loss(model)).backward()
+        total = 0.0
+        for m in range(cfg.micro_batches):
+            batch = torch.cat([make_batch(cfg, step, r, m) for r in range(world)])
+            loss = lm_loss(model, batch)
+            ((loss + router_loss(model)) / cfg.micro_batches).backward()
+            total += loss.item() / cfg.micro_batches
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(total)
     return losses
 
 
-def train_rank(rank: int, world: int, cfg: TrainConfig, backend: str) -> list:
-    """Expert-parallel training on this rank; returns the global mean loss of every step."""
-    groups = EPGroups.from_default(domain_size=max(1, world // 2))
-    model = build_ep_model(cfg, groups, backend)
-    model.train()
-    expert_params = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    losses = []
+def train_rank(rank: int, world: int, cfg: TrainConfig, backend: str, domain_size: int | None = None) -> dict:
+    """Expert-parallel training on this rank. Returns, per mode run, the global mean loss and
+    the wall time of every step: ``{"sequential": {"losses": [...], "step_times": [...]}}``,
+    plus ``"overlap"`` with ``cfg.overlap``: the same model trained on the same micro-batches
+    with the 1F1B overlapped schedule, step by step beside the sequential one (alternating,
+    so the machine's noise falls on both alike)."""
+    groups = EPGroups.from_default(domain_size=domain_size or max(1, world // 2))
+    modes = ["sequential", "overlap"] if cfg.overlap else ["sequential"]
+    runs = {}
+    for mode in modes:
+        model = build_ep_model(cfg, groups, backend)
+        model.train()
+        runs[mode] = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=cfg.lr), "losses": [],
+                      "step_times": []}
     for step in range(cfg.steps):
-        try:
-            losses.append(_train_step(model, opt, cfg, step, rank, world, expert_params))
-        except Exception as err:        # say which step: the CLI reports it with the backend
-            raise RuntimeError(f"{backend} training, step {step}: {type(err).__name__}: {err}") from err
-    return losses
+        for mode in modes:
+            run = runs[mode]
+            try:
+                dist.barrier()
+                start = time.perf_counter()
+                loss = _train_step(run["model"], run["opt"], cfg, step, rank, world, mode == "overlap")
+                run["step_times"].append(time.perf_counter() - start)
+                run["losses"].append(loss)
+            except Exception as err:        # say which step: the CLI reports it with the backend
+                raise RuntimeError(f"{backend} training ({mode}), step {step}: {type(err).__name__}: {err}") from err
+    return {mode: {"losses": runs[mode]["losses"], "step_times": runs[mode]["step_times"]} for mode in modes}
 
 
-def _train_step(model, opt, cfg: TrainConfig, step: int, rank: int, world: int, expert_params: set) -> float:
-    """One SGD step of the expert-parallel model; returns the global mean loss."""
-    loss = lm_loss(model, make_batch(cfg, step, rank))
-    # The global loss is the mean of the ranks' losses: scale by 1/world here, then sum
-    # dense gradients over ranks (experts already receive every rank's contribution).
-    ((loss + router_loss(model)) / world).backward()
+def _train_step(model, opt, cfg: TrainConfig, step: int, rank: int, world: int, overlap: bool) -> float:
+    """One SGD step of the expert-parallel model over ``cfg.micro_batches`` micro-batches;
+    returns the global mean loss."""
+    is_expert = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    lm_losses = {}
+
+    def forward(m):
+        # The global loss is the mean of the ranks' losses: scale by 1/world here, then sum
+        # dense gradients over ranks (experts already receive every rank's contribution).
+        lm_losses[m] = loss = lm_loss(model, make_batch(cfg, step, rank, m))
+        return (loss + router_loss(model)) / (world * cfg.micro_batches)
+    train_micro_batches(forward, list(range(cfg.micro_batches)), overlap=overlap)
     for p in model.parameters():
-        if id(p) not in expert_params and p.grad is not None:
+        if id(p) not in is_expert and p.grad is not None:
             dist.all_reduce(p.grad)
     opt.step()
     opt.zero_grad()
-    mean = loss.detach().reshape(1) / world
+    mean = sum(lm_losses[m].detach() for m in range(cfg.micro_batches)).reshape(1) / (world * cfg.micro_batches)
     dist.all_reduce(mean)
     return mean.item()
 
 
+def _median_step(times: list) -> float:
+    """The median step time, the first step (warm-up: buffers grow) left out when there are more."""
+    return statistics.median(times[1:] if len(times) > 1 else times)
+
+
 def summarize(cfg: TrainConfig, reference: list, runs: dict) -> dict:
-    """Per backend: max |loss - reference| over steps, the first step beyond ``cfg.tolerance``
-    (None if none), and whether the loss fell."""
+    """Per backend (``runs[b]`` as `train_rank` returns it): the losses and median step time
+    of the run (the overlapped one with ``cfg.overlap``), max |loss - reference| over steps, the
+    first step beyond ``cfg.tolerance`` (None if none) and whether the loss fell; with
+    ``cfg.overlap`` also the run without overlap, the speed-up and whether the losses are
+    identical."""
     out = {"config": asdict(cfg), "reference": reference, "backends": {}}
-    for name, losses in runs.items():
+    for name, modes in runs.items():
+        run = modes["overlap" if cfg.overlap else "sequential"]
+        losses = run["losses"]
         diffs = [abs(a - b) for a, b in zip(losses, reference)]
         bad = [step for step, d in enumerate(diffs) if not (d <= cfg.tolerance)]    # NaN counts as bad
-        diff = max(diffs)
-        out["backends"][name] = {"losses": losses, "max_abs_diff": diff,
-                                 "first_bad_step": bad[0] if bad else None,
-                                 "loss_fell": losses[-1] < losses[0] - 0.1 * abs(losses[0]),
-                                 "matches_reference": not bad}
+        r = out["backends"][name] = {"losses": losses, "step_time_s": _median_step(run["step_times"]),
+                                     "max_abs_diff": max(diffs), "first_bad_step": bad[0] if bad else None,
+                                     "loss_fell": losses[-1] < losses[0] - 0.1 * abs(losses[0]),
+                                     "matches_reference": not bad}
+        if cfg.overlap:
+            without = modes["sequential"]
+            r["without_overlap"] = {"losses": without["losses"], "step_time_s": _median_step(without["step_times"])}
+            r["overlap_speedup"] = r["without_overlap"]["step_time_s"] / r["step_time_s"]
+            r["same_losses"] = without["losses"] == losses
     return out
+
+
+def timeline_spans(rank: int, world: int, cfg: TrainConfig, backend: str, domain_size: int | None = None) -> dict:
+    """Rank-local spans (`schedule.Timeline`) of one training step without and one with
+    overlap, after two warm-up steps of each; times from each step's start."""
+    groups = EPGroups.from_default(domain_size=domain_size or max(1, world // 2))
+    model = build_ep_model(cfg, groups, backend)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    spans = {}
+    for step, overlap in enumerate((False, True, False, True, False, True)):
+        dist.barrier()
+        with Timeline() as t:
+            start = time.perf_counter()
+            _train_step(model, opt, cfg, step, rank, world, overlap)
+        spans["overlap" if overlap else "sequential"] = [(lane, kind, what, a - start, b - start)
+                                                         for lane, kind, what, a, b in t.spans]
+    return spans
+
+
+def write_timeline(spans: dict, path: str) -> None:
+    """Draw `timeline_spans`' result: one panel per run, a row per micro-batch's forward or
+    backward, solid bars where it held the cores, thin bars for its exchanges in flight."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    end = max(b for run in spans.values() for *_, b in run)
+    fig, axes = plt.subplots(len(spans), 1, figsize=(11, 1.2 + 1.5 * len(spans)), sharex=True, squeeze=False)
+    for ax, (mode, run) in zip(axes[:, 0], spans.items()):
+        lanes = sorted({lane for lane, *_ in run}, key=lambda lane: (int(lane[1:]), lane[0] == "B"))
+        for y, lane in enumerate(lanes):
+            mine = [(kind, a, b) for ln, kind, _, a, b in run if ln == lane]
+            ax.broken_barh([(1e3 * a, 1e3 * (b - a)) for kind, a, b in mine if kind == "run"], (y - 0.35, 0.7),
+                           color="tab:blue" if lane[0] == "F" else "tab:green")
+            ax.broken_barh([(1e3 * a, 1e3 * (b - a)) for kind, a, b in mine if kind == "exchange"], (y - 0.1, 0.2),
+                           color="tab:orange")
+        ax.set_yticks(range(len(lanes)), lanes)
+        step = max(b for *_, b in run)
+        ax.set_title(f"{'with' if mode == 'overlap' else 'without'} overlap: step {1e3 * step:.0f} ms (rank 0)")
+        ax.set_xlim(0, 1e3 * end)
+    axes[-1, 0].set_xlabel("ms (blue: forward, green: backward holding the cores; orange: its exchanges in flight)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -254,3 +254,27 @@ def patched_model_with_replicas(rank, world):
     with torch.no_grad():
         torch.testing.assert_close(ep_model(_ids(rank)).logits, model(_ids(rank)).logits, rtol=1e-5, atol=1e-5)
     return slots
+
+
+def patched_model_overlapped(rank, world, backend):
+    """A patch_model-ed tiny Qwen3-MoE: two-batch overlapped forwards and 1F1B overlapped
+    training give the same bits as one micro-batch after another."""
+    from expertrail import schedule
+    batches = [torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(10 * rank + m)) for m in range(3)]
+    results = {}
+    for overlap in (False, True):
+        model = tiny_qwen3()
+        patch_model(model, groups_for(None, 2), backend=backend)
+        with torch.no_grad():
+            logits = schedule.forward_interleaved(lambda ids: model(ids).logits, batches) if overlap else \
+                [model(ids).logits for ids in batches]
+        model.train()
+        losses = schedule.train_micro_batches(lambda ids: model(ids, labels=ids).loss, batches, overlap=overlap)
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[overlap] = (logits, losses, grads)
+    (logits, losses, grads), (o_logits, o_losses, o_grads) = results[False], results[True]
+    assert all(torch.equal(a, b) for a, b in zip(logits, o_logits))
+    assert all(torch.equal(a, b) for a, b in zip(losses, o_losses))
+    assert grads.keys() == o_grads.keys() and len(grads) > 5
+    assert all(torch.equal(grads[n], o_grads[n]) for n in grads)
+    return len(grads)

@@ -111,3 +111,8 @@ def test_hf_block_with_replicas_equals_original_and_rebalances(world4, backend):
 
 def test_patch_model_with_a_placement_per_block(world4):
     assert world4.run(hf_workers.patched_model_with_replicas) == [[12, 16]] * 4
+
+
+@pytest.mark.parametrize("backend", ["alltoall", "hierarchical"])
+def test_patched_model_overlaps_micro_batches_with_the_same_bits(world4, backend):
+    assert all(n > 5 for n in world4.run(hf_workers.patched_model_overlapped, backend))

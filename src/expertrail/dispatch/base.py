@@ -15,6 +15,7 @@ from .. import fp8
 from ..errors import InvalidInputError
 from ..kernels.torch_ops import gather_rows, stable_argsort
 from ..routing import TokenLayout, apply_capacity, compute_layout, expert_capacity
+from ..schedule import wait_exchange
 from ..topology import EPGroups, check_same_on_all_ranks, guarded
 from ..transport import Transfer, TransferStats
 from ..workspace import Workspace
@@ -165,7 +166,8 @@ class Dispatcher:
         # (local work only: nothing is sent before every rank's input is known to be valid).
         wire = fp8.quantize(x.detach()) if plan and self.config.payload == "fp8" else x.detach()
         sent = self._gather_first(wire, plan) if plan else None
-        recv_counts, headers = self._finish_control(control, message)
+        # Another micro-batch may run while the counts travel (`schedule`).
+        recv_counts, headers = wait_exchange("dispatch counts", lambda: self._finish_control(control, message))
         with torch.no_grad():
             route = self._route(topk_weights.detach(), plan, recv_counts, headers)
             route.label, route.timeout, route.workspace = self.groups.label, self.groups.timeout, self.workspace
@@ -431,8 +433,8 @@ class Pending:
 
     def wait(self):
         if self._finish is not None:
-            with self.route.running(f"{self.verb} (wait)"):
-                self._result = self._finish()
+            with self.route.running(f"{self.verb} (wait)"):    # another micro-batch may run meanwhile
+                self._result = wait_exchange(self.verb, self._finish)
             self._finish = None
         return self._result
 
@@ -455,8 +457,10 @@ class _DispatchFunction(torch.autograd.Function):
         # collectives here.
         route = ctx.route
         with route.running("dispatch backward"):
-            grad_x = route.transpose(grad_tokens, out_dtype=ctx.x_dtype) \
+            rows_back = route.transpose_async(grad_tokens, out_dtype=ctx.x_dtype) \
                 if ctx.needs_input_grad[0] and ctx.tokens_differentiable else None
+            # Delayed weight gradients and another micro-batch run while the rows travel.
+            grad_x = wait_exchange("dispatch backward", rows_back.wait) if rows_back is not None else None
             grad_w = route.weights_transpose(grad_weights) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None, None
 
@@ -475,7 +479,8 @@ class _CombineFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         expert_out, weights = ctx.saved_tensors
         with ctx.route.running("combine backward"):
-            grad_rows = ctx.route.forward(grad_y.contiguous())
+            rows_out = ctx.route.forward(grad_y.contiguous(), async_op=True)
+            grad_rows = wait_exchange("combine backward", rows_out.wait)
         if weights is None:
             return grad_rows.to(expert_out.dtype), None, None, None
         acc = torch.promote_types(torch.float32, weights.dtype)

@@ -1,0 +1,238 @@
+"""Micro-batches that take turns at their communication: EP overlap across micro-batches.
+
+One micro-batch alone leaves the link idle while it computes and the cores idle while its rows
+travel. Two micro-batches in flight fill each other's gaps: while A's dispatch or combine (or
+their backwards) is on the wire, B's attention, router and experts run, and the other way
+round. `train_micro_batches` runs Megatron-Core's combined 1F1B order (the forward of
+micro-batch i beside the backward of micro-batch i-1); `forward_interleaved` is the two-batch
+overlap of inference.
+
+How: each micro-batch's work runs as a task on its own thread, but only one task runs at a
+time. A task gives its turn away at a *switch point*, right after it has posted an exchange
+and before it waits for it (`switch_point`, called by the dispatchers: dispatch's metadata
+round, `Pending.wait`, and the backwards of dispatch and combine), and gets it back when the
+other task reaches one. Every rank runs the same code, so every rank switches at the same
+places and issues its collectives in the same order: no collective can cross another.
+
+Delayed weight gradients (``delay_wgrad``): inside a task, `GroupedExperts` and `SwiGLUMLP`
+compute the input gradient at once (the previous layer needs it) and hand the weight gradient
+to `defer`; the task computes it at its next switch point, while its own exchange is in
+flight, and at its end. Gradients are the same bits either way: the same kernels run, and
+every parameter accumulates the micro-batches' gradients in micro-batch order.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+_local = threading.local()
+_timeline: "Timeline | None" = None
+
+
+class Timeline:
+    """Spans of one process's micro-batch work, for a picture of the overlap (docs/overlap.md).
+
+    ``with Timeline() as t: ...`` records ``t.spans``: (lane, kind, what, start, end), times
+    from ``time.perf_counter()``. lane: the work, ``"F1"`` (forward of micro-batch 1) or
+    ``"B0"``; kind ``"run"``: the lane held the cores (its turn); kind ``"exchange"``: one of
+    its exchanges, from posted to landed, ``what`` naming it (``"dispatch"``,
+    ``"combine backward"``, ...).
+    """
+
+    def __init__(self):
+        self.spans: list = []
+
+    def __enter__(self) -> "Timeline":
+        global _timeline
+        self._outer, _timeline = _timeline, self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _timeline
+        _timeline = self._outer
+
+
+def _record(lane: str, kind: str, what: str, start: float) -> None:
+    if _timeline is not None:
+        _timeline.spans.append((lane, kind, what, start, time.perf_counter()))
+
+
+class _Turns:
+    """Whose turn it is among ``n`` tasks; a task that ends passes its turn on."""
+
+    def __init__(self, n: int):
+        self.cond = threading.Condition()
+        self.turn, self.done = 0, [False] * n
+
+    def _next(self, me: int) -> int | None:
+        n = len(self.done)
+        return next((j % n for j in range(me + 1, me + 1 + n) if not self.done[j % n]), None)
+
+    def wait_for(self, me: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.turn == me)
+
+    def pass_on(self, me: int) -> None:
+        """Give the turn to the next unfinished task and wait until it comes back."""
+        with self.cond:
+            nxt = self._next(me)
+            if nxt is None or nxt == me:
+                return
+            self.turn = nxt
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.turn == me)
+
+    def finish(self, me: int) -> None:
+        with self.cond:
+            self.done[me] = True
+            nxt = self._next(me)
+            if nxt is not None:
+                self.turn = nxt
+            self.cond.notify_all()
+
+
+class _Task:
+    """This thread's place among the tasks: the turns, its index, its deferred work."""
+
+    def __init__(self, turns: _Turns, index: int, delay_wgrad: bool, lane: str):
+        self.turns, self.index, self.lane = turns, index, lane
+        self.deferred: list | None = [] if delay_wgrad else None
+        self.since = time.perf_counter()          # when this task last got the turn
+
+    def run_deferred(self) -> None:
+        with torch.no_grad():               # as in a backward: gradients are plain tensors
+            while self.deferred:
+                self.deferred.pop(0)()
+
+
+def switch_point() -> None:
+    """Called right after an exchange is posted and before it is waited for: run this task's
+    deferred weight gradients, then let the other task run until its own switch point. A no-op
+    outside `run_interleaved` (one micro-batch, the usual case)."""
+    task = getattr(_local, "task", None)
+    if task is not None:
+        task.run_deferred()
+        _record(task.lane, "run", "", task.since)
+        task.turns.pass_on(task.index)
+        task.since = time.perf_counter()
+
+
+def wait_exchange(what: str, wait: Callable[[], Any]) -> Any:
+    """``wait()`` for an exchange just posted, after a `switch_point`; on a `Timeline` its span
+    from posted to landed is recorded as ``what``."""
+    posted = time.perf_counter()
+    switch_point()
+    result = wait()
+    task = getattr(_local, "task", None)
+    _record(task.lane if task is not None else getattr(_local, "lane", "main"), "exchange", what, posted)
+    return result
+
+
+def defer(work: Callable[[], None]) -> bool:
+    """Queue ``work`` (a weight gradient) for this task's next switch point; False, and
+    nothing queued, when weight gradients are not delayed here (the caller does it now)."""
+    task = getattr(_local, "task", None)
+    if task is None or task.deferred is None:
+        return False
+    task.deferred.append(work)
+    return True
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add ``grad`` into ``param.grad`` as autograd does (the first gradient is kept as it is)."""
+    if param.grad is None:
+        param.grad = grad.detach()
+    else:
+        param.grad.add_(grad)
+
+
+def run_interleaved(tasks: list[Callable[[], Any]], delay_wgrad: bool = False, lanes: list | None = None) -> list:
+    """Run ``tasks`` taking turns at their switch points (task 0 first); returns their results.
+
+    Each runs on its own thread under the caller's grad mode; one runs at a time. With
+    ``delay_wgrad`` the expert and shared-expert weight gradients of a task are computed at its
+    switch points and before it ends. If tasks raise, the first one's (in task order) error is
+    raised once all have ended. Tasks must reach their switch points in the same order on every
+    rank of a group (the same code does). lanes: the tasks' names on a `Timeline`.
+    """
+    if not tasks:
+        return []
+    turns = _Turns(len(tasks))
+    results: list = [None] * len(tasks)
+    errors: list = [None] * len(tasks)
+    grad_enabled = torch.is_grad_enabled()
+
+    def body(i: int) -> None:
+        turns.wait_for(i)
+        _local.task = task = _Task(turns, i, delay_wgrad, lanes[i] if lanes else f"task {i}")
+        try:
+            with torch.set_grad_enabled(grad_enabled):
+                results[i] = tasks[i]()
+                task.run_deferred()
+        except BaseException as err:            # handed to the caller below
+            errors[i] = err
+        finally:
+            _record(task.lane, "run", "", task.since)
+            _local.task = None
+            turns.finish(i)
+
+    threads = [threading.Thread(target=body, args=(i,), name=f"expertrail-task-{i}", daemon=True)
+               for i in range(len(tasks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return results
+
+
+def train_micro_batches(forward: Callable[[Any], torch.Tensor], micro_batches: list, overlap: bool = True,
+                        delay_wgrad: bool = True) -> list[torch.Tensor]:
+    """Forward and backward of every micro-batch, gradients accumulated; returns the losses
+    (detached).
+
+    forward(micro_batch) -> the scalar to call ``backward()`` on (scaled as the gradients
+    should accumulate). ``overlap=False``: F0 B0 F1 B1 ..., one at a time. ``overlap=True``,
+    Megatron-Core's combined 1F1B order: F0, then the forward of micro-batch i and the backward
+    of micro-batch i-1 taking turns at every dispatch and combine (see the module docstring),
+    then the last backward; ``delay_wgrad`` delays the expert weight gradients into the
+    backward's communication. Backwards run in micro-batch order either way, so gradients and
+    losses are bitwise the same with and without overlap. Collective over every EP group the
+    model uses: every rank passes the same number of micro-batches and the same ``overlap``.
+    """
+    losses: list = [None] * len(micro_batches)
+
+    def fwd(i):
+        losses[i] = forward(micro_batches[i])
+
+    def bwd(i):
+        losses[i].backward()
+
+    def alone(work, i, lane):               # outside any task: one lane, recorded as it runs
+        _local.lane, start = lane, time.perf_counter()
+        work(i)
+        _record(lane, "run", "", start)
+        _local.lane = "main"
+
+    last = len(micro_batches) - 1
+    if not overlap:
+        for i in range(last + 1):
+            alone(fwd, i, f"F{i}")
+            alone(bwd, i, f"B{i}")
+    elif micro_batches:
+        alone(fwd, 0, "F0")
+        for i in range(1, last + 1):
+            run_interleaved([lambda i=i: fwd(i), lambda i=i: bwd(i - 1)], delay_wgrad, [f"F{i}", f"B{i - 1}"])
+        run_interleaved([lambda: bwd(last)], delay_wgrad, [f"B{last}"])
+    return [loss.detach() for loss in losses]
+
+
+def forward_interleaved(forward: Callable[[Any], Any], inputs: list) -> list:
+    """``[forward(x) for x in inputs]``, the forwards taking turns at every dispatch and combine
+    (two-batch overlap for inference); outputs are the same as one after another."""
+    return run_interleaved([lambda x=x: forward(x) for x in inputs])

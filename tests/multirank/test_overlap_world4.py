@@ -1,0 +1,22 @@
+"""Two micro-batches in flight (`expertrail.schedule`) on 4 real gloo ranks: the same bits as
+one micro-batch after another."""
+import pytest
+import torch
+
+import expertrail as er
+
+import workers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", sorted(er.BACKENDS))
+def test_overlapped_micro_batches_give_the_same_losses_and_gradients(world4, backend, dtype):
+    for per_rank in world4.run(workers.overlap_matches_sequential, backend, dtype):
+        losses, grads = per_rank["sequential"]
+        assert len(grads) > 10 and all(g.abs().sum() > 0 for g in grads.values())
+        for variant in ("overlap+delay", "overlap"):
+            other_losses, other_grads = per_rank[variant]
+            assert torch.equal(other_losses, losses), variant
+            assert other_grads.keys() == grads.keys()
+            for name, g in grads.items():
+                assert torch.equal(other_grads[name], g), f"{variant}: {name}"

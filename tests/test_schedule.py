@@ -1,0 +1,82 @@
+"""`expertrail.schedule` on one process: turn taking, errors, delayed work."""
+import pytest
+import torch
+
+from expertrail import schedule
+
+
+def test_tasks_take_turns_at_switch_points_and_return_their_results():
+    order = []
+
+    def task(name, steps):
+        for i in range(steps):
+            order.append(f"{name}{i}")
+            schedule.switch_point()
+        return name
+
+    assert schedule.run_interleaved([lambda: task("a", 3), lambda: task("b", 2)]) == ["a", "b"]
+    assert order == ["a0", "b0", "a1", "b1", "a2"]       # b ended: a goes on alone
+
+
+def test_the_first_error_is_raised_after_every_task_ended():
+    ended = []
+
+    def fails():
+        schedule.switch_point()
+        raise ValueError("task 0 failed")
+
+    def goes_on():
+        schedule.switch_point()
+        schedule.switch_point()
+        ended.append(True)
+
+    with pytest.raises(ValueError, match="task 0 failed"):
+        schedule.run_interleaved([fails, goes_on])
+    assert ended == [True]
+
+
+def test_work_is_deferred_only_inside_a_task_with_delayed_weight_gradients():
+    done = []
+    assert not schedule.defer(lambda: done.append("now"))          # no task: the caller does it
+    assert schedule.run_interleaved([lambda: schedule.defer(lambda: done.append("later"))]) == [False]
+
+    def task():
+        assert schedule.defer(lambda: done.append("at the switch point"))
+        assert done == []
+        schedule.switch_point()
+        assert done == ["at the switch point"]
+        return schedule.defer(lambda: done.append("at the end"))
+    done.clear()
+    assert schedule.run_interleaved([task], delay_wgrad=True) == [True]
+    assert done == ["at the switch point", "at the end"]
+
+
+def test_delayed_weight_gradients_are_the_same_bits():
+    from expertrail.experts import GroupedExperts, SwiGLUMLP
+    torch.manual_seed(0)
+    experts, shared = GroupedExperts(3, 16, 8), SwiGLUMLP(16, 8)
+    x = torch.randn(10, 16, requires_grad=True)
+    counts = torch.tensor([4, 0, 6])
+
+    def grads(delay):
+        for p in (*experts.parameters(), *shared.parameters(), x):
+            p.grad = None
+        schedule.run_interleaved([lambda: (experts(x, counts) + shared(x)).square().sum().backward()], delay)
+        return [p.grad.clone() for p in (*experts.parameters(), *shared.parameters(), x)]
+    now, later = grads(False), grads(True)
+    assert all(torch.equal(a, b) for a, b in zip(now, later))
+    # and they are the gradients autograd gives for the same maths
+    ref = [p.detach().clone().requires_grad_() for p in (experts.gate_up_proj, experts.down_proj)]
+    out = torch.cat([torch.nn.functional.silu(r @ g[:8].T) * (r @ g[8:].T) @ d.T
+                     for r, g, d in zip(x.detach().split([4, 0, 6]), ref[0], ref[1])])
+    (out + shared(x.detach())).square().sum().backward()
+    torch.testing.assert_close(ref[0].grad, now[0])
+    torch.testing.assert_close(ref[1].grad, now[1])
+
+
+def test_timeline_records_runs_and_exchanges():
+    with schedule.Timeline() as t:
+        schedule.run_interleaved([lambda: schedule.wait_exchange("dispatch", lambda: None), lambda: None],
+                                 lanes=["F1", "B0"])
+    kinds = {(lane, kind, what) for lane, kind, what, start, end in t.spans if end >= start}
+    assert ("F1", "exchange", "dispatch") in kinds and ("F1", "run", "") in kinds and ("B0", "run", "") in kinds
