@@ -8,7 +8,7 @@ joined) or an inline code span that `COMMAND` matches: `./run.sh <verb>`, a prog
 ``# exit N`` says the status it must end with (0 otherwise).
 
 Each runs from the repository root as written, with `.venv/bin/` pointed at this test's Python
-environment, output files (`--json`, `--plot`, `--emit-hardware`) sent to a temporary folder, and the size options
+environment, output files (`--json`, `--plot`, `--emit-hardware`, `--timeline`) sent to a temporary folder, and the size options
 of `SMALL` appended (argparse keeps the last value of an option), so the whole list takes a few
 minutes on 2 cores. The planner's commands (torch-free, milliseconds each) run in this process.
 A command that cannot run here says why in `NOT_RUN`.
@@ -36,6 +36,8 @@ IN_PROCESS = ("plan", "simulate", "validate", "balance")
 # Appended to a command that matches the pattern (first match wins): the sizes that keep it quick.
 SMALL = [
     (r"expertrail bench|run\.sh bench", "--tokens 32 --hidden 16 --iters 1 --warmup 1 --no-progress"),
+    (r"expertrail train.*--overlap", "--steps 8 --world 2 --backends dedup --hidden 16 --seq 8 --batch 2 "
+                                      "--micro-batches 2"),
     (r"expertrail train", "--steps 20 --world 2 --backends dedup"),
     (r"benchmarks/(phases|cpu_time|combine_flags)\.py", "--tokens 64 --hidden 8 --iters 2 --warmup 1"),
     (r"benchmarks/layouts\.py", "--shrink 256 --iters 2 --warmup 1"),
@@ -45,7 +47,7 @@ SMALL = [
     (r"benchmarks/user_process\.py", "--tokens 256 --hidden 64 --iters 2"),
 ]
 # Commands that build an emulated cluster (network namespaces): they need root, as in CI.
-NEEDS_NAMESPACES = re.compile(r"expertrail (cluster |bench .*--nodes)")
+NEEDS_NAMESPACES = re.compile(r"expertrail (cluster |(bench|train) .*--nodes)")
 # Commands shown in the docs that this test does not run, and why.
 NOT_RUN = {
     "./run.sh test": "the suite itself",
@@ -92,7 +94,7 @@ def runnable(command: str, tmp: Path) -> list[str]:
     elif argv[0] in ("expertrail", "torchrun", "python", "python3"):
         argv[0] = bin_dir + argv[0]
     for i, arg in enumerate(argv[:-1]):
-        if arg in ("--json", "--plot", "--emit-hardware"):
+        if arg in ("--json", "--plot", "--emit-hardware", "--timeline"):
             argv[i + 1] = str(tmp / Path(argv[i + 1]).name)
     for pattern, extra in SMALL:
         if re.search(pattern, command):
