@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import ConfigError, InvalidInputError
+from .schedule import wait_exchange
 
 
 @dataclass
@@ -185,11 +186,12 @@ class TopKRouter(nn.Module):
             # The expert loads of the whole global batch (summed over load_group, no gradient)
             # against this rank's mean scores: the gradient is the local one, as data-parallel
             # averaging expects.
-            counts = tokens_per_expert.float()
-            total = torch.tensor([float(num_tokens)], device=counts.device)
-            if self.load_group is not None:
-                counts, total = _all_reduced(counts, self.load_group), _all_reduced(total, self.load_group)
-            fraction = counts / (total[0] * c.topk)
+            loads = torch.cat([tokens_per_expert.float(), torch.tensor([float(num_tokens)], device=idx.device)])
+            if self.load_group is not None:     # one all-reduce; another micro-batch may run meanwhile
+                work = dist.all_reduce(loads, group=self.load_group, async_op=True)
+                wait_exchange("router loads", work.wait)
+            counts, total = loads[:-1], loads[-1]
+            fraction = counts / (total * c.topk)
             out["global_aux_loss"] = c.global_aux_loss_coeff * c.num_experts * (probs.mean(0) * fraction).sum()
         if c.z_loss_coeff:
             out["z_loss"] = c.z_loss_coeff * torch.logsumexp(logits, -1).square().mean()
@@ -226,9 +228,3 @@ def balanced_topk(num_tokens: int, num_experts: int, topk: int, device=None, off
     same number of rows (within one), K distinct experts per token when K <= E."""
     slots = torch.arange(num_tokens * topk, device=device).view(num_tokens, topk) + offset
     return slots % num_experts
-
-
-def _all_reduced(t: torch.Tensor, group) -> torch.Tensor:
-    t = t.clone()
-    dist.all_reduce(t, group=group)
-    return t
