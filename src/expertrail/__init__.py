@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "BACKENDS": "dispatch", "DispatchResult": "dispatch", "Dispatcher": "dispatch", "TransferStats": "dispatch",
-    "make_dispatcher": "dispatch",
+    "make_dispatcher": "dispatch", "LowLatencyDispatcher": "dispatch", "LowLatencyResult": "dispatch",
     "CollectiveError": "errors", "ConfigError": "errors", "ConfigMismatchError": "errors", "ExpertrailError": "errors",
     "InvalidInputError": "errors",
     "GroupedExperts": "experts", "SwiGLUMLP": "experts",
@@ -21,7 +21,7 @@ _EXPORTS = {
 }
 
 # Submodules reachable as attributes (``er.hf``) without an import of their own.
-_SUBMODULES = {"hf"}
+_SUBMODULES = {"hf", "schedule"}
 
 __all__ = sorted(_EXPORTS)
 

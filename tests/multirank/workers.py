@@ -970,3 +970,60 @@ def overlap_matches_sequential(rank, world, backend, dtype, micro_batches=3):
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         out[name] = (torch.stack(losses), grads)
     return out
+
+
+def lowlatency_matches_normal(rank, world, dtype, payload="native"):
+    """The lowlatency mode against alltoall's normal mode on the same inputs, call after call
+    with changing token counts (0 on one rank, dropped slots, one hot expert). Returns the
+    number of calls checked."""
+    groups = groups_for(None, 2)
+    experts, topk, hidden, most = 16, 4, 256, 12
+    local = experts // world
+    ll = er.make_dispatcher("lowlatency", groups, num_experts=experts, max_tokens_per_rank=most, hidden=hidden,
+                            dtype=dtype, payload=payload)
+    normal = er.make_dispatcher("alltoall", groups, num_experts=experts, payload=payload)
+    checked = 0
+    for call, n in enumerate([most, 5, 0 if rank == 1 else 3, 1, most]):
+        g = torch.Generator().manual_seed(100 * call + rank)
+        x = torch.randn(n, hidden, generator=g).to(dtype)
+        idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(n)]) if n else \
+            torch.zeros(0, topk, dtype=torch.int64)
+        if call == 1 and n:
+            idx[:, 0] = -1                                   # dropped slots
+        if call == 3:
+            idx[:, 0] = 5                                    # a hot expert (still distinct per token)
+            idx[:, 1:] = torch.tensor([6, 7, 8])[:topk - 1]
+        w = torch.rand(n, topk, generator=g)
+        res = ll.dispatch(x, idx, w)
+        ref = normal.dispatch(x, idx, w)
+        assert res.tokens.shape == (local, world * most, hidden)
+        assert torch.equal(res.count, ref.real_tokens_per_expert)
+        expert_of_row = torch.repeat_interleave(torch.arange(local), ref.tokens_per_expert)
+        for e in range(local):
+            assert torch.equal(res.tokens[e, :int(res.count[e])], ref.tokens[expert_of_row == e]), (call, e)
+        scale = torch.linspace(0.5, 1.5, local).view(local, 1, 1)
+        out = (res.tokens.float() * scale).to(dtype)
+        y = ll.combine(out, res)
+        y_ref = normal.combine((ref.tokens.float() * scale.flatten()[expert_of_row].unsqueeze(1)).to(dtype), ref)
+        assert y.shape == (n, hidden) and y.dtype == dtype
+        assert torch.equal(y, y_ref), (call, (y - y_ref).abs().max())     # the same kernel: the same bits
+        checked += 1
+    return checked
+
+
+def lowlatency_bad_input(rank, world):
+    """x wider than the buffers on one rank: every rank raises, then the next call works."""
+    groups = groups_for(None, 2)
+    ll = er.make_dispatcher("lowlatency", groups, num_experts=8, max_tokens_per_rank=4, hidden=16, dtype=torch.float32)
+    x = torch.randn(6 if rank == 2 else 4, 16)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(x.shape[0])])
+    try:
+        ll.dispatch(x, idx, torch.rand(idx.shape))
+        raised = None
+    except er.InvalidInputError as err:
+        raised = str(err)
+    x = torch.randn(4, 16)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(4)])
+    res = ll.dispatch(x, idx, torch.rand(4, 2))
+    y = ll.combine(res.tokens, res)
+    return raised, tuple(y.shape)

@@ -7,21 +7,27 @@ from .alltoall import AllToAllDispatcher
 from .base import DispatchResult, Dispatcher
 from .dedup import DedupDispatcher
 from .hierarchical import HierarchicalDispatcher
+from .lowlatency import LowLatencyDispatcher, LowLatencyResult
 from ..transport import TransferStats
 
 BACKENDS = {cls.name: cls for cls in (AllGatherDispatcher, AllToAllDispatcher, DedupDispatcher,
                                       HierarchicalDispatcher)}
 
 
-def make_dispatcher(name: str, groups, num_experts: int, **options) -> Dispatcher:
+def make_dispatcher(name: str, groups, num_experts: int, **options) -> Dispatcher | LowLatencyDispatcher:
     """Create the backend ``name`` (one of `BACKENDS`) on ``groups``; options as `Dispatcher`.
+    ``"lowlatency"`` makes the fixed-shape decode mode instead (`LowLatencyDispatcher`; options
+    ``max_tokens_per_rank``, ``hidden``, ``dtype``, ``payload``, ...).
 
     Collective over the EP group: every rank must call it with the same arguments.
     """
+    if name == LowLatencyDispatcher.name:
+        return LowLatencyDispatcher(groups, num_experts, **options)
     if name not in BACKENDS:
-        raise ConfigError(f"unknown backend {name!r}; choose one of {sorted(BACKENDS)}")
+        raise ConfigError(f"unknown backend {name!r}; choose one of {sorted(BACKENDS)} or 'lowlatency'")
     return BACKENDS[name](groups, num_experts, **options)
 
 
 __all__ = ["BACKENDS", "DispatchResult", "Dispatcher", "TransferStats", "make_dispatcher",
-           "AllGatherDispatcher", "AllToAllDispatcher", "DedupDispatcher", "HierarchicalDispatcher"]
+           "AllGatherDispatcher", "AllToAllDispatcher", "DedupDispatcher", "HierarchicalDispatcher",
+           "LowLatencyDispatcher", "LowLatencyResult"]

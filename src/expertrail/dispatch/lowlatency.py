@@ -1,0 +1,244 @@
+"""``lowlatency``: decode-time dispatch and combine with every shape fixed at construction.
+
+In decode a rank holds a few tokens, and the normal mode's costs are per call, not per byte:
+a round trip to exchange counts, then planning on the host from them. DeepEP's low-latency
+kernels answer with static buffers; this mode does the same on any torch.distributed backend:
+
+- Every buffer is allocated once, sized by ``max_tokens_per_rank`` (T). A rank sends each peer
+  a fixed block ``[E_local, T, C]``: the rows for each of the peer's local experts in slots
+  0..count-1 (a token meets an expert at most once, so T slots are always enough), plus the
+  counts. Both go out at once: one exchange per dispatch and one per combine, no count round,
+  no sizes computed on the host, nothing that depends on the data outside tensors (on CUDA:
+  no host synchronisation, so a decode step can be captured in a CUDA graph).
+- The received rows come out packed per local expert (DeepEP's low-latency layout):
+  ``tokens [E_local, P * T, H]`` with ``count [E_local]`` real rows each, ordered by source rank
+  then source token, the rest of each expert's rows unspecified (experts may compute them;
+  combine ignores them). The same rows, in the same order, as the normal mode's expert blocks.
+- combine sends each expert row back to the slot it came from and sums each token's rows,
+  weighted by its routing weights in fp32, in k order (the normal mode's kernel: the same bits).
+
+Shapes: N <= T tokens per rank and call (N may change between calls); rows move as the
+dispatcher's ``dtype`` (or as fp8 bytes with ``payload="fp8"``). The fixed blocks move T rows
+per (peer, expert) whatever the real counts: the bytes of a decode step, not of its tokens.
+
+`res.tokens` is a view of a buffer the next dispatch overwrites (as DeepEP's): use it, or copy
+it, before the next call. Inference only: nothing here records autograd.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import fp8, kernels
+from ..errors import ConfigError, InvalidInputError
+from ..kernels.torch_ops import CopyPositions
+from ..schedule import wait_exchange
+from ..topology import EPGroups, check_same_on_all_ranks, guarded
+from ..transport import AllWorks
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class LowLatencyResult:
+    """Rows for this rank's local experts, in fixed shapes.
+
+    tokens: [E_local, P * T, H] in the dispatcher's dtype (float8_e4m3fn with ``payload="fp8"``
+        and ``dequantize=False``); expert e's real rows are ``tokens[e, :count[e]]``
+    count: int64 [E_local] real rows per local expert
+    scales: fp32 [E_local, P * T, ceil(H / 128)] with fp8 rows left quantized, else None
+    """
+
+    tokens: torch.Tensor
+    count: torch.Tensor
+    scales: torch.Tensor | None
+    _slot: torch.Tensor           # int64 [N, K]: the send-block row of each (token, k), or the scratch row
+    _copies: CopyPositions        # the same rows as each token's copies (dropped slots left out)
+    _weights: torch.Tensor        # [N, K] routing weights, 0 on dropped slots
+    _packed_at: torch.Tensor      # int64 [P, E_local, T]: each received slot's row in tokens (clamped)
+    _dtype: torch.dtype
+
+
+class LowLatencyDispatcher:
+    """Fixed-shape dispatch/combine for decode (see the module docstring).
+
+    Args:
+        groups: the EPGroups to run on.
+        num_experts: experts in the layer (a multiple of the EP size).
+        max_tokens_per_rank: T, the most tokens a rank passes to one dispatch.
+        hidden: H, the row width.
+        dtype: the rows' dtype (float32, bfloat16 or float16); x must have it.
+        payload: "native" or "fp8" (rows travel as e4m3 values plus one fp32 scale per 128).
+        dequantize: with fp8, hand the experts rows in ``dtype`` (True) or fp8 values and scales.
+        agree_on_errors: read every rank's error flag after each exchange, so that invalid input
+            on one rank raises on all (default: on CPU; on CUDA reading it is a host sync, so
+            there it is off unless asked for, and an invalid rank sends empty blocks and raises
+            alone).
+    Construction is collective over the EP group; every rank must pass the same arguments.
+    """
+
+    name = "lowlatency"
+
+    def __init__(self, groups: EPGroups, num_experts: int, max_tokens_per_rank: int, hidden: int,
+                 dtype: torch.dtype = torch.bfloat16, payload: str = "native", dequantize: bool = True,
+                 agree_on_errors: bool | None = None):
+        if int(max_tokens_per_rank) < 1:
+            raise ConfigError(f"max_tokens_per_rank={max_tokens_per_rank} must be >= 1: the most tokens a rank "
+                              "dispatches at once (e.g. the decode batch per rank)")
+        if int(hidden) < 1:
+            raise ConfigError(f"hidden={hidden} must be >= 1 (the row width)")
+        if dtype not in _DTYPES:
+            raise ConfigError(f"dtype={dtype} must be one of {', '.join(map(str, _DTYPES))}")
+        if payload not in ("native", "fp8"):
+            raise ConfigError(f"payload={payload!r} must be 'native' or 'fp8'")
+        check_same_on_all_ranks({"backend": self.name, "num_experts": num_experts,
+                                 "max_tokens_per_rank": max_tokens_per_rank, "hidden": hidden, "dtype": str(dtype),
+                                 "payload": payload, "dequantize": dequantize},
+                                groups.ep_group, groups.device, type(self).__name__)
+        self.groups, self.num_experts = groups, int(num_experts)
+        self.num_local_experts = groups.num_local_experts(self.num_experts)
+        self.max_tokens, self.hidden, self.dtype = int(max_tokens_per_rank), int(hidden), dtype
+        self.payload, self.dequantize = payload, dequantize
+        self.agree_on_errors = groups.device.type == "cpu" if agree_on_errors is None else agree_on_errors
+        p, local, t, dev = groups.ep_size, self.num_local_experts, self.max_tokens, groups.device
+        width = fp8.row_bytes(self.hidden) if payload == "fp8" else self.hidden
+        wire = torch.uint8 if payload == "fp8" else dtype
+        # One row past each block set: the zero row dropped slots point at, the scratch row
+        # unused slots are written to (fixed shapes, no masking on the host).
+        self._send = torch.zeros(p * local * t + 1, width, dtype=wire, device=dev)
+        self._recv = torch.zeros(p * local * t, width, dtype=wire, device=dev)
+        self._packed = torch.zeros(local * p * t + 1, width, dtype=wire, device=dev)
+        self._back_send = torch.zeros(p * local * t, self.hidden, dtype=dtype, device=dev)
+        self._back = torch.zeros(p * local * t + 1, self.hidden, dtype=dtype, device=dev)
+        self._send_counts = torch.zeros(p, local + 1, dtype=torch.int64, device=dev)   # + an error flag
+        self._recv_counts = torch.zeros(p, local + 1, dtype=torch.int64, device=dev)
+        self._slot_ids = torch.arange(t, device=dev)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> LowLatencyResult:
+        """x [N, H] in ``dtype``, N <= T; topk_idx [N, K] int (-1: no expert); topk_weights
+        [N, K] float. Collective over the EP group: a rank with invalid input makes every rank
+        raise InvalidInputError once the exchange lands (it sends empty blocks meanwhile)."""
+        with guarded("lowlatency dispatch", self.groups.label, self.groups.timeout), torch.no_grad():
+            message = self._check(x, topk_idx, topk_weights)
+            p, local, t = self.groups.ep_size, self.num_local_experts, self.max_tokens
+            zero_row = p * local * t
+            if message is None:
+                n, k = topk_idx.shape
+                valid = topk_idx >= 0
+                expert = topk_idx.long().clamp(min=0)
+                hits = torch.zeros(n, self.num_experts, dtype=torch.int64, device=x.device)
+                hits.scatter_(1, expert, valid.long())                     # [N, E]: 1 where the token meets e
+                slot_of = (hits.cumsum(0) - 1).gather(1, expert)             # [N, K] its slot among e's tokens
+                slot = torch.where(valid, expert * t + slot_of, zero_row)   # block rows: (peer, local e, slot)
+                rows = fp8.quantize(x) if self.payload == "fp8" else x
+                self._send[slot.reshape(-1)] = rows.repeat_interleave(k, 0)  # dropped slots: into the scratch row
+                self._send_counts[:, :local] = hits.sum(0).view(p, local)
+                self._send_counts[:, local] = 0
+                weights = torch.where(valid, topk_weights, torch.zeros_like(topk_weights))
+            else:
+                self._send_counts.zero_()
+                self._send_counts[:, local] = 1
+                slot = weights = None
+            got = self._exchange(self._send[:zero_row], self._recv, t * local)
+            counts = self._exchange(self._send_counts, self._recv_counts, 1)
+            wait_exchange("lowlatency dispatch", lambda: (got.wait(), counts.wait()))
+            self._raise_if_any_failed(message, "dispatch")
+            return self._pack(slot, weights, x.dtype)
+
+    def _pack(self, slot, weights, dtype) -> LowLatencyResult:
+        """The received blocks [P, E_local, T, C] -> packed [E_local, P * T, C] (source, then slot)."""
+        p, local, t = self.groups.ep_size, self.num_local_experts, self.max_tokens
+        counts = self._recv_counts[:, :local]                                # [P, E_local]
+        before = counts.cumsum(0) - counts                                   # rows of earlier sources
+        at = before.unsqueeze(-1) + self._slot_ids                           # [P, E_local, T]
+        real = self._slot_ids < counts.unsqueeze(-1)
+        packed_at = torch.arange(local, device=at.device).view(1, local, 1) * (p * t) + at.clamp(max=p * t - 1)
+        scratch = local * p * t
+        self._packed[torch.where(real, packed_at, scratch).reshape(-1)] = self._recv
+        rows = self._packed[:scratch]
+        scales = None
+        if self.payload == "fp8":
+            if self.dequantize:
+                rows = fp8.dequantize(rows, self.hidden, dtype)
+            else:
+                values, scales = fp8.unpack(rows, self.hidden)
+                rows, scales = values, scales.view(local, p * t, -1)
+        copies = None if slot is None else CopyPositions.from_dense(torch.where(slot < p * local * t, slot, -1))
+        return LowLatencyResult(rows.view(local, p * t, self.hidden), counts.sum(0), scales, slot, copies, weights,
+                                packed_at, dtype)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, expert_out: torch.Tensor, res: LowLatencyResult) -> torch.Tensor:
+        """expert_out [E_local, P * T, H] (rows past each expert's count are ignored) -> y [N, H]
+        in x's dtype: y[n] = sum over k, in order, of w[n, k] * out[n, k], in fp32."""
+        with guarded("lowlatency combine", self.groups.label, self.groups.timeout), torch.no_grad():
+            local, pt = self.num_local_experts, self.groups.ep_size * self.max_tokens
+            message = None
+            if not isinstance(res, LowLatencyResult):
+                raise InvalidInputError(f"lowlatency combine: res must be the LowLatencyResult dispatch returned, "
+                                        f"got {type(res).__name__}")
+            if tuple(expert_out.shape) != (local, pt, self.hidden) or not expert_out.is_floating_point():
+                message = (f"lowlatency combine on EP rank {self.groups.ep_rank}: expert_out must be float "
+                           f"[{local}, {pt}, {self.hidden}] like res.tokens, got {tuple(expert_out.shape)} "
+                           f"{expert_out.dtype}")
+                self._back_send.zero_()
+            else:     # each received slot's output back to its place in the blocks
+                self._back_send.copy_(expert_out.reshape(local * pt, -1).index_select(0, res._packed_at.reshape(-1)))
+            self._send_counts[:, -1] = 0 if message is None else 1
+            back = self._exchange(self._back_send, self._back[:-1], self.max_tokens * local)
+            flags = self._exchange(self._send_counts, self._recv_counts, 1)
+            wait_exchange("lowlatency combine", lambda: (back.wait(), flags.wait()))
+            self._raise_if_any_failed(message, "combine")
+            # The normal mode's sum (same kernel, same order): bitwise the same y.
+            row_weights = torch.zeros(self._back.shape[0], dtype=res._weights.dtype, device=self._back.device)
+            row_weights[res._slot.reshape(-1)] = res._weights.reshape(-1)
+            return kernels.reduce_copies(self._back, res._copies, row_weights, res._dtype)
+
+    # ------------------------------------------------------------------ shared
+    def _exchange(self, rows: torch.Tensor, out: torch.Tensor, per_peer: int):
+        """Fixed blocks of ``per_peer`` rows to and from every EP peer (posted, not waited)."""
+        p = self.groups.ep_size
+        transfer = self.groups.ep_channel.all_to_all(rows, [per_peer] * p, [per_peer] * p, out=out)
+        return AllWorks([transfer])
+
+    def _check(self, x, topk_idx, topk_weights) -> str | None:
+        where = f"lowlatency dispatch on EP rank {self.groups.ep_rank}"
+        if x.dim() != 2 or x.shape[1] != self.hidden or x.shape[0] > self.max_tokens:
+            return (f"{where}: x must be [N <= max_tokens_per_rank={self.max_tokens}, hidden={self.hidden}], got "
+                    f"{tuple(x.shape)}; build the dispatcher with a larger max_tokens_per_rank or dispatch in parts")
+        if x.dtype != self.dtype:
+            return f"{where}: x is {x.dtype} but the dispatcher's buffers are {self.dtype}; pass x.to({self.dtype})"
+        if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] or topk_weights.shape != topk_idx.shape:
+            return (f"{where}: topk_idx and topk_weights must both be [N={x.shape[0]}, K], got "
+                    f"{tuple(topk_idx.shape)} and {tuple(topk_weights.shape)}")
+        if topk_idx.dtype.is_floating_point or not topk_weights.is_floating_point():
+            return f"{where}: topk_idx must be integer and topk_weights float, got {topk_idx.dtype}, {topk_weights.dtype}"
+        if x.device != self.groups.device:
+            return f"{where}: x is on {x.device}, the EP group communicates on {self.groups.device}"
+        if x.device.type == "cpu" and topk_idx.numel():     # a value check costs a host sync on CUDA: CPU only
+            low, high = (int(v) for v in torch.aminmax(topk_idx))
+            if low < -1 or high >= self.num_experts:
+                return f"{where}: topk_idx values must be in [-1, {self.num_experts}), found {low if low < -1 else high}"
+            if bool((topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)).logical_and(topk_idx.unsqueeze(2) >= 0)
+                    .sum((1, 2)).gt(topk_idx.shape[1]).any()):
+                return f"{where}: a token lists the same expert twice in topk_idx; each of its K experts must differ"
+        return None
+
+    def _raise_if_any_failed(self, message: str | None, verb: str) -> None:
+        """Raise on every rank when any rank flagged invalid input in the exchange's counts."""
+        if message is not None and not self.agree_on_errors:
+            raise InvalidInputError(message)
+        failed = self._recv_counts[:, -1]
+        if self.agree_on_errors and bool(failed.any()):
+            if message:
+                raise InvalidInputError(message)
+            bad = ", ".join(str(r) for r in torch.nonzero(failed).flatten().tolist())
+            raise InvalidInputError(f"lowlatency {verb} aborted on EP rank {self.groups.ep_rank}: invalid input on "
+                                    f"EP rank(s) {bad}; see the error raised there")
+
+    def __repr__(self) -> str:
+        return (f"LowLatencyDispatcher(ep_size={self.groups.ep_size}, num_experts={self.num_experts}, "
+                f"max_tokens_per_rank={self.max_tokens}, hidden={self.hidden}, dtype={self.dtype}, "
+                f"payload={self.payload!r})")

@@ -1,0 +1,18 @@
+"""The fixed-shape decode mode (``make_dispatcher("lowlatency", ...)``) on 4 real gloo ranks."""
+import pytest
+import torch
+
+import workers
+
+
+@pytest.mark.parametrize("dtype,payload", [(torch.float32, "native"), (torch.bfloat16, "native"),
+                                           (torch.bfloat16, "fp8")])
+def test_lowlatency_gives_the_normal_modes_rows_and_outputs(world4, dtype, payload):
+    assert world4.run(workers.lowlatency_matches_normal, dtype, payload) == [5] * 4
+
+
+def test_lowlatency_bad_input_on_one_rank_raises_on_every_rank(world4):
+    results = world4.run(workers.lowlatency_bad_input)
+    assert "max_tokens_per_rank=4" in results[2][0]
+    assert all(r[0] and "EP rank(s) 2" in r[0] for i, r in enumerate(results) if i != 2)
+    assert all(r[1] == (4, 16) for r in results)
