@@ -63,3 +63,19 @@ def test_bench_on_one_rank_has_no_transport_to_compare_with(tmp_path):
     assert all(r["check"] == "passed" and r["ratio_to_bare"] is None for r in report["results"].values())
     row = next(line for line in out.stdout.splitlines() if line.startswith("alltoall")).split()
     assert row[6] == "-", out.stdout                   # the x bare column
+
+
+def test_bench_decode_writes_p50_and_p99_per_mode_and_size(tmp_path):
+    path = tmp_path / "decode.json"
+    out = subprocess.run([sys.executable, "-m", "expertrail", "bench", "--decode", "--world", "2", "--hidden", "64",
+                          "--experts", "8", "--topk", "2", "--iters", "5", "--json", str(path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(path.read_text())
+    assert set(report["results"]) == {"normal", "lowlatency", "bare"}
+    for mode, sizes in report["results"].items():
+        assert set(sizes) == {"1", "8", "32", "128"}, mode
+        for size, r in sizes.items():
+            assert 0 < r["p50_s"] <= r["p99_s"], (mode, size)
+    assert report["lowlatency_equals_normal"] is True
+    assert "lowlatency output equals the normal mode's: yes" in out.stdout

@@ -12,6 +12,9 @@ from .names import BACKEND_NAMES as BACKENDS
 ROUTING_HELP = "uniform | zipf:<alpha> | balanced | <file with topk_idx [world, N, K] (.pt or .npy)>"
 
 
+DECODE_ITERS = 100
+
+
 def _bench_parser(sub) -> None:
     from .configs import DTYPE_NAMES, BenchConfig
     d = BenchConfig()
@@ -28,8 +31,14 @@ def _bench_parser(sub) -> None:
     p.add_argument("--backends", default=",".join(d.backends), help="comma-separated (default: all)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default=d.dtype)
     p.add_argument("--routing", default=d.routing, help=ROUTING_HELP)
-    p.add_argument("--iters", type=int, default=d.iters,
-                   help="timed rounds; each runs every backend, then its bare collectives")
+    p.add_argument("--iters", type=int, default=None,
+                   help=f"timed rounds; each runs every backend, then its bare collectives (default {d.iters}; "
+                        f"{DECODE_ITERS} decode steps with --decode)")
+    p.add_argument("--decode", action="store_true",
+                   help="decode latency instead: dispatch+combine of 1, 8, 32 and 128 tokens per rank, the normal "
+                        "mode vs the fixed-shape lowlatency mode vs the bare collectives of its buffers, p50 and p99 "
+                        "(--hidden, --experts, --topk, --dtype, --payload apply; --json writes "
+                        "results[mode][tokens_per_rank])")
     p.add_argument("--warmup", type=int, default=d.warmup,
                    help="untimed iterations per backend (at least 1: the first is checked against the reference)")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -466,9 +475,12 @@ def _run_bench(args) -> int:
     backends = _backend_list(args.backends)
     cfg = BenchConfig(world=args.world, domain_size=args.domain_size, hidden=args.hidden, tokens=args.tokens,
                       experts=args.experts, topk=args.topk, backends=backends, dtype=args.dtype,
-                      routing=args.routing, iters=args.iters, warmup=args.warmup, seed=args.seed,
+                      routing=args.routing, iters=args.iters or (DECODE_ITERS if args.decode else BenchConfig.iters),
+                      warmup=args.warmup, seed=args.seed,
                       chunks=args.chunks, expert_ffn=args.expert_ffn, payload=args.payload,
                       malloc_heap=args.malloc_heap, progress=not args.no_progress and sys.stderr.isatty())
+    if args.decode:
+        return _run_decode(args, cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:     # launched by torchrun
         import torch
         import torch.distributed as dist
@@ -497,6 +509,40 @@ def _run_bench(args) -> int:
         report = ranks.run(bench_rank, cfg)[0]
     _report(report, args)
     return 0
+
+
+def _run_decode(args, cfg) -> int:
+    """`bench --decode` on local ranks, under torchrun, or (``--nodes``) on an emulated cluster."""
+    from .bench_decode import decode_rank, format_decode
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        cfg.world = dist.get_world_size()
+        report = decode_rank(dist.get_rank(), cfg.world, cfg)
+        if dist.get_rank() == 0:
+            _decode_report(report, args, format_decode)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    if args.nodes:
+        return _on_cluster(args, list(args.argv_seen))
+    from .launch import LocalRanks
+    with LocalRanks(cfg.world) as ranks:
+        report = ranks.run(decode_rank, cfg)[0]
+    _decode_report(report, args, format_decode)
+    return 0
+
+
+def _decode_report(report: dict, args, format_decode) -> None:
+    import json
+    if os.environ.get("EXPERTRAIL_CLUSTER"):
+        report["emulated"] = {"cluster": os.environ["EXPERTRAIL_CLUSTER"],
+                              "inter_link": os.environ.get("EXPERTRAIL_INTER_LINK", "?")}
+    print(format_decode(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
 
 
 def _measure_and_predict(report: dict, cfg, args) -> None:

@@ -29,13 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .. import fp8, kernels
 from ..errors import ConfigError, InvalidInputError
 from ..kernels.torch_ops import CopyPositions
 from ..schedule import wait_exchange
 from ..topology import EPGroups, check_same_on_all_ranks, guarded
-from ..transport import AllWorks
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -104,16 +104,44 @@ class LowLatencyDispatcher:
         p, local, t, dev = groups.ep_size, self.num_local_experts, self.max_tokens, groups.device
         width = fp8.row_bytes(self.hidden) if payload == "fp8" else self.hidden
         wire = torch.uint8 if payload == "fp8" else dtype
-        # One row past each block set: the zero row dropped slots point at, the scratch row
-        # unused slots are written to (fixed shapes, no masking on the host).
-        self._send = torch.zeros(p * local * t + 1, width, dtype=wire, device=dev)
-        self._recv = torch.zeros(p * local * t, width, dtype=wire, device=dev)
+        # Each peer's block: local * T data rows (slot s of local expert l at l * T + s), then
+        # header rows carrying the counts and an error flag, so that one message per peer
+        # and direction carries everything. One row past the blocks: the scratch row unused
+        # slots are written to, and on the way back the zero row dropped slots read.
+        self._header_bytes = 4 * (local + 1)                      # int32 counts + the error flag
+        header_rows = -(-self._header_bytes // (width * torch.empty(0, dtype=wire).element_size()))
+        self._block = local * t + header_rows
+        rows = p * self._block
+        self._send = torch.zeros(rows + 1, width, dtype=wire, device=dev)
+        self._recv = torch.zeros(rows, width, dtype=wire, device=dev)
         self._packed = torch.zeros(local * p * t + 1, width, dtype=wire, device=dev)
-        self._back_send = torch.zeros(p * local * t, self.hidden, dtype=dtype, device=dev)
-        self._back = torch.zeros(p * local * t + 1, self.hidden, dtype=dtype, device=dev)
-        self._send_counts = torch.zeros(p, local + 1, dtype=torch.int64, device=dev)   # + an error flag
-        self._recv_counts = torch.zeros(p, local + 1, dtype=torch.int64, device=dev)
+        back_header = -(-self._header_bytes // (self.hidden * torch.empty(0, dtype=dtype).element_size()))
+        if back_header != header_rows:
+            raise ConfigError(f"hidden={hidden} is too narrow to carry {local + 1} counts in one row each way; "
+                              "use a larger hidden size")
+        self._back_send = torch.zeros(rows, self.hidden, dtype=dtype, device=dev)
+        self._back = torch.zeros(rows + 1, self.hidden, dtype=dtype, device=dev)
         self._slot_ids = torch.arange(t, device=dev)
+        self._expert_base = torch.arange(local, device=dev).view(1, local, 1) * (p * t)    # packed row of slot 0
+        self._no_counts = torch.zeros(p, local, dtype=torch.int64, device=dev)
+
+    def _header(self, buffer: torch.Tensor) -> torch.Tensor:
+        """uint8 [P, 4 * (E_local + 1)]: the header bytes of every peer's block in ``buffer``."""
+        p, data = self.groups.ep_size, self.num_local_experts * self.max_tokens
+        blocks = buffer[:p * self._block].view(torch.uint8).view(p, self._block, -1)
+        return blocks[:, data:].reshape(p, -1)[:, :self._header_bytes]
+
+    def _write_header(self, buffer: torch.Tensor, counts: torch.Tensor, failed: bool) -> None:
+        """counts int [P, E_local] (rows to each peer's experts) and this rank's error flag."""
+        words = torch.zeros(counts.shape[0], counts.shape[1] + 1, dtype=torch.int32, device=counts.device)
+        words[:, :-1] = counts
+        words[:, -1] = int(failed)
+        self._header(buffer).copy_(words.view(torch.uint8))
+
+    def _read_header(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(counts int64 [P, E_local] from each peer, error flags [P])."""
+        words = self._header(buffer).contiguous().view(torch.int32).long()
+        return words[:, :-1], words[:, -1]
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> LowLatencyResult:
@@ -123,40 +151,44 @@ class LowLatencyDispatcher:
         with guarded("lowlatency dispatch", self.groups.label, self.groups.timeout), torch.no_grad():
             message = self._check(x, topk_idx, topk_weights)
             p, local, t = self.groups.ep_size, self.num_local_experts, self.max_tokens
-            zero_row = p * local * t
+            scratch = p * self._block
             if message is None:
                 n, k = topk_idx.shape
                 valid = topk_idx >= 0
                 expert = topk_idx.long().clamp(min=0)
                 hits = torch.zeros(n, self.num_experts, dtype=torch.int64, device=x.device)
-                hits.scatter_(1, expert, valid.long())                     # [N, E]: 1 where the token meets e
+                hits.scatter_add_(1, expert, valid.long())                 # [N, E]: 1 where the token meets e
+                if x.device.type == "cpu" and bool(hits.gt(1).any()):       # a value check: CPU only (host sync)
+                    message = (f"lowlatency dispatch on EP rank {self.groups.ep_rank}: a token lists the same expert "
+                               "twice in topk_idx; each of its K experts must differ")
+            if message is None:
                 slot_of = (hits.cumsum(0) - 1).gather(1, expert)             # [N, K] its slot among e's tokens
-                slot = torch.where(valid, expert * t + slot_of, zero_row)   # block rows: (peer, local e, slot)
+                peer, rest = expert // local, expert % local
+                slot = torch.where(valid, peer * self._block + rest * t + slot_of, scratch)
                 rows = fp8.quantize(x) if self.payload == "fp8" else x
                 self._send[slot.reshape(-1)] = rows.repeat_interleave(k, 0)  # dropped slots: into the scratch row
-                self._send_counts[:, :local] = hits.sum(0).view(p, local)
-                self._send_counts[:, local] = 0
+                self._write_header(self._send, hits.sum(0).view(p, local), False)
                 weights = torch.where(valid, topk_weights, torch.zeros_like(topk_weights))
             else:
-                self._send_counts.zero_()
-                self._send_counts[:, local] = 1
+                self._write_header(self._send, self._no_counts, True)
                 slot = weights = None
-            got = self._exchange(self._send[:zero_row], self._recv, t * local)
-            counts = self._exchange(self._send_counts, self._recv_counts, 1)
-            wait_exchange("lowlatency dispatch", lambda: (got.wait(), counts.wait()))
-            self._raise_if_any_failed(message, "dispatch")
-            return self._pack(slot, weights, x.dtype)
+            got = self._exchange(self._send[:scratch], self._recv)
+            wait_exchange("lowlatency dispatch", got.wait)
+            counts, failed = self._read_header(self._recv)
+            self._raise_if_any_failed(message, failed, "dispatch")
+            return self._pack(counts, slot, weights, x.dtype)
 
-    def _pack(self, slot, weights, dtype) -> LowLatencyResult:
-        """The received blocks [P, E_local, T, C] -> packed [E_local, P * T, C] (source, then slot)."""
+    def _pack(self, counts, slot, weights, dtype) -> LowLatencyResult:
+        """The received blocks -> rows packed per local expert [E_local, P * T, C] (by source,
+        then slot). counts: int64 [P, E_local] rows each source sent each local expert."""
         p, local, t = self.groups.ep_size, self.num_local_experts, self.max_tokens
-        counts = self._recv_counts[:, :local]                                # [P, E_local]
         before = counts.cumsum(0) - counts                                   # rows of earlier sources
         at = before.unsqueeze(-1) + self._slot_ids                           # [P, E_local, T]
         real = self._slot_ids < counts.unsqueeze(-1)
-        packed_at = torch.arange(local, device=at.device).view(1, local, 1) * (p * t) + at.clamp(max=p * t - 1)
+        packed_at = self._expert_base + at.clamp(max=p * t - 1)
         scratch = local * p * t
-        self._packed[torch.where(real, packed_at, scratch).reshape(-1)] = self._recv
+        received = self._recv.view(p, self._block, -1)[:, :local * t].reshape(p * local * t, -1)
+        self._packed[torch.where(real, packed_at, scratch).reshape(-1)] = received
         rows = self._packed[:scratch]
         scales = None
         if self.payload == "fp8":
@@ -165,7 +197,7 @@ class LowLatencyDispatcher:
             else:
                 values, scales = fp8.unpack(rows, self.hidden)
                 rows, scales = values, scales.view(local, p * t, -1)
-        copies = None if slot is None else CopyPositions.from_dense(torch.where(slot < p * local * t, slot, -1))
+        copies = None if slot is None else CopyPositions.from_dense(torch.where(slot < p * self._block, slot, -1))
         return LowLatencyResult(rows.view(local, p * t, self.hidden), counts.sum(0), scales, slot, copies, weights,
                                 packed_at, dtype)
 
@@ -179,29 +211,30 @@ class LowLatencyDispatcher:
             if not isinstance(res, LowLatencyResult):
                 raise InvalidInputError(f"lowlatency combine: res must be the LowLatencyResult dispatch returned, "
                                         f"got {type(res).__name__}")
+            p = self.groups.ep_size
+            blocks = self._back_send.view(p, self._block, -1)
             if tuple(expert_out.shape) != (local, pt, self.hidden) or not expert_out.is_floating_point():
                 message = (f"lowlatency combine on EP rank {self.groups.ep_rank}: expert_out must be float "
                            f"[{local}, {pt}, {self.hidden}] like res.tokens, got {tuple(expert_out.shape)} "
                            f"{expert_out.dtype}")
-                self._back_send.zero_()
             else:     # each received slot's output back to its place in the blocks
-                self._back_send.copy_(expert_out.reshape(local * pt, -1).index_select(0, res._packed_at.reshape(-1)))
-            self._send_counts[:, -1] = 0 if message is None else 1
-            back = self._exchange(self._back_send, self._back[:-1], self.max_tokens * local)
-            flags = self._exchange(self._send_counts, self._recv_counts, 1)
-            wait_exchange("lowlatency combine", lambda: (back.wait(), flags.wait()))
-            self._raise_if_any_failed(message, "combine")
+                picked = expert_out.reshape(local * pt, -1).index_select(0, res._packed_at.reshape(-1))
+                blocks[:, :local * self.max_tokens] = picked.view(p, local * self.max_tokens, -1)
+            self._write_header(self._back_send, self._no_counts, message is not None)
+            back = self._exchange(self._back_send, self._back[:-1])
+            wait_exchange("lowlatency combine", back.wait)
+            self._raise_if_any_failed(message, self._read_header(self._back)[1], "combine")
+            self._back[-1].zero_()
             # The normal mode's sum (same kernel, same order): bitwise the same y.
             row_weights = torch.zeros(self._back.shape[0], dtype=res._weights.dtype, device=self._back.device)
             row_weights[res._slot.reshape(-1)] = res._weights.reshape(-1)
             return kernels.reduce_copies(self._back, res._copies, row_weights, res._dtype)
 
     # ------------------------------------------------------------------ shared
-    def _exchange(self, rows: torch.Tensor, out: torch.Tensor, per_peer: int):
-        """Fixed blocks of ``per_peer`` rows to and from every EP peer (posted, not waited)."""
-        p = self.groups.ep_size
-        transfer = self.groups.ep_channel.all_to_all(rows, [per_peer] * p, [per_peer] * p, out=out)
-        return AllWorks([transfer])
+    def _exchange(self, rows: torch.Tensor, out: torch.Tensor):
+        """Every peer's block of ``rows`` to it, theirs into ``out`` (posted, not waited): one
+        collective of equal blocks."""
+        return dist.all_to_all_single(out, rows, group=self.groups.ep_group, async_op=True)
 
     def _check(self, x, topk_idx, topk_weights) -> str | None:
         where = f"lowlatency dispatch on EP rank {self.groups.ep_rank}"
@@ -221,16 +254,13 @@ class LowLatencyDispatcher:
             low, high = (int(v) for v in torch.aminmax(topk_idx))
             if low < -1 or high >= self.num_experts:
                 return f"{where}: topk_idx values must be in [-1, {self.num_experts}), found {low if low < -1 else high}"
-            if bool((topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)).logical_and(topk_idx.unsqueeze(2) >= 0)
-                    .sum((1, 2)).gt(topk_idx.shape[1]).any()):
-                return f"{where}: a token lists the same expert twice in topk_idx; each of its K experts must differ"
         return None
 
-    def _raise_if_any_failed(self, message: str | None, verb: str) -> None:
-        """Raise on every rank when any rank flagged invalid input in the exchange's counts."""
+    def _raise_if_any_failed(self, message: str | None, failed: torch.Tensor, verb: str) -> None:
+        """Raise on every rank when any rank flagged invalid input (``failed`` [P], from the
+        headers), or on this rank alone without ``agree_on_errors``."""
         if message is not None and not self.agree_on_errors:
             raise InvalidInputError(message)
-        failed = self._recv_counts[:, -1]
         if self.agree_on_errors and bool(failed.any()):
             if message:
                 raise InvalidInputError(message)
