@@ -124,6 +124,10 @@ class LowLatencyDispatcher:
         self._slot_ids = torch.arange(t, device=dev)
         self._expert_base = torch.arange(local, device=dev).view(1, local, 1) * (p * t)    # packed row of slot 0
         self._no_counts = torch.zeros(p, local, dtype=torch.int64, device=dev)
+        # Row indices per block row (header rows: the packed scratch row on the way in, row 0 on
+        # the way back, overwritten by the header): filled per call in their data part.
+        self._landing = torch.full((p, self._block), local * p * t, dtype=torch.int64, device=dev)
+        self._gather_back = torch.zeros(p, self._block, dtype=torch.int64, device=dev)
 
     def _header(self, buffer: torch.Tensor) -> torch.Tensor:
         """uint8 [P, 4 * (E_local + 1)]: the header bytes of every peer's block in ``buffer``."""
@@ -187,8 +191,9 @@ class LowLatencyDispatcher:
         real = self._slot_ids < counts.unsqueeze(-1)
         packed_at = self._expert_base + at.clamp(max=p * t - 1)
         scratch = local * p * t
-        received = self._recv.view(p, self._block, -1)[:, :local * t].reshape(p * local * t, -1)
-        self._packed[torch.where(real, packed_at, scratch).reshape(-1)] = received
+        # Where every received row goes, header rows and unused slots to the scratch row.
+        self._landing[:, :local * t] = torch.where(real, packed_at, scratch).view(p, -1)
+        self._packed[self._landing.view(-1)] = self._recv
         rows = self._packed[:scratch]
         scales = None
         if self.payload == "fp8":
@@ -212,14 +217,14 @@ class LowLatencyDispatcher:
                 raise InvalidInputError(f"lowlatency combine: res must be the LowLatencyResult dispatch returned, "
                                         f"got {type(res).__name__}")
             p = self.groups.ep_size
-            blocks = self._back_send.view(p, self._block, -1)
             if tuple(expert_out.shape) != (local, pt, self.hidden) or not expert_out.is_floating_point():
                 message = (f"lowlatency combine on EP rank {self.groups.ep_rank}: expert_out must be float "
                            f"[{local}, {pt}, {self.hidden}] like res.tokens, got {tuple(expert_out.shape)} "
                            f"{expert_out.dtype}")
-            else:     # each received slot's output back to its place in the blocks
-                picked = expert_out.reshape(local * pt, -1).index_select(0, res._packed_at.reshape(-1))
-                blocks[:, :local * self.max_tokens] = picked.view(p, local * self.max_tokens, -1)
+            else:     # each received slot's output back to its place in the blocks (headers: rewritten below)
+                self._gather_back[:, :local * self.max_tokens] = res._packed_at.view(p, -1)
+                torch.index_select(expert_out.reshape(local * pt, -1).to(self.dtype), 0, self._gather_back.view(-1),
+                                   out=self._back_send)
             self._write_header(self._back_send, self._no_counts, message is not None)
             back = self._exchange(self._back_send, self._back[:-1])
             wait_exchange("lowlatency combine", back.wait)
