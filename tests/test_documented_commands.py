@@ -45,6 +45,7 @@ SMALL = [
     (r"benchmarks/soak\.py", "--iters 30 --warmup 10"),
     (r"benchmarks/user_process\.py.*--soak", "--tokens 256 --hidden 64 --soak 20"),
     (r"benchmarks/user_process\.py", "--tokens 256 --hidden 64 --iters 2"),
+    (r"benchmarks/balance_quality\.py", "--layers 2"),
 ]
 # Commands that build an emulated cluster (network namespaces): they need root, as in CI.
 NEEDS_NAMESPACES = re.compile(r"expertrail (cluster |(bench|train) .*--nodes)")

@@ -1,13 +1,16 @@
 """Rebalance planning: logical experts -> physical slots, replicas for hot experts.
 
 A pure function of the measured load ``[layers, experts]`` and the machine (slots, ranks,
-domains), vectorized over layers. Two policies, as in DeepSeek's EPLB:
+domains), vectorized over layers, never more than one replica of an expert per rank. Two
+policies, as in DeepSeek's EPLB, each at least as balanced as EPLB's greedy wherever EPLB's
+plan keeps replicas apart (that plan is the first candidate; see docs/balance.md):
 
-- ``global``: give the extra slots to the experts with the highest load per replica, then pack
-  all replicas onto ranks greedily (heaviest first onto the least loaded rank that has a free
-  slot and no replica of that expert yet).
+- ``global``: EPLB's greedy (the extra slots to the experts with the highest load per replica,
+  then replicas heaviest first onto the least loaded rank with a free slot and no replica of
+  that expert yet), then swaps off the busiest rank, then replica counts shaped for lower
+  levels of the busiest rank, by bisection, each packed and swapped the same way.
 - ``hierarchical``: first pack expert groups onto domains (so a group's tokens stay inside its
-  fast-link domain), then replicate and pack inside each domain; replicas never leave their
+  fast-link domain), then the global policy inside each domain; replicas never leave their
   domain.
 
 Given the current placement, the planner keeps every slot whose expert stays on the same rank
@@ -38,45 +41,205 @@ class Placement:
         return self.phys_to_log.shape[1] // self.num_ranks
 
 
-def replicate(load: np.ndarray, slots: int, max_replicas: int) -> np.ndarray:
-    """Replica counts [L, N] summing to ``slots``: each extra slot goes to the expert with the
-    highest load per replica (at most ``max_replicas`` each)."""
+def replicate(load: np.ndarray, slots: int, max_replicas: int, start: np.ndarray | None = None,
+              to_lightest: bool = False, with_order: bool = False):
+    """Replica counts [L, N] summing to ``slots``: from ``start`` (one each by default), each
+    extra slot goes to the expert with the highest load per replica (the lowest with
+    ``to_lightest``), at most ``max_replicas`` each. From one each, the highest-first order gives
+    the least possible largest load per replica. ``with_order`` also returns the expert that
+    took each extra slot, in turn [L, slots - N] (from one each)."""
     layers, n = load.shape
     if slots < n:
         raise ConfigError(f"{slots} slots cannot hold {n} experts")
-    counts = np.ones((layers, n), dtype=np.int64)
+    counts = np.ones((layers, n), dtype=np.int64) if start is None else start.copy()
     rows = np.arange(layers)
-    for _ in range(slots - n):
-        per_replica = np.where(counts < max_replicas, load / counts, -np.inf)
-        counts[rows, per_replica.argmax(1)] += 1
+    order = []
+    for _ in range(int((slots - counts.sum(1)).max(initial=0))):
+        per_replica = np.where(counts < max_replicas, -load / counts if to_lightest else load / counts, -np.inf)
+        room = counts.sum(1) < slots
+        order.append(per_replica.argmax(1))
+        counts[rows[room], order[-1][room]] += 1
+    if with_order:
+        return counts, np.stack(order, 1) if order else np.zeros((layers, 0), dtype=np.int64)
     return counts
+
+
+def counts_for_level(load: np.ndarray, level: np.ndarray, slots: int, max_replicas: int, per_rank: int,
+                     depth: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """Replica counts [L, N] shaped for a busiest rank of ``level [L]``, and whether they fit
+    the slots [L].
+
+    Each expert gets enough replicas that none carries more than the level. A rank holds at
+    most j items heavier than level / (j + 1), so for j = 1, 2, ... while there are more than
+    j * ranks of them, the experts that shed the most such items per extra slot get just enough
+    replicas to fall below it. The slots left over split the lightest experts: splitting the
+    heavy ones further would bring back the items just counted out."""
+    level = level[:, None]
+    num_ranks = max_replicas
+    with np.errstate(divide="ignore", invalid="ignore"):
+        counts = np.maximum(1, np.ceil(load / level - 1e-9))
+    for j in range(1, min(per_rank, depth + 1)):
+        heavy = np.where(load / counts > level / (j + 1), counts, 0)
+        surplus = heavy.sum(1, keepdims=True) - j * num_ranks
+        if (surplus <= 0).all():
+            continue
+        with np.errstate(divide="ignore", invalid="ignore"):
+            shed_at = np.maximum(counts, np.ceil((j + 1) * load / level - 1e-9))
+        price = np.where((heavy > 0) & (shed_at <= max_replicas), (shed_at - counts) / np.maximum(heavy, 1), np.inf)
+        order = np.argsort(price, axis=1, kind="stable")
+        before = np.cumsum(np.take_along_axis(heavy, order, 1), 1) - np.take_along_axis(heavy, order, 1)
+        shed = np.zeros(counts.shape, dtype=bool)
+        np.put_along_axis(shed, order, (before < surplus) & np.isfinite(np.take_along_axis(price, order, 1)), 1)
+        counts = np.where(shed, shed_at, counts)
+    fits = (counts <= max_replicas).all(1) & (counts.sum(1) <= slots)
+    counts = np.where(fits[:, None], counts, 1).astype(np.int64)
+    return replicate(load, slots, max_replicas, start=counts, to_lightest=True), fits
 
 
 def pack(weights: np.ndarray, ids: np.ndarray, bins: int, per_bin: int) -> np.ndarray:
     """Greedy balanced packing of items [L, M] (weights, expert ids) into ``bins`` of
     ``per_bin`` items: heaviest first onto the lightest bin with room and without that id.
-    Returns the bin of each item [L, M]."""
+    Returns the bin of each item [L, M].
+
+    When every bin with room already holds the item's id (replicas of one expert placed late),
+    an item of a full bin without that id moves to the lightest bin with room, and the new item
+    takes its place: one replica of an expert per bin, as long as no id has more than ``bins``
+    items."""
     layers, m = weights.shape
     if m != bins * per_bin:
         raise ConfigError(f"{m} items do not fill {bins} bins of {per_bin}")
+    if ids.size and np.stack([np.bincount(row) for row in ids]).max() > bins:
+        raise ConfigError("cannot place replicas: an expert has more replicas than there are ranks")
     order = np.argsort(-weights, axis=1, kind="stable")
     rows = np.arange(layers)
     load = np.zeros((layers, bins))
     used = np.zeros((layers, bins), dtype=np.int64)
     holds = np.zeros((layers, bins, int(ids.max()) + 1 if ids.size else 1), dtype=bool)
-    out = np.empty((layers, m), dtype=np.int64)
+    out = np.full((layers, m), -1, dtype=np.int64)
     for j in range(m):
         item = order[:, j]
         e = ids[rows, item]
-        cost = np.where((used < per_bin) & ~holds[rows, :, e], load, np.inf)
+        room = np.where(used < per_bin, load, np.inf)
+        cost = np.where(holds[rows, :, e], np.inf, room)
         b = cost.argmin(1)
-        if np.isinf(cost[rows, b]).any():
-            raise ConfigError("cannot place replicas: an expert has more replicas than there are ranks")
+        for layer in np.nonzero(np.isinf(cost[rows, b]))[0]:
+            b[layer] = _make_room(weights[layer], ids[layer], out[layer], load[layer], used[layer], holds[layer],
+                                  room[layer].argmin(), e[layer], weights[layer, item[layer]])
         out[rows, item] = b
         load[rows, b] += weights[rows, item]
         used[rows, b] += 1
         holds[rows, b, e] = True
     return out
+
+
+def _make_room(weights, ids, bin_of_item, load, used, holds, open_bin, expert, weight) -> int:
+    """One layer of ``pack``: ``open_bin`` has room but holds ``expert`` already. Move an item
+    from a full bin without ``expert`` (one whose id ``open_bin`` lacks) to ``open_bin``, the
+    move that leaves the lighter heaviest of the two bins; return the freed bin. Updates
+    ``bin_of_item``, ``load``, ``used`` and ``holds`` in place."""
+    placed = np.nonzero(bin_of_item >= 0)[0]
+    where = bin_of_item[placed]
+    movable = placed[~holds[where, expert] & ~holds[open_bin, ids[placed]]]
+    src = bin_of_item[movable]
+    after = np.maximum(load[open_bin] + weights[movable], load[src] - weights[movable] + weight)
+    x = movable[after.argmin()]
+    freed = bin_of_item[x]
+    bin_of_item[x] = open_bin
+    load[open_bin] += weights[x]
+    load[freed] -= weights[x]
+    used[open_bin] += 1
+    used[freed] -= 1
+    holds[freed, ids[x]], holds[open_bin, ids[x]] = False, True
+    return int(freed)
+
+
+def refine(weights: np.ndarray, ids: np.ndarray, bin_of_item: np.ndarray, bins: int, per_bin: int,
+           max_swaps: int | None = None) -> np.ndarray:
+    """Local search after packing: swap an item of the heaviest bin with a lighter item of
+    another bin whenever that lowers the heaviest bin (the best such swap each time, all layers
+    at once), keeping at most one item of an id per bin. Returns the new bin of each item."""
+    layers, m = weights.shape
+    bin_of_item = bin_of_item.copy()
+    rows = np.arange(layers)
+    members = np.argsort(bin_of_item, axis=1, kind="stable").reshape(layers, bins, per_bin)   # items by bin
+    load = np.zeros((layers, bins))
+    np.add.at(load, (rows[:, None], bin_of_item), weights)
+    holds = np.zeros((layers, bins, int(ids.max()) + 1), dtype=bool)
+    holds[rows[:, None], bin_of_item, ids] = True
+    active = rows
+    for _ in range(max_swaps or 4 * m):
+        a = np.arange(len(active))
+        heaviest = load[active].argmax(1)
+        top = load[active, heaviest]
+        mine = members[active, heaviest]                                        # [A, per_bin]
+        gain = np.take_along_axis(weights[active], mine, 1)[:, :, None] - weights[active][:, None, :]
+        other = bin_of_item[active]
+        after = np.maximum(top[:, None, None] - gain, np.take_along_axis(load[active], other, 1)[:, None, :] + gain)
+        allowed = ((gain > 0) & (other != heaviest[:, None])[:, None, :]
+                   & ~holds[active[:, None, None], other[:, None, :], np.take_along_axis(ids[active], mine, 1)[:, :, None]]
+                   & ~holds[active, heaviest][a[:, None], ids[active]][:, None, :])
+        after = np.where(allowed, after, np.inf).reshape(len(active), -1)
+        best = after.argmin(1)
+        lowers = after[a, best] < top * (1 - 1e-12)
+        if not lowers.any():
+            break
+        active, best, heaviest = active[lowers], best[lowers], heaviest[lowers]
+        i = members[active, heaviest, best // m]
+        j = best % m
+        bi, bj = heaviest, bin_of_item[active, j]
+        moved = weights[active, i] - weights[active, j]
+        load[active, bi] -= moved
+        load[active, bj] += moved
+        holds[active, bi, ids[active, i]] = holds[active, bj, ids[active, j]] = False
+        holds[active, bi, ids[active, j]] = holds[active, bj, ids[active, i]] = True
+        members[active, bi, best // m] = j
+        members[active, bj] = np.where(members[active, bj] == j[:, None], i[:, None], members[active, bj])
+        bin_of_item[active, i], bin_of_item[active, j] = bj, bi
+    return bin_of_item
+
+
+def _place(load: np.ndarray, counts: np.ndarray, num_ranks: int, per_rank: int,
+           extra: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Replicas of ``counts [L, N]`` packed onto ranks (greedy, then swaps): the slot map
+    [L, S] and the busiest rank's load [L]. Items come one per expert and then the replicas
+    in ``extra`` order if given (EPLB's order: ties in the packing then fall as in EPLB),
+    else expert by expert."""
+    ids, share = _replica_items(load, counts, extra)
+    rank_of = pack(share, ids, num_ranks, per_rank)
+    rank_of = refine(share, ids, rank_of, num_ranks, per_rank)
+    per_rank_load = np.zeros((load.shape[0], num_ranks))
+    np.add.at(per_rank_load, (np.arange(load.shape[0])[:, None], rank_of), share)
+    return _layout(rank_of, ids, num_ranks, per_rank), per_rank_load.max(1)
+
+
+def place_replicas(load: np.ndarray, num_slots: int, num_ranks: int, search_steps: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Replica counts and placement of ``load [L, N]`` on ``num_slots`` slots: the slot map
+    [L, S] (expert of each slot, rank by rank) and the busiest rank's load [L].
+
+    First the counts with the least largest load per replica, as EPLB makes them; with these
+    counts the greedy packing is EPLB's own placement whenever EPLB keeps replicas of an expert
+    on distinct ranks, and the swaps only lower the busiest rank. Then, where the busiest rank
+    is still above the mean and the largest share, a bisection on the level it could reach
+    tries counts shaped for that level (``counts_for_level``), keeping each layer's best."""
+    per_rank = num_slots // num_ranks
+    counts, extra = replicate(load, num_slots, num_ranks, with_order=True)
+    phys, top = _place(load, counts, num_ranks, per_rank, extra)
+    lo = np.maximum(load.sum(1) / num_ranks, (load / counts).max(1))
+    hi = top.copy()
+    for step in range(search_steps):
+        todo = np.nonzero(hi > lo * (1 + 1e-3))[0]              # within 0.1% of reach: done
+        if not todo.size:
+            break
+        level = lo[todo] if step == 0 else (lo[todo] + hi[todo]) / 2
+        counts, fits = counts_for_level(load[todo], level, num_slots, num_ranks, per_rank)
+        found, found_top = _place(load[todo], counts, num_ranks, per_rank)
+        found_top = np.where(fits, found_top, np.inf)
+        better = found_top < top[todo]
+        phys[todo[better]], top[todo[better]] = found[better], found_top[better]
+        reached = found_top <= level
+        hi[todo] = np.where(reached, found_top, hi[todo])
+        lo[todo] = np.where(reached, lo[todo], level)
+    return phys, top
 
 
 def _layout(bin_of_item: np.ndarray, ids: np.ndarray, bins: int, per_bin: int) -> np.ndarray:
@@ -86,10 +249,14 @@ def _layout(bin_of_item: np.ndarray, ids: np.ndarray, bins: int, per_bin: int) -
     return np.take_along_axis(ids, order, axis=1)
 
 
-def _replica_items(load: np.ndarray, counts: np.ndarray):
-    """Flatten replica counts into items: expert id and load share per replica, [L, S]."""
+def _replica_items(load: np.ndarray, counts: np.ndarray, extra: np.ndarray | None = None):
+    """Flatten replica counts into items: expert id and load share per replica, [L, S]; one
+    item per expert then ``extra`` if given, else each expert's replicas together."""
     layers, n = load.shape
-    ids = np.stack([np.repeat(np.arange(n), counts[l]) for l in range(layers)])
+    if extra is None:
+        ids = np.stack([np.repeat(np.arange(n), counts[l]) for l in range(layers)])
+    else:
+        ids = np.concatenate([np.tile(np.arange(n), (layers, 1)), extra], axis=1)
     share = np.take_along_axis(load / counts, ids, axis=1)
     return ids, share
 
@@ -107,11 +274,10 @@ def plan_placement(load: np.ndarray, num_slots: int, num_ranks: int, policy: str
         raise ConfigError(f"num_slots={num_slots} must be a multiple of num_ranks={num_ranks}")
     if num_ranks % num_domains:
         raise ConfigError(f"num_domains={num_domains} must divide num_ranks={num_ranks}")
-    per_rank = num_slots // num_ranks
+    if num_slots > experts * num_ranks:
+        raise ConfigError(f"{num_slots} slots need more than one replica of an expert per rank on {num_ranks} ranks")
     if policy == "global":
-        counts = replicate(load, num_slots, num_ranks)
-        ids, share = _replica_items(load, counts)
-        phys = _layout(pack(share, ids, num_ranks, per_rank), ids, num_ranks, per_rank)
+        phys, _ = place_replicas(load, num_slots, num_ranks)
     elif policy == "hierarchical":
         groups = num_groups or num_domains
         if experts % groups or groups % num_domains:
@@ -119,25 +285,41 @@ def plan_placement(load: np.ndarray, num_slots: int, num_ranks: int, policy: str
                               f"multiple of num_domains={num_domains}")
         if num_slots % num_domains:
             raise ConfigError(f"num_slots={num_slots} must split evenly over {num_domains} domains")
-        size = experts // groups
-        group_load = load.reshape(layers, groups, size).sum(2)
-        domain_of_group = pack(group_load, np.tile(np.arange(groups), (layers, 1)), num_domains, groups // num_domains)
-        phys = np.empty((layers, num_slots), dtype=np.int64)
-        ranks_per_domain, slots_per_domain = num_ranks // num_domains, num_slots // num_domains
-        for d in range(num_domains):
-            # Experts of the groups packed onto domain d, per layer: [L, experts / domains].
-            mine = np.sort(np.nonzero(domain_of_group == d)[1].reshape(layers, -1), axis=1)
-            members = (mine[:, :, None] * size + np.arange(size)).reshape(layers, -1)
-            local_load = np.take_along_axis(load, members, axis=1)
-            counts = replicate(local_load, slots_per_domain, ranks_per_domain)
-            ids, share = _replica_items(local_load, counts)
-            local = _layout(pack(share, ids, ranks_per_domain, per_rank), ids, ranks_per_domain, per_rank)
-            phys[:, d * slots_per_domain:(d + 1) * slots_per_domain] = np.take_along_axis(members, local, axis=1)
+        group_load = load.reshape(layers, groups, experts // groups).sum(2)
+        group_ids = np.tile(np.arange(groups), (layers, 1))
+        greedy = pack(group_load, group_ids, num_domains, groups // num_domains)
+        phys, top = _place_in_domains(load, greedy, groups, num_slots, num_ranks, num_domains)
+        swapped = refine(group_load, group_ids, greedy, num_domains, groups // num_domains)
+        if not np.array_equal(swapped, greedy):        # lighter heaviest domain: keep it where it helps
+            other, other_top = _place_in_domains(load, swapped, groups, num_slots, num_ranks, num_domains)
+            phys = np.where((other_top < top)[:, None], other, phys)
     else:
         raise ConfigError(f"policy={policy!r}; choose 'global' or 'hierarchical'")
     if current is not None:
         phys = keep_in_place(np.atleast_2d(current), phys, num_ranks)
     return _finish(phys, experts, num_ranks)
+
+
+def _place_in_domains(load: np.ndarray, domain_of_group: np.ndarray, groups: int, num_slots: int, num_ranks: int,
+                      num_domains: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each domain's groups replicated and placed on its own ranks and slots: the slot map
+    [L, S] and the busiest rank's load [L]."""
+    layers, experts = load.shape
+    size = experts // groups
+    phys = np.empty((layers, num_slots), dtype=np.int64)
+    top = np.zeros(layers)
+    ranks_per_domain, slots_per_domain = num_ranks // num_domains, num_slots // num_domains
+    # A domain lists its groups heaviest first (the order they were packed), as EPLB does.
+    heaviest_first = np.argsort(-load.reshape(layers, groups, size).sum(2), axis=1, kind="stable")
+    for d in range(num_domains):
+        # Experts of the groups packed onto domain d, per layer: [L, experts / domains].
+        here = np.take_along_axis(domain_of_group, heaviest_first, 1) == d
+        mine = heaviest_first[here].reshape(layers, -1)
+        members = (mine[:, :, None] * size + np.arange(size)).reshape(layers, -1)
+        local, local_top = place_replicas(np.take_along_axis(load, members, axis=1), slots_per_domain, ranks_per_domain)
+        phys[:, d * slots_per_domain:(d + 1) * slots_per_domain] = np.take_along_axis(members, local, axis=1)
+        top = np.maximum(top, local_top)
+    return phys, top
 
 
 def keep_in_place(current: np.ndarray, new: np.ndarray, num_ranks: int) -> np.ndarray:
