@@ -1,6 +1,8 @@
-"""Planning time: expertrail's vectorized planner against a per-expert Python loop of the same
-greedy algorithm (replicate the highest load per replica, then heaviest-first onto the lightest
-rank with room and without that expert), 61 layers x 256 experts onto 288 slots of 32 ranks.
+"""Planning time: expertrail's planner against a per-expert Python loop of the greedy it starts
+from (replicate the highest load per replica, then heaviest-first onto the lightest rank with
+room and without that expert), 61 layers x 256 experts onto 288 slots of 32 ranks. The planner
+then improves on the greedy (swaps off the busiest rank, other replica counts; docs/balance.md),
+so its time includes that search.
 
     .venv/bin/python benchmarks/balance_planning.py
 """
