@@ -9,8 +9,8 @@ joined) or an inline code span that `COMMAND` matches: `./run.sh <verb>`, a prog
 
 Each runs from the repository root as written, with `.venv/bin/` pointed at this test's Python
 environment, output files (`--json`, `--plot`, `--emit-hardware`, `--timeline`) sent to a temporary folder, and the size options
-of `SMALL` appended (argparse keeps the last value of an option), so the whole list takes a few
-minutes on 2 cores. The planner's commands (torch-free, milliseconds each) run in this process.
+of `SMALL` appended (argparse keeps the last value of an option); commands that then run alike
+(`same_run`) run once, so the whole list takes a few minutes on 2 cores. The planner's commands (torch-free, milliseconds each) run in this process.
 A command that cannot run here says why in `NOT_RUN`.
 """
 from __future__ import annotations
@@ -47,6 +47,8 @@ SMALL = [
     (r"benchmarks/user_process\.py", "--tokens 256 --hidden 64 --iters 2"),
     (r"benchmarks/balance_quality\.py", "--layers 2"),
 ]
+# Options naming an output file: sent to the test's temporary folder.
+OUTPUTS = ("--json", "--plot", "--emit-hardware", "--timeline")
 # Commands that build an emulated cluster (network namespaces): they need root, as in CI.
 NEEDS_NAMESPACES = re.compile(r"expertrail (cluster |(bench|train) .*--nodes)")
 # Commands shown in the docs that this test does not run, and why.
@@ -95,7 +97,7 @@ def runnable(command: str, tmp: Path) -> list[str]:
     elif argv[0] in ("expertrail", "torchrun", "python", "python3"):
         argv[0] = bin_dir + argv[0]
     for i, arg in enumerate(argv[:-1]):
-        if arg in ("--json", "--plot", "--emit-hardware", "--timeline"):
+        if arg in OUTPUTS:
             argv[i + 1] = str(tmp / Path(argv[i + 1]).name)
     for pattern, extra in SMALL:
         if re.search(pattern, command):
@@ -105,6 +107,36 @@ def runnable(command: str, tmp: Path) -> list[str]:
 
 
 ALL = sorted({entry for doc in DOCUMENTS for entry in documented_commands(doc)})
+
+
+def same_run(command: str) -> tuple:
+    """What running ``command`` here does: its words less the options `SMALL` overrides and the
+    output paths (sent to a temporary folder anyway; which outputs are asked for stays in).
+    Commands with the same key run alike, so the test runs the first of them only."""
+    extra = next((e.split() for pattern, e in SMALL if re.search(pattern, command)), [])
+    overridden = {a for a in extra if a.startswith("--")}
+    words, key, skip = shlex.split(command), [], False
+    for i, word in enumerate(words):
+        if skip:
+            skip = False
+            continue
+        if word in overridden or word in OUTPUTS:
+            skip = i + 1 < len(words) and not words[i + 1].startswith("--")
+            if word in OUTPUTS:
+                key.append(word)
+            continue
+        key.append(word)
+    return tuple(key)
+
+
+def distinct_runs(entries: list) -> list:
+    seen, out = set(), []
+    for command, status in entries:
+        key = (same_run(command), status)
+        if key not in seen:
+            seen.add(key)
+            out.append((command, status))
+    return out
 
 
 def test_the_docs_show_commands_and_every_exclusion_is_still_shown():
@@ -124,7 +156,7 @@ def test_extraction_joins_continuations_and_reads_the_expected_status(tmp_path):
     assert documented_commands(doc) == [("expertrail bench --tokens 8", 0)]
 
 
-@pytest.mark.parametrize("command,status", [e for e in ALL if e[0] not in NOT_RUN], ids=lambda v: str(v))
+@pytest.mark.parametrize("command,status", distinct_runs([e for e in ALL if e[0] not in NOT_RUN]), ids=lambda v: str(v))
 def test_documented_command_runs(command, status, tmp_path, monkeypatch, capsys):
     if NEEDS_NAMESPACES.search(command):
         from expertrail.cluster import ClusterError, check_prerequisites
