@@ -209,3 +209,11 @@ def test_ep_choice_reason_is_true_when_every_ep_is_communication_bound():
     reason = next(a for a in r["advice"] if a["topic"] == "EP size")["reason"]
     assert r["ep"] == r["ep_table"][0]["ep"] and "every EP size of the table is communication-bound" in reason
     assert "does not exceed" not in reason
+
+
+def test_overlap_advice_predicts_the_gain_of_two_micro_batches_in_flight():
+    from expertrail.plan.advisor import overlap_advice
+    on, reason = overlap_advice("tuning", 300e-6, 600e-6)
+    assert on and "1.50x faster at best" in reason            # (300 + 600) / 600
+    on, reason = overlap_advice("tuning", 900e-6, 300e-6)
+    assert on and "1.33x faster at best" in reason            # (900 + 300) / 900

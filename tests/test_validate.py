@@ -25,6 +25,8 @@ CASES = {   # rule -> (breaking config, satisfying config)
                              {**OVERLAP, "recompute_granularity": "selective"}),
     "ep-overlap-shared": ({**OVERLAP, "moe_shared_expert_overlap": True}, {**OVERLAP, "moe_shared_expert_overlap": False}),
     "ep-overlap-mtp": ({**OVERLAP, "mtp_num_layers": 2}, {**OVERLAP, "mtp_num_layers": 1}),
+    "ep-overlap-microbatches": ({**OVERLAP, "world_size": 64, "global_batch_size": 32, "micro_batch_size": 1},
+                                {**OVERLAP, "world_size": 64, "global_batch_size": 128, "micro_batch_size": 1}),
     "wgrad-needs-overlap": ({"delay_wgrad_compute": True}, {**OVERLAP, "delay_wgrad_compute": True}),
     "wgrad-graph-fusion": ({**OVERLAP, "delay_wgrad_compute": True, "cuda_graph_impl": "transformer_engine",
                             "cuda_graph_scope": "attn", "gradient_accumulation_fusion": False},

@@ -90,10 +90,14 @@ def overlap_advice(stage: str, comm: float, compute: float) -> tuple:
 
     Overlap hides communication only behind compute that runs beside it (Megatron's combined
     1F1B schedule runs one micro-batch's dispatch / combine beside another's compute), so the
-    claim follows the ratio: all of it below 100% of the expert GEMMs, only part above."""
+    claim follows the ratio: all of it below 100% of the expert GEMMs, only part above. The
+    predicted gain per layer is (comm + compute) / max(comm, compute): what the schedule of
+    `expertrail.schedule` reaches when neither side waits for the other (docs/overlap.md)."""
     ratio = comm / compute
+    gain = (comm + compute) / max(comm, compute)     # a layer's time, one micro-batch alone vs two in flight
     share = (f"dispatch + combine ({comm * 1e6:.0f} us) is {ratio:.0%} of the expert GEMMs "
-             f"({compute * 1e6:.0f} us)")
+             f"({compute * 1e6:.0f} us); with two micro-batches in flight a layer takes the larger of the two "
+             f"instead of their sum, {gain:.2f}x faster at best")
     if ratio < OVERLAP_WORTH:
         on, claim = False, f"{share}: too little to be worth the constraints overlap brings"
     elif ratio <= 1.0:

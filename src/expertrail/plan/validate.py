@@ -335,6 +335,17 @@ def _overlap(c):
     return bool(c["overlap_moe_expert_parallel_comm"])
 
 
+def _micro_batches(c) -> float | None:
+    """Micro-batches per step and data-parallel rank (global / (micro x DP)), when the config
+    gives the batch sizes and the world size; else None."""
+    if not (c.given("global_batch_size") and c.given("micro_batch_size") and c.world):
+        return None
+    model = int(c["tensor_model_parallel_size"]) * int(c["pipeline_model_parallel_size"]) * \
+        int(c["context_parallel_size"])
+    dp = max(1, c.world // model)
+    return int(c["global_batch_size"]) / (int(c["micro_batch_size"]) * dp)
+
+
 def _delayed(c):
     return bool(c["delay_wgrad_compute"])
 
@@ -382,6 +393,11 @@ RULES = [
          "set moe_shared_expert_overlap=false", _overlap, lambda c: not c["moe_shared_expert_overlap"]),
     Rule("ep-overlap-mtp", "EP overlap supports at most one MTP layer", ("mtp_num_layers",),
          "set mtp_num_layers to 1 or unset it", _overlap, lambda c: c["mtp_num_layers"] in (None, 0, 1)),
+    Rule("ep-overlap-microbatches", "EP overlap needs at least 2 micro-batches per step (it runs one micro-batch's "
+         "dispatch / combine beside another's compute)", ("global_batch_size", "micro_batch_size", "world_size",
+         "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"),
+         "raise global_batch_size to at least 2 x micro_batch_size x data-parallel size, or lower micro_batch_size",
+         lambda c: _overlap(c) and _micro_batches(c) is not None, lambda c: _micro_batches(c) >= 2),
     # Delayed weight-gradient computation
     Rule("wgrad-needs-overlap", "delay_wgrad_compute needs EP overlap", ("delay_wgrad_compute",
          "overlap_moe_expert_parallel_comm"), "enable overlap_moe_expert_parallel_comm first (or turn "
