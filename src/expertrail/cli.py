@@ -55,14 +55,20 @@ def _bench_parser(sub) -> None:
     p.add_argument("--malloc-heap", action="store_true",
                    help="set glibc on every rank to keep large blocks on its heap (process-wide mallopt; off by "
                         "default: the ranks run with the allocator a user's process has)")
-    c = p.add_argument_group("on an emulated multi-node cluster (docs/emulated-cluster.md; needs root)")
+    c = _cluster_arguments(p, "ranks per node; the domain size unless --domain-size is given")
+    c.add_argument("--emit-hardware", metavar="PATH.yaml",
+                   help="write the measured links as a planner hardware entry (`expertrail plan --hardware PATH`)")
+
+
+def _cluster_arguments(parser, ranks_per_node_help: str):
+    """The options that run a command on an emulated cluster (`_on_cluster`); returns their group."""
+    c = parser.add_argument_group("on an emulated multi-node cluster (docs/emulated-cluster.md; needs root)")
     c.add_argument("--nodes", type=_positive_int(2), default=None,
                    help="run on this many emulated nodes, launched by torchrun per node (default: local ranks)")
     c.add_argument("--ranks-per-node", type=_positive_int(2), default=2,
-                   help="ranks per node; the domain size unless --domain-size is given (default %(default)s)")
+                   help=f"{ranks_per_node_help} (default %(default)s)")
     _inter_link_argument(c)
-    c.add_argument("--emit-hardware", metavar="PATH.yaml",
-                   help="write the measured links as a planner hardware entry (`expertrail plan --hardware PATH`)")
+    return c
 
 
 def _inter_link_argument(parser) -> None:
@@ -132,12 +138,7 @@ def _train_parser(sub) -> None:
                    help="draw rank 0's compute and exchanges over one step of each run (with --overlap)")
     p.add_argument("--json", metavar="PATH",
                    help="write per backend the per-step losses and step_time_s (median), and the reference")
-    c = p.add_argument_group("on an emulated multi-node cluster (docs/emulated-cluster.md; needs root)")
-    c.add_argument("--nodes", type=_positive_int(2), default=None,
-                   help="run on this many emulated nodes, launched by torchrun per node (default: local ranks)")
-    c.add_argument("--ranks-per-node", type=_positive_int(2), default=2,
-                   help="ranks per node, the EP domain size (default %(default)s)")
-    _inter_link_argument(c)
+    _cluster_arguments(p, "ranks per node, the EP domain size")
 
 
 class _ConfigArguments(argparse.ArgumentParser):
