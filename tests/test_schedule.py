@@ -80,3 +80,12 @@ def test_timeline_records_runs_and_exchanges():
                                  lanes=["F1", "B0"])
     kinds = {(lane, kind, what) for lane, kind, what, start, end in t.spans if end >= start}
     assert ("F1", "exchange", "dispatch") in kinds and ("F1", "run", "") in kinds and ("B0", "run", "") in kinds
+
+
+def test_tasks_run_under_the_callers_grad_and_inference_modes():
+    seen = lambda: (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+    with torch.no_grad():
+        assert schedule.run_interleaved([seen, seen]) == [(False, False)] * 2
+    with torch.inference_mode():
+        assert schedule.run_interleaved([seen, seen]) == [(False, True)] * 2
+    assert schedule.run_interleaved([seen, seen]) == [(True, False)] * 2

@@ -175,7 +175,7 @@ def run_interleaved(tasks: list[Callable[[], Any]], delay_wgrad: bool = False, l
     """Run ``tasks`` taking turns at their switch points (task 0 first); returns their results.
 
     Task 0 runs on the calling thread, the others on worker threads, each under the caller's
-    grad mode; one runs at a time. With ``delay_wgrad`` the expert and shared-expert weight
+    grad and inference modes; one runs at a time. With ``delay_wgrad`` the expert and shared-expert weight
     gradients of a task are computed at its switch points and before it ends. If tasks raise,
     the first one's (in task order) error is raised once all have ended. Tasks must reach their
     switch points in the same order on every rank of a group (the same code does). lanes: the
@@ -188,13 +188,13 @@ def run_interleaved(tasks: list[Callable[[], Any]], delay_wgrad: bool = False, l
     turns = _Turns(len(tasks))
     results: list = [None] * len(tasks)
     errors: list = [None] * len(tasks)
-    grad_enabled = torch.is_grad_enabled()
+    grad_enabled, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     def body(i: int) -> None:
         turns.wait_for(i)
         _local.task = task = _Task(turns, i, delay_wgrad, lanes[i] if lanes else f"task {i}")
         try:
-            with torch.set_grad_enabled(grad_enabled):
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
                 results[i] = tasks[i]()
                 task.run_deferred()
         except BaseException as err:            # handed to the caller below
