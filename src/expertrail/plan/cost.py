@@ -101,6 +101,9 @@ class Traffic:
     stages: list = field(default_factory=list)     # [{"link": "nvlink"|"nic"|"local", "send": rows, "recv": rows}]
     rows: dict = field(default_factory=dict)       # send rows per class: self / intra / inter
     logical_rows: int = 0                          # (token, destination rank) pairs, for algorithm bandwidth
+    # (token, destination domain) pairs, the sender's own domain included: what DeepEP and
+    # Hybrid-EP count as the bytes of their published internode ("RDMA") bandwidth.
+    domain_rows: int = 0
     # Rows expertrail's engine passes through memory on one rank besides the exchanges: "copy",
     # dispatch's gathers before each hop and expansion into expert rows; "reduce", combine's
     # weighted sums of copies, one per hop (every rank routing alike, so a rank receives as
@@ -127,7 +130,7 @@ def count_traffic(topk_idx: np.ndarray, model: MoEModel, layout: Layout, algorit
     in_domain = member.reshape(t, p // d, d).any(2)
     logical = int(member.sum())
     same = np.arange(p) < d                                       # rank 0's domain
-    tr = Traffic(logical_rows=logical)
+    tr = Traffic(logical_rows=logical, domain_rows=int(in_domain.sum()))
     expert_rows = int(pairs.sum())                                # (token, expert) pairs: the expert rows
     if algorithm in ("alltoall", "deepep-ll", "dedup"):
         per_rank = pairs if algorithm != "dedup" else member.sum(0)
@@ -259,6 +262,10 @@ class Prediction:
     bottleneck: str
     algo_bandwidth_GBps: float
     sms: int | None
+    # With several domains: the internode bandwidth as DeepEP and Hybrid-EP publish it, per
+    # direction: (token, destination domain) rows, the sender's own domain included, x row
+    # bytes / time (docs/cost-model.md, "Across domains"). None inside one domain.
+    slow_link_GBps: dict | None = None
 
 
 def predict(hw: Hardware, model: MoEModel, layout: Layout, algorithm: str, topk_idx: np.ndarray,
@@ -309,6 +316,10 @@ def predict(hw: Hardware, model: MoEModel, layout: Layout, algorithm: str, topk_
     dispatch, bottleneck = phase("dispatch")
     combine, _ = phase("combine")
     logical = tr.logical_rows * 2 * model.hidden
+    slow_link = None
+    if layout.domains > 1 and dispatch > 0:
+        slow_link = {d: tr.domain_rows * row_bytes(model, precision, d) / t / 1e9
+                     for d, t in (("dispatch", dispatch), ("combine", combine))}
     return Prediction(algorithm, dispatch, combine, tr.rows,
                       {k: v * row_bytes(model, precision, "dispatch") for k, v in tr.rows.items()},
-                      bottleneck, logical / dispatch / 1e9 if dispatch > 0 else 0.0, sms)
+                      bottleneck, logical / dispatch / 1e9 if dispatch > 0 else 0.0, sms, slow_link)

@@ -82,7 +82,7 @@ def simulate(hw: Hardware, model: MoEModel, tokens: int, eps: list, sms_list: li
                              "field_name": field_name(algorithm, hw.domain_size, ep), "sms": sms,
                              "dispatch_us": p.dispatch_s * 1e6, "combine_us": p.combine_s * 1e6,
                              "bytes": p.bytes, "rows": p.rows, "bottleneck": p.bottleneck,
-                             "algo_bandwidth_GBps": p.algo_bandwidth_GBps})
+                             "algo_bandwidth_GBps": p.algo_bandwidth_GBps, "slow_link_GBps": p.slow_link_GBps})
     return rows
 
 
