@@ -1,0 +1,202 @@
+"""The whole transformer of an MoE model, and its training FLOPs counted as Megatron-Core counts them.
+
+`MoEModel` (catalog.py) holds what dispatch needs; `Architecture` adds what memory and step
+time need: attention (grouped-query or multi-latent), dense layers, vocabulary, MTP layers.
+Shapes of the catalog models are from their published configurations (Hugging Face
+config.json); Megatron field names in a training configuration override them
+(`from_fields`).
+
+FLOPs (`flops_per_token`) follow Megatron-Core's `num_floating_point_operations`: every GEMM
+counted three times (forward, weight gradient, data gradient) at 2 FLOPs per multiply-add;
+SwiGLU MLPs as three h x f GEMMs; routed experts top-k times; core attention over half the
+sequence (causal); the output layer once per token (and once more per MTP layer, with the MTP
+layer's own transformer layer and its 2h -> h projection). Recomputation is not model FLOPs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..errors import ConfigError
+from .catalog import MoEModel
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    layers: int                     # transformer layers (dense + MoE)
+    dense_layers: int               # the first layers, with a dense MLP
+    hidden: int
+    ffn: int                        # dense MLP width
+    moe_ffn: int                    # one routed expert's width
+    experts: int
+    topk: int
+    shared_ffn: int                 # shared-expert width (0: none)
+    heads: int
+    kv_heads: int                   # grouped-query attention (= heads for MHA)
+    head_dim: int
+    vocab: int
+    mtp_layers: int = 0
+    # Multi-latent attention (DeepSeek-V3): all zero for grouped-query attention.
+    q_lora: int = 0
+    kv_lora: int = 0
+    qk_nope: int = 0
+    qk_rope: int = 0
+    v_head: int = 0
+    num_groups: int | None = None
+    group_topk: int | None = None
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora > 0
+
+    def moe_model(self) -> MoEModel:
+        """What the dispatch cost model needs."""
+        return MoEModel(self.name, self.hidden, self.experts, self.topk, self.moe_ffn, self.moe_layers,
+                        shared_experts=1 if self.shared_ffn else 0, num_groups=self.num_groups,
+                        group_topk=self.group_topk)
+
+    # Parameters --------------------------------------------------------------------------
+    def attention_params(self) -> int:
+        h = self.hidden
+        if self.mla:
+            qk = self.qk_nope + self.qk_rope
+            q = h * self.q_lora + self.q_lora * self.heads * qk if self.q_lora else h * self.heads * qk
+            kv = h * (self.kv_lora + self.qk_rope) + self.kv_lora * self.heads * (self.qk_nope + self.v_head)
+            return q + kv + self.heads * self.v_head * h + self.q_lora + self.kv_lora
+        return h * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+
+    def expert_params(self) -> int:
+        """One routed expert (SwiGLU: gate, up, down)."""
+        return 3 * self.hidden * self.moe_ffn
+
+    def dense_layer_params(self) -> int:
+        return self.attention_params() + 3 * self.hidden * self.ffn + 2 * self.hidden
+
+    def moe_layer_dense_params(self) -> int:
+        """A MoE layer's parameters outside the routed experts: attention, shared expert, router, norms."""
+        return self.attention_params() + 3 * self.hidden * self.shared_ffn + self.hidden * self.experts + 2 * self.hidden
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    def total_params(self) -> int:
+        moe = self.moe_layers * (self.moe_layer_dense_params() + self.experts * self.expert_params())
+        mtp = self.mtp_layers * (self.moe_layer_dense_params() + self.experts * self.expert_params()
+                                 + 2 * self.hidden * self.hidden)
+        return self.dense_layers * self.dense_layer_params() + moe + mtp + 2 * self.embedding_params()
+
+    # FLOPs -------------------------------------------------------------------------------
+    def attention_flops(self, seq: int) -> tuple:
+        """(projection GEMM FLOPs, core attention FLOPs) of one token in one layer, forward only."""
+        core_dims = (self.qk_nope + self.qk_rope + self.v_head) if self.mla else 2 * self.head_dim
+        core = 2 * self.heads * core_dims * seq / 2          # QK^T and AV over the causal half
+        return 2 * self.attention_params(), core
+
+    def layer_flops(self, seq: int, moe: bool) -> dict:
+        """Forward FLOPs of one token in one layer, by kind (x3 for a training step)."""
+        proj, core = self.attention_flops(seq)
+        out = {"attention_gemm": proj, "attention_core": core}
+        if moe:
+            out["experts"] = 2 * self.topk * self.expert_params()
+            out["dense_mlp"] = 2 * (3 * self.hidden * self.shared_ffn + self.hidden * self.experts)
+        else:
+            out["experts"] = 0
+            out["dense_mlp"] = 2 * 3 * self.hidden * self.ffn
+        return out
+
+    def flops_per_token(self, seq: int) -> float:
+        """Model FLOPs of one token in one training step (forward + backward), Megatron's count."""
+        total = sum(self.layer_flops(seq, False).values()) * self.dense_layers
+        total += sum(self.layer_flops(seq, True).values()) * self.moe_layers
+        total += 2 * self.embedding_params()                                   # output layer
+        total += self.mtp_layers * (sum(self.layer_flops(seq, True).values()) + 2 * 2 * self.hidden * self.hidden
+                                    + 2 * self.embedding_params())
+        return 3.0 * total
+
+
+ARCHITECTURES = {a.name: a for a in [
+    Architecture("deepseek-v3", 61, 3, 7168, 18432, 2048, 256, 8, 2048, 128, 128, 128, 129280,
+                 q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128, num_groups=8, group_topk=4),
+    Architecture("qwen3-235b-a22b", 94, 0, 4096, 12288, 1536, 128, 8, 0, 64, 4, 128, 151936),
+    Architecture("qwen3-30b-a3b", 48, 0, 2048, 6144, 768, 128, 8, 0, 32, 4, 128, 151936),
+    # Its linear-attention layers are counted as full attention here (an upper bound).
+    Architecture("qwen3-next-80b-a3b", 48, 0, 2048, 5120, 512, 512, 10, 512, 16, 2, 256, 151936),
+    Architecture("mixtral-8x7b", 32, 0, 4096, 14336, 14336, 8, 2, 0, 32, 8, 128, 32000),
+    Architecture("mixtral-8x22b", 56, 0, 6144, 16384, 16384, 8, 2, 0, 48, 8, 128, 32768),
+]}
+
+# Megatron field -> Architecture field, for configurations that spell the model out.
+FIELDS = {"num_layers": "layers", "hidden_size": "hidden", "ffn_hidden_size": "ffn", "moe_ffn_hidden_size": "moe_ffn",
+          "num_moe_experts": "experts", "moe_router_topk": "topk",
+          "moe_shared_expert_intermediate_size": "shared_ffn", "num_attention_heads": "heads",
+          "num_query_groups": "kv_heads", "kv_channels": "head_dim", "padded_vocab_size": "vocab",
+          "vocab_size": "vocab", "mtp_num_layers": "mtp_layers", "q_lora_rank": "q_lora", "kv_lora_rank": "kv_lora",
+          "qk_head_dim": "qk_nope", "qk_pos_emb_head_dim": "qk_rope", "v_head_dim": "v_head",
+          "moe_router_num_groups": "num_groups", "moe_router_group_topk": "group_topk"}
+
+
+def dense_layers_of(freq) -> int | None:
+    """Leading dense layers of Megatron's ``moe_layer_freq``: ``1`` (every layer MoE), or a
+    pattern string such as ``([0]*3+[1]*58)`` / a list of 0 and 1."""
+    if freq is None or freq == 1:
+        return 0 if freq == 1 else None
+    if isinstance(freq, str):
+        freq = _expand_pattern(freq)
+    if isinstance(freq, int):
+        return 0
+    ones = [i for i, v in enumerate(freq) if v]
+    return ones[0] if ones else len(freq)
+
+
+def _expand_pattern(text: str) -> list:
+    """``([0]*3+[1]*58)`` or ``[0,1,1]`` -> the list of 0s and 1s it spells."""
+    out = []
+    for term in text.strip().strip("()").replace(" ", "").split("+"):
+        body, _, times = term.partition("*")
+        try:
+            values = [int(v) for v in body.strip("[]").split(",") if v]
+            out += values * (int(times) if times else 1)
+        except ValueError:
+            raise ConfigError(f"moe_layer_freq {text!r}: write 1 or a pattern such as ([0]*3+[1]*58)") from None
+    return out
+
+
+def from_fields(base: Architecture | None, fields: dict) -> Architecture:
+    """``base`` (a catalog architecture, or None) with the Megatron fields of ``fields`` applied."""
+    given = {FIELDS[k]: v for k, v in fields.items() if k in FIELDS and v is not None}
+    if fields.get("multi_latent_attention") is False:
+        given.update(q_lora=0, kv_lora=0)
+    if base is None:
+        needed = ["num_layers", "hidden_size", "num_attention_heads", "num_moe_experts", "moe_ffn_hidden_size"]
+        missing = [k for k in needed if FIELDS[k] not in given]
+        if missing:
+            raise ConfigError(f"the configuration does not spell the model out (no {', '.join(missing)}): give "
+                              f"--model NAME (one of {', '.join(ARCHITECTURES)}) or those fields")
+        hidden, heads = given["hidden"], given["heads"]
+        base = Architecture("config", given["layers"], 0, hidden, 4 * hidden, given["moe_ffn"], given["experts"], 2, 0,
+                            heads, heads, hidden // heads, 32000)
+    dense = dense_layers_of(fields.get("moe_layer_freq"))
+    if dense is not None:
+        given["dense_layers"] = dense
+    arch = replace(base, **given)
+    if not fields.get("group_query_attention") and "num_query_groups" not in fields and "num_attention_heads" in fields \
+            and not arch.mla and base.name == "config":
+        arch = replace(arch, kv_heads=arch.heads)
+    if arch.experts % max(1, arch.num_groups or 1) or arch.topk > arch.experts or arch.dense_layers > arch.layers:
+        raise ConfigError(f"model {arch.name}: topk {arch.topk} of {arch.experts} experts, {arch.dense_layers} dense "
+                          f"of {arch.layers} layers do not make an MoE model; check the model fields")
+    return arch
+
+
+def load_architecture(name: str | None) -> Architecture | None:
+    if name is None:
+        return None
+    if name not in ARCHITECTURES:
+        raise ConfigError(f"--model {name!r}: choose one of {', '.join(ARCHITECTURES)}, or leave --model out and give "
+                          "the model's Megatron fields (num_layers, hidden_size, num_attention_heads, num_moe_experts, "
+                          "moe_ffn_hidden_size, ...)")
+    return ARCHITECTURES[name]

@@ -1,0 +1,278 @@
+"""`expertrail estimate`: does a training configuration fit, how long is a step, how many TFLOPS.
+
+Memory comes from `memory.py`; the step from the time one micro-batch spends on each
+pipeline rank, the busiest rank setting the pace:
+
+    step = (micro-batches + (PP - 1) / VPP) x micro-batch time of the busiest rank
+           + exposed data-parallel communication + optimizer step
+
+A micro-batch's time on a rank is, per layer, GEMMs at an achievable fraction of the GPU's
+dense peak (`GEMM_EFFICIENCY`; routed experts lose more with few rows per expert), core
+attention in BF16 (`ATTENTION_EFFICIENCY`), memory-bound work (norms, activations,
+permutes: `ELEMENTWISE_PASSES` over the layer's activations at HBM speed), recomputed
+forwards, and the communication left exposed: dispatch + combine from the cost model
+(`cost.predict`, forward and backward) less what EP overlap hides behind the other
+micro-batch's compute, TP's all-gathers / reduce-scatters, CP's key-value exchange beyond the
+attention it hides behind, and the pipeline's sends. A host that launches kernels more
+slowly than the GPU runs them sets the pace instead (`HOST_S_PER_LAYER`).
+
+TFLOPS per GPU are model FLOPs (`Architecture.flops_per_token`, Megatron-Core's count) per
+step over the step time and the GPUs. The constants are calibrated on the published runs of
+docs/cost-model.md.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ..errors import ConfigError
+from .architecture import Architecture
+from .catalog import Hardware
+from .cost import Layout, Routing, link_bandwidth, predict
+from .layout import TrainingLayout, stage_layers
+from .memory import GB, layer_activation_bytes, memory, usable_GB
+from .simulate import domain_for
+
+GEMM_EFFICIENCY = {"bf16": 0.5, "fp8": 0.3}   # of the dense peak of that precision
+GROUPED_HALF_ROWS = 128                          # rows per expert at which a grouped GEMM reaches half of that
+ATTENTION_EFFICIENCY = 0.45                      # fused attention, forward and backward, of the BF16 peak
+ELEMENTWISE_PASSES = 6                           # HBM passes over a layer's activations, forward + backward
+HOST_S_PER_LAYER = {False: 150e-6, True: 40e-6}  # launch time of a layer's forward + backward, without / with CUDA graphs
+TP_OVERLAP_HIDES = 0.6                           # share of TP collectives tp_comm_overlap hides
+DP_EXPOSED = {True: 0.1, False: 1.0}             # share of gradient / parameter traffic left after the last backward
+# A dispatch or combine as a framework calls it (layout pass, host synchronisation) against the
+# kernel alone, across NVLink domains: Hybrid-EP's H100 EP16/32/64 "Torch API" vs "kernel only"
+# figures are 1.17-1.33x apart (the cost model's cross-domain stages match the kernel figures;
+# inside a domain it is calibrated on Torch-API figures already).
+FRAMEWORK_CALL_FACTOR = 1.25
+
+
+def algorithm_for(layout: TrainingLayout, domain: int) -> str:
+    """The cost model's algorithm for Megatron's dispatcher settings."""
+    if layout.dispatcher in ("alltoall", "allgather"):
+        return layout.dispatcher
+    if layout.flex_backend == "deepep" and layout.ep <= domain:
+        return "dedup"
+    return "hierarchical"
+
+
+@lru_cache(maxsize=64)
+def _routing(arch: Architecture, tokens: int):
+    return Routing("uniform").sample(arch.moe_model(), tokens)
+
+
+def dispatch_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> tuple:
+    """(dispatch + combine of one MoE layer and one micro-batch, forward + backward; algorithm)."""
+    if layout.ep <= 1:
+        return 0.0, None
+    domain = domain_for(hw, layout.ep)
+    algorithm = algorithm_for(layout, domain)
+    sms = layout.dispatcher_sms or {"deepep": 20, "hybridep": 16}.get(layout.flex_backend, 20)
+    tokens = layout.tokens_per_gpu
+    p = predict(hw, arch.moe_model(), Layout(layout.ep, domain), algorithm, _routing(arch, tokens), sms,
+                "fp8" if layout.precision == "fp8" and layout.flex_backend else "bf16")
+    framework = FRAMEWORK_CALL_FACTOR if domain < layout.ep else 1.0
+    return 2 * (p.dispatch_s + p.combine_s) * framework, algorithm
+
+
+def _gemm_seconds(flops: float, hw: Hardware, precision: str, rows_per_expert: float | None = None) -> float:
+    peak = (hw.fp8_TFLOPS if precision == "fp8" and hw.fp8_TFLOPS else hw.bf16_TFLOPS) * 1e12
+    eff = GEMM_EFFICIENCY[precision if hw.fp8_TFLOPS else "bf16"]
+    if rows_per_expert is not None:
+        eff *= rows_per_expert / (rows_per_expert + GROUPED_HALF_ROWS)
+    return flops / (peak * eff)
+
+
+def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe: bool, ep_comm: float) -> dict:
+    """Time of one layer for one micro-batch (forward + backward) on one GPU, by part."""
+    t = layout.tokens_per_gpu
+    f = arch.layer_flops(layout.seq, moe)
+    rows = t * arch.topk * layout.etp * layout.ep / arch.experts
+    dense = _gemm_seconds(3 * t * (f["attention_gemm"] + f["dense_mlp"]), hw, layout.precision)
+    experts = _gemm_seconds(3 * t * f["experts"], hw, layout.precision, rows) if moe else 0.0
+    core = 3 * t * f["attention_core"] / (hw.bf16_TFLOPS * 1e12 * ATTENTION_EFFICIENCY)
+    full_acts = sum(layer_activation_bytes(arch, _no_recompute(layout), moe).values())
+    elementwise = ELEMENTWISE_PASSES * full_acts / (hw.hbm_TBps * 1e12)
+    compute = dense + experts + core + elementwise
+    # Recomputation: one more forward of what is recomputed.
+    drop = set(layout.recompute_modules) if layout.recompute == "selective" else set()
+    recompute = 0.0
+    if layout.recompute == "full":
+        recompute = compute / 3 + (ep_comm / 2 if moe else 0.0)
+    else:
+        if "mla_up_proj" in drop and arch.mla:
+            up = 2 * t * (arch.q_lora * arch.heads * (arch.qk_nope + arch.qk_rope)
+                          + arch.kv_lora * arch.heads * (arch.qk_nope + arch.v_head))
+            recompute += _gemm_seconds(up, hw, layout.precision)
+        if "core_attn" in drop:
+            recompute += core / 3
+        if moe and "moe" in drop:
+            recompute += experts / 3 + ep_comm / 2
+        if moe and "moe_act" in drop:
+            recompute += elementwise / ELEMENTWISE_PASSES / 3
+        if "layernorm" in drop:
+            recompute += elementwise / ELEMENTWISE_PASSES / 4
+        if not moe and "mlp" in drop:
+            recompute += _gemm_seconds(t * f["dense_mlp"], hw, layout.precision)
+        if moe and "shared_experts" in drop and arch.shared_ffn:
+            recompute += _gemm_seconds(t * 6 * arch.hidden * arch.shared_ffn, hw, layout.precision)
+    comm = {}
+    if moe and ep_comm:
+        window = compute + recompute if layout.ep_overlap and layout.micro_batches >= 2 else 0.0
+        comm["ep"] = max(0.0, ep_comm - window)
+    if layout.tp > 1:
+        link = "nvlink" if layout.tp <= hw.domain_size else "nic"
+        size = layout.seq * layout.micro_batch / layout.cp * arch.hidden * 2
+        collectives = 6 if moe and layout.etp == 1 else 12
+        tp = collectives * (layout.tp - 1) / layout.tp * size / link_bandwidth(hw, link, None)
+        comm["tp"] = tp * (1 - TP_OVERLAP_HIDES if layout.tp_comm_overlap else 1.0)
+    if layout.cp > 1:
+        kv_dim = arch.heads * (arch.qk_nope + arch.qk_rope + arch.v_head) if arch.mla else 2 * arch.kv_heads * arch.head_dim
+        link = "nvlink" if layout.tp * layout.cp <= hw.domain_size else "nic"
+        cp = 3 * (layout.cp - 1) * t * layout.tp * kv_dim * 2 / layout.tp / link_bandwidth(hw, link, None)
+        comm["cp"] = max(0.0, cp - core)
+    return {"gemm": dense + experts, "attention": core, "elementwise": elementwise, "recompute": recompute, **comm}
+
+
+def _no_recompute(layout: TrainingLayout) -> TrainingLayout:
+    from dataclasses import replace
+    return replace(layout, recompute=None, recompute_modules=())
+
+
+def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
+    """Everything `expertrail estimate` prints, as data."""
+    problems = layout.problems(arch.experts, arch.layers)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    domain = domain_for(hw, layout.ep) if layout.ep > 1 else 1
+    ranks = memory(arch, layout, domain)
+    busiest = max(ranks, key=lambda s: s.total_GB)
+    usable = usable_GB(hw.hbm_GB)
+    ep_comm, algorithm = dispatch_seconds(arch, hw, layout)
+    moe_layer = layer_seconds(arch, hw, layout, True, ep_comm)
+    dense_layer = layer_seconds(arch, hw, layout, False, 0.0)
+    t = layout.tokens_per_gpu
+    output_s = _gemm_seconds(3 * t * 2 * arch.embedding_params() / 1, hw, "bf16")
+    host_per_layer = HOST_S_PER_LAYER[layout.cuda_graphs]
+    pp_link = "nic" if layout.gpus // layout.pp >= hw.domain_size and layout.gpus > hw.domain_size else "nvlink"
+    pp_send = 2 * t * arch.hidden * 2 / link_bandwidth(hw, pp_link, None) * layout.vpp if layout.pp > 1 else 0.0
+    per_rank = []
+    stages = stage_layers(layout, arch.layers, arch.mtp_layers, arch.dense_layers)
+    for rank, (layers, dense_n, emb, out, mtp) in enumerate(stages):
+        moe_n = layers - dense_n + mtp
+        parts = {}
+        for share, part in ((moe_n, moe_layer), (dense_n, dense_layer)):
+            for k, v in part.items():
+                parts[k] = parts.get(k, 0.0) + share * v
+        if out:
+            parts["gemm"] += output_s * (1 + mtp)
+        parts["pipeline"] = pp_send
+        gpu = sum(parts.values())
+        host = host_per_layer * (layers + mtp)
+        per_rank.append({"rank": rank, "gpu_s": gpu, "host_s": host, "micro_batch_s": max(gpu, host), "parts": parts})
+    slowest = max(per_rank, key=lambda r: r["micro_batch_s"])
+    m = layout.micro_batches
+    bubble = (layout.pp - 1) / layout.vpp * slowest["micro_batch_s"]
+    # Data-parallel traffic of the busiest rank: reduce-scatter of FP32 gradients, all-gather of BF16 weights.
+    dense_params = (busiest.weights_GB * GB / 2)
+    expert_share = _expert_share(arch, layout, stages[busiest.rank])
+    dp_link = "nic" if layout.gpus > hw.domain_size else "nvlink"
+    bw = link_bandwidth(hw, dp_link, None)
+    dp_bytes = dense_params * (1 - expert_share) * (layout.main_grad_bytes + 2) * (1 - 1 / max(1, layout.dp * layout.cp)) \
+        + dense_params * expert_share * (layout.main_grad_bytes + 2) * (1 - 1 / layout.edp)
+    dp_s = dp_bytes / bw * DP_EXPOSED[layout.overlap_grad_reduce]
+    optimizer_s = busiest.optimizer_GB * GB * 3 / (hw.hbm_TBps * 1e12)
+    step = m * slowest["micro_batch_s"] + bubble + dp_s + optimizer_s
+    tokens = m * layout.micro_batch * layout.seq * layout.dp
+    model_flops = tokens * arch.flops_per_token(layout.seq)
+    tflops = model_flops / step / layout.gpus / 1e12
+    fits = busiest.total_GB <= usable
+    parts = slowest["parts"]
+    result = {
+        "model": arch.name, "hardware": hw.name, "gpus": layout.gpus,
+        "layout": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": layout.cp, "dp": layout.dp,
+                   "ep": layout.ep, "etp": layout.etp, "edp": layout.edp, "micro_batch": layout.micro_batch,
+                   "global_batch": m * layout.micro_batch * layout.dp, "micro_batches": m, "seq": layout.seq,
+                   "precision": layout.precision, "recompute": layout.recompute,
+                   "recompute_modules": list(layout.recompute_modules), "dispatcher": layout.dispatcher,
+                   "flex_backend": layout.flex_backend, "algorithm": algorithm, "ep_overlap": layout.ep_overlap},
+        "assumed": list(layout.assumed),
+        "fits": fits, "peak_memory_GB": busiest.total_GB, "usable_memory_GB": usable, "hbm_GB": hw.hbm_GB,
+        "memory": {"busiest_rank": busiest.rank, "weights_GB": busiest.weights_GB,
+                   "gradients_GB": busiest.gradients_GB, "optimizer_GB": busiest.optimizer_GB,
+                   "activations_GB": busiest.activations_GB, "dispatcher_GB": busiest.dispatcher_GB,
+                   "in_flight_layers_per_layer": busiest.in_flight,
+                   "per_rank_GB": [s.total_GB for s in ranks],
+                   "activation_per_layer_GB": {k: v / GB for k, v in
+                                               layer_activation_bytes(arch, layout, True).items()}},
+        "step_time_s": step, "tflops_per_gpu": tflops, "tokens_per_s_per_gpu": tokens / step / layout.gpus,
+        "model_flops_per_token": arch.flops_per_token(layout.seq),
+        "step": {"micro_batches_s": m * slowest["micro_batch_s"], "bubble_s": bubble, "dp_exposed_s": dp_s,
+                 "optimizer_s": optimizer_s, "slowest_rank": slowest["rank"],
+                 "micro_batch_parts_s": dict(parts), "host_s": slowest["host_s"], "gpu_s": slowest["gpu_s"],
+                 "ep_comm_per_layer_s": ep_comm},
+    }
+    result["wall"], result["wall_reason"] = wall(result, busiest, usable)
+    return result
+
+
+def _expert_share(arch: Architecture, layout: TrainingLayout, stage: tuple) -> float:
+    layers, dense_n, emb, out, mtp = stage
+    moe = layers - dense_n + mtp
+    experts = moe * arch.experts / layout.ep * arch.expert_params() / layout.etp
+    dense = (layers * arch.moe_layer_dense_params() + (emb + out) * arch.embedding_params()) / layout.tp
+    return experts / (experts + dense) if experts + dense else 0.0
+
+
+def wall(result: dict, busiest, usable: float) -> tuple:
+    """(memory | communication | host | compute, why): the limit this configuration runs into."""
+    mem = result["memory"]
+    if not result["fits"]:
+        top = max(("weights", "gradients", "optimizer", "activations", "dispatcher"), key=lambda k: mem[f"{k}_GB"])
+        return "memory", (f"rank {busiest.rank} needs {result['peak_memory_GB']:.1f} GB of {usable:.1f} usable "
+                          f"({result['hbm_GB']:.0f} GB HBM less the reserve); the largest part is {top} "
+                          f"({mem[top + '_GB']:.1f} GB)")
+    step = result["step"]
+    parts = step["micro_batch_parts_s"]
+    comm = sum(parts.get(k, 0.0) for k in ("ep", "tp", "cp", "pipeline")) + step["dp_exposed_s"] / max(
+        1, result["layout"]["micro_batches"])
+    if step["host_s"] >= step["gpu_s"]:
+        return "host", (f"kernel launches take {step['host_s'] * 1e3:.1f} ms per micro-batch against "
+                        f"{step['gpu_s'] * 1e3:.1f} ms of GPU work: CUDA graphs or larger micro-batches")
+    if comm > 0.25 * step["gpu_s"]:
+        biggest = max(("ep", "tp", "cp", "pipeline"), key=lambda k: parts.get(k, 0.0))
+        return "communication", (f"{comm / step['gpu_s']:.0%} of a micro-batch is exposed communication, most of it "
+                                 f"{biggest} ({parts.get(biggest, 0.0) * 1e3:.1f} ms)")
+    headroom = usable - result["peak_memory_GB"]
+    if headroom < 0.1 * usable:
+        return "memory", (f"fits with {headroom:.1f} GB to spare: a larger micro-batch or less recompute will not")
+    return "compute", (f"GEMMs and attention take {(parts['gemm'] + parts['attention']) / step['gpu_s']:.0%} of a "
+                       "micro-batch; exposed communication is small")
+
+
+def format_estimate(r: dict) -> str:
+    lay, mem, st = r["layout"], r["memory"], r["step"]
+    lines = [f"estimate: {r['model']} on {r['gpus']} x {r['hardware']}: TP {lay['tp']} PP {lay['pp']} VPP {lay['vpp']} "
+             f"CP {lay['cp']} DP {lay['dp']} | EP {lay['ep']} ETP {lay['etp']} EDP {lay['edp']}, micro-batch "
+             f"{lay['micro_batch']} x {lay['micro_batches']}, seq {lay['seq']}, {lay['precision']}, recompute "
+             f"{lay['recompute'] or 'none'}" + (f" ({', '.join(lay['recompute_modules'])})" if lay['recompute_modules'] else "")
+             + f", dispatcher {lay['dispatcher']}" + (f" + {lay['flex_backend']}" if lay['flex_backend'] else ""),
+             ""]
+    verdict = "fits" if r["fits"] else "DOES NOT FIT"
+    lines.append(f"memory, busiest pipeline rank ({mem['busiest_rank']}): {r['peak_memory_GB']:.1f} GB of "
+                 f"{r['usable_memory_GB']:.1f} usable ({r['hbm_GB']:.0f} GB HBM less the reserve): {verdict}")
+    for k in ("weights", "gradients", "optimizer", "activations", "dispatcher"):
+        lines.append(f"  {k:<12} {mem[k + '_GB']:8.1f} GB")
+    lines.append(f"  (activations: {mem['in_flight_layers_per_layer']:.2f} micro-batches in flight per layer; per MoE "
+                 "layer and micro-batch " + ", ".join(f"{k} {v:.2f}" for k, v in mem["activation_per_layer_GB"].items())
+                 + " GB)")
+    lines += ["", f"step: {r['step_time_s']:.2f} s = {lay['micro_batches']} micro-batches "
+                  f"{st['micro_batches_s']:.2f} s + bubble {st['bubble_s']:.2f} s + exposed DP {st['dp_exposed_s']:.2f} s "
+                  f"+ optimizer {st['optimizer_s']:.2f} s",
+              "  one micro-batch on the slowest rank: " + ", ".join(
+                  f"{k} {v * 1e3:.1f} ms" for k, v in st["micro_batch_parts_s"].items() if v > 0)]
+    lines.append(f"throughput: {r['tflops_per_gpu']:.0f} TFLOPS per GPU (model FLOPs, Megatron's count), "
+                 f"{r['tokens_per_s_per_gpu']:.0f} tokens/s per GPU")
+    lines.append(f"wall: {r['wall']}: {r['wall_reason']}")
+    if r["assumed"]:
+        lines.append(f"assumed (not in the configuration): {', '.join(r['assumed'])}")
+    return "\n".join(lines)
