@@ -31,7 +31,7 @@ DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 COMMAND = re.compile(r"^([A-Z_]+=\S* )*(\./run\.sh [a-z]|\.venv/bin/[a-z]|torchrun |python3? |expertrail [a-z-]+ )")
 # A synopsis, not a command: placeholders (NAME, <node 0>, ...), alternatives (a|b), optional parts.
 SYNOPSIS = re.compile(r"<[^>]+>|\||\[|(^|\s)[A-Z][A-Z_]*(\.\w+)?(\s|$)|(^|\s)\.\.\.(\s|$)")
-IN_PROCESS = ("plan", "simulate", "validate", "balance")
+IN_PROCESS = ("plan", "simulate", "validate", "balance", "estimate")
 
 # Appended to a command that matches the pattern (first match wins): the sizes that keep it quick.
 SMALL = [

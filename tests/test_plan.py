@@ -64,7 +64,14 @@ def test_ep_table_verdicts_follow_the_comm_to_compute_ratio():
         assert row["verdict"] == expected
         assert row["tokens_per_expert"] == pytest.approx(4096 * 8 * row["ep"] / 256)
     chosen = next(a for a in r["advice"] if a["topic"] == "EP size")
-    assert next(t for t in r["ep_table"] if t["ep"] == chosen["value"])["verdict"] != "communication-bound"
+    fitting = [t for t in r["ep_table"] if t["fits_at_pp"] is not None]
+    least = min(t["fits_at_pp"] for t in fitting)
+    fits = [t for t in fitting if t["fits_at_pp"] <= max(least, 4)]      # shallow pipelines preferred
+    if any(t["verdict"] != "communication-bound" for t in fits):
+        assert next(t for t in r["ep_table"] if t["ep"] == chosen["value"])["verdict"] != "communication-bound"
+    else:                             # memory rules out the EP sizes communication would pick, and says so
+        assert chosen["value"] == fits[0]["ep"] and "that fits" in chosen["reason"]
+        assert any(a["topic"] == "memory" for a in r["advice"])
 
 
 def test_one_recommendation_decides_table_json_advice_and_flags(plans):
@@ -207,7 +214,7 @@ def test_ep_choice_reason_is_true_when_every_ep_is_communication_bound():
     r = plan(slow, MODELS["qwen3-30b-a3b"], tokens=512)
     assert all(row["verdict"] == "communication-bound" for row in r["ep_table"])
     reason = next(a for a in r["advice"] if a["topic"] == "EP size")["reason"]
-    assert r["ep"] == r["ep_table"][0]["ep"] and "every EP size of the table is communication-bound" in reason
+    assert r["ep"] == r["ep_table"][0]["ep"] and "every EP size that fits is communication-bound" in reason
     assert "does not exceed" not in reason
 
 
@@ -217,3 +224,17 @@ def test_overlap_advice_predicts_the_gain_of_two_micro_batches_in_flight():
     assert on and "1.50x faster at best" in reason            # (300 + 600) / 600
     on, reason = overlap_advice("tuning", 900e-6, 300e-6)
     assert on and "1.33x faster at best" in reason            # (900 + 300) / 900
+
+
+def test_ep_choice_respects_memory():
+    """DeepSeek-V3 on GB200 in FP8 used to get EP 4 (64 experts of 58 layers per GPU) on
+    communication alone; the estimator finds that EP needs PP 16 to fit, so the plan takes a
+    larger EP and says why."""
+    r = plan(HARDWARE["gb200-nvl72"], MODELS["deepseek-v3"], precision="fp8", stage="tune")
+    assert r["ep"] >= 16
+    memory = [a for a in r["advice"] if a["topic"] == "memory"]
+    assert memory and any("EP 4 needs PP 16" in a["reason"] for a in memory)
+    rows = {t["ep"]: t for t in r["ep_table"]}
+    assert rows[4]["fits_at_pp"] == 16 and rows[r["ep"]]["fits_at_pp"] <= 4
+    forced = plan(HARDWARE["h100"], MODELS["deepseek-v3"], ep=8, stage="tune")
+    assert forced["advice"][0]["topic"] == "memory" and forced["advice"][0]["value"] is False

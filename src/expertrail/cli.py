@@ -293,14 +293,48 @@ def _plan_parser(sub) -> None:
     p.add_argument("--emit", choices=("megatron", "bridge"),
                    help="print a ready configuration instead: Megatron-Core flags or Megatron-Bridge overrides "
                         "(default: the plan)")
+    f = p.add_argument_group("layout search (--fit; docs/planner.md)")
+    f.add_argument("--fit", action="store_true",
+                   help="search the layouts (TP, CP, PP, VPP, EP, ETP, recompute) that fit --gpus GPUs, fastest first "
+                        "(default: plan the dispatcher)")
+    f.add_argument("--gpus", type=_positive_int(256), default=None,
+                   help="GPUs of the run (needed by --fit; default without --fit: 256, for the memory check of the EP "
+                        "sizes)")
+    f.add_argument("--seq", type=_positive_int(4096), default=4096, help="sequence length (default %(default)s)")
+    f.add_argument("--global-batch", type=_positive_int(1024), default=None,
+                   help="sequences per step (default: 1024, or DP x micro-batch when more)")
+    f.add_argument("--top", type=_positive_int(5), default=5, help="layouts to print (default %(default)s)")
+
+
+def _run_fit(args) -> int:
+    """`plan --fit`: the fastest layouts that fit, or (--emit) the first one's flags."""
+    from .plan.architecture import load_architecture
+    from .plan.catalog import load_hardware
+    from .plan.output import dumps
+    from .plan.search import emit_layout, format_search, layout_fields, search
+    if not args.gpus:
+        raise ExpertrailError("--fit needs --gpus N, the GPUs of the run, e.g. --gpus 256")
+    hw, arch = load_hardware(args.hardware), load_architecture(args.model)
+    found = search(arch, hw, args.gpus, args.seq, args.global_batch, precision=args.precision, top=args.top)
+    if args.emit:
+        if not found:
+            raise ExpertrailError(format_search(found, arch, hw, args.gpus))
+        print(emit_layout(arch, hw, found[0][1], args.emit))
+    elif args.json:
+        print(dumps([dict(r, fields=layout_fields(arch, lay, hw)) for r, lay in found]))
+    else:
+        print(format_search(found, arch, hw, args.gpus))
+    return 0 if found else 1
 
 
 def _run_plan(args) -> int:
     from .plan.advisor import emit, format_plan, plan
     from .plan.catalog import load_hardware, load_model
     from .plan.output import dumps
+    if args.fit:
+        return _run_fit(args)
     hw, model = load_hardware(args.hardware), load_model(args.model)
-    result = plan(hw, model, args.tokens, args.ep, args.stage, args.precision, args.routing)
+    result = plan(hw, model, args.tokens, args.ep, args.stage, args.precision, args.routing, gpus=args.gpus or 256)
     if args.emit:
         print(emit(result, model, args.emit))
     elif args.json:

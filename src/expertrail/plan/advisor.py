@@ -16,12 +16,14 @@ from ..errors import ConfigError
 from ..names import both_names, field_name
 from .catalog import Hardware, MoEModel
 from .cost import SATURATING_SMS, Layout, Routing, predict
+from .search import architecture_of, fitting_pp
 from .simulate import domain_for
 
 ALGORITHMS = ("alltoall", "dedup", "hierarchical")
 DEFAULT_SMS = {"deepep": 20, "hybridep": 16}
 GEMM_EFFICIENCY = 0.75          # of dense peak, reached by grouped GEMMs with many rows per expert
 GEMM_HALF_ROWS = 256            # rows per expert at which grouped GEMMs reach half of that
+COMFORTABLE_PP = 4              # EP sizes that fit only with a deeper pipeline are not chosen
 OVERLAP_WORTH = 0.2             # below this share of the expert GEMMs, EP overlap is not worth its constraints
 DOMAIN_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"     # read by HybridEP only
 FP8_RECIPE = {"hopper": "blockwise", "blackwell": "mxfp8"}  # Megatron's --fp8-recipe values
@@ -115,8 +117,10 @@ def overlap_advice(stage: str, comm: float, compute: float) -> tuple:
 
 
 def plan(hw: Hardware, model: MoEModel, tokens: int = 4096, ep: int | None = None, stage: str = "bringup",
-         precision: str = "bf16", routing: str = "uniform") -> dict:
-    """Everything `expertrail plan` prints, as data."""
+         precision: str = "bf16", routing: str = "uniform", gpus: int = 256) -> dict:
+    """Everything `expertrail plan` prints, as data. EP sizes are checked for memory with the
+    estimator (`search.fitting_pp`: the fewest pipeline stages with which a reference run on
+    ``gpus`` GPUs fits) when the catalog knows the whole model."""
     if stage not in ("bringup", "tune"):
         raise ConfigError(f"--stage {stage!r}; choose bringup or tune")
     if precision not in ("bf16", "fp8"):
@@ -136,23 +140,64 @@ def plan(hw: Hardware, model: MoEModel, tokens: int = 4096, ep: int | None = Non
                       "best_algorithm": name, "field_name": field_name(name, hw.domain_size, e),
                       "dispatch_us": preds[name].dispatch_s * 1e6, "dispatch_combine_us": comm * 1e6,
                       "expert_gemm_us": compute * 1e6, "verdict": verdict(comm, compute)})
+    arch = architecture_of(model)
+    for row in table:
+        row["fits_at_pp"], row["memory_GB"] = None, None
+        if arch is not None and gpus % row["ep"] == 0:
+            pp, est = fitting_pp(arch, hw, row["ep"], precision, gpus)
+            row["fits_at_pp"], row["memory_GB"] = pp, est["peak_memory_GB"] if est else None
+    memory_known = arch is not None and any(r["memory_GB"] is not None for r in table)
     if not table and ep is None:
         raise ConfigError(f"{model.name} has {model.num_experts} experts: no EP size of 4..256 divides them; "
                           "give --ep")
     advice = []
     if ep is None:
-        fitting = [r for r in table if r["verdict"] != "communication-bound"]
-        row = fitting[-1] if fitting else table[0]
+        fits = [r for r in table if r["fits_at_pp"] is not None] if memory_known else table
+        if fits and memory_known:       # a deep pipeline only to hold the experts costs bubbles: prefer shallow
+            least = min(r["fits_at_pp"] for r in fits)
+            fits = [r for r in fits if r["fits_at_pp"] <= max(least, COMFORTABLE_PP)]
+        if not fits:
+            advice.append(Advice("memory", None, "no EP size fits",
+                                 f"{model.name} fits on {gpus} x {hw.name} at none of the EP sizes "
+                                 f"{', '.join(str(r['ep']) for r in table)} (the estimator's reference run, PP up to 16, "
+                                 "full recompute included): more GPUs (--gpus), GPUs with more memory, or "
+                                 "`expertrail plan --fit` to search the whole layout; the EP below is chosen on "
+                                 "communication alone"))
+            fits = table
+        fitting = [r for r in fits if r["verdict"] != "communication-bound"]
+        row = fitting[-1] if fitting else fits[0]
         ep = row["ep"]
+        if memory_known and fits[0] is not table[0]:
+            smaller = ", ".join(f"EP {r['ep']} " + (f"needs PP {r['fits_at_pp']}" if r["fits_at_pp"] else "does not fit")
+                                for r in table if r["ep"] < fits[0]["ep"])
+            advice.append(Advice("memory", fits[0]["ep"], f"EP >= {fits[0]['ep']}",
+                                 f"smaller EP leaves too many experts per GPU on {gpus} x {hw.name}: {smaller} "
+                                 f"(the estimator's reference run; more than PP {COMFORTABLE_PP} only to hold the "
+                                 "experts costs pipeline bubbles)"))
         if fitting:
             why = (f"the largest EP whose predicted dispatch + combine ({row['dispatch_combine_us']:.0f} us) does not "
                    f"exceed the expert GEMMs ({row['expert_gemm_us']:.0f} us): {row['verdict']}; more EP means fewer "
                    "experts per GPU (memory) and more rows per expert (GEMM efficiency)")
         else:
-            why = (f"every EP size of the table is communication-bound; the smallest, EP {ep}, exposes the least "
+            why = (f"every EP size {'that fits ' if memory_known else 'of the table '}is communication-bound; the "
+                   f"smallest, EP {ep}, exposes the least "
                    f"(dispatch + combine {row['dispatch_combine_us']:.0f} us vs expert GEMMs "
                    f"{row['expert_gemm_us']:.0f} us)")
         advice.append(Advice("EP size", ep, f"--expert-model-parallel-size {ep}", why))
+    chosen_row = next((r for r in table if r["ep"] == ep), None)
+    if memory_known and chosen_row is not None and chosen_row["memory_GB"] is not None:
+        if chosen_row["fits_at_pp"] is None:
+            advice.insert(0, Advice("memory", False, f"EP {ep} does not fit",
+                                    f"at EP {ep} each GPU holds {model.num_experts // ep} experts of each of the "
+                                    f"{model.layers} MoE layers; on {gpus} x {hw.name} no pipeline split up to PP 16 "
+                                    f"fits ({chosen_row['memory_GB']:.0f} GB at PP 16 against {hw.hbm_GB:.0f} GB): "
+                                    "raise EP, or run `expertrail plan --fit` for a whole layout"))
+        else:
+            advice.insert(0, Advice("memory", True, f"fits from PP {chosen_row['fits_at_pp']}",
+                                    f"with EP {ep} a reference run on {gpus} x {hw.name} (micro-batch 1, light "
+                                    f"selective recompute) fits from PP {chosen_row['fits_at_pp']} "
+                                    f"({chosen_row['memory_GB']:.0f} GB on the busiest rank); `expertrail estimate` "
+                                    "checks your own configuration"))
     domain = domain_for(hw, ep)
     fastest, preds = best(hw, model, tokens, ep, topk_idx, precision, sms_start)
     total = {a: (p.dispatch_s + p.combine_s) for a, p in preds.items()}
@@ -304,9 +349,11 @@ def format_plan(result: dict) -> str:
     w = max([len("algorithm"), *map(len, algo)])
     lines += ["", "EP choice (fastest algorithm per EP):",
               f"  {'EP':>4} {'tokens/expert':>14} {'algorithm':>{w}} {'dispatch us':>12} {'d+c us':>9} "
-              f"{'expert GEMM us':>15}  verdict"]
+              f"{'expert GEMM us':>15}  {'memory':<10}  verdict"]
     for r, name in zip(result["ep_table"], algo):
+        fit = ("-" if r.get("memory_GB") is None else
+               f"PP >= {r['fits_at_pp']}" if r["fits_at_pp"] is not None else "no fit")
         lines.append(f"  {r['ep']:>4} {r['tokens_per_expert']:>14.0f} {name:>{w}} {r['dispatch_us']:>12.1f} "
-                     f"{r['dispatch_combine_us']:>9.1f} {r['expert_gemm_us']:>15.1f}  {r['verdict']}")
+                     f"{r['dispatch_combine_us']:>9.1f} {r['expert_gemm_us']:>15.1f}  {fit:<10}  {r['verdict']}")
     lines += ["", "pitfalls:"] + [f"  - {p}" for p in result["pitfalls"]]
     return "\n".join(lines)

@@ -44,6 +44,7 @@ DP_EXPOSED = {True: 0.1, False: 1.0}             # share of gradient / parameter
 # figures are 1.17-1.33x apart (the cost model's cross-domain stages match the kernel figures;
 # inside a domain it is calibrated on Torch-API figures already).
 FRAMEWORK_CALL_FACTOR = 1.25
+ROUTING_SAMPLE = 1024
 
 
 def algorithm_for(layout: TrainingLayout, domain: int) -> str:
@@ -67,11 +68,13 @@ def dispatch_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout) -
     domain = domain_for(hw, layout.ep)
     algorithm = algorithm_for(layout, domain)
     sms = layout.dispatcher_sms or {"deepep": 20, "hybridep": 16}.get(layout.flex_backend, 20)
+    # Rows grow with the tokens: a sample of at most ROUTING_SAMPLE tokens, scaled, keeps large EP fast.
     tokens = layout.tokens_per_gpu
-    p = predict(hw, arch.moe_model(), Layout(layout.ep, domain), algorithm, _routing(arch, tokens), sms,
+    sample = min(tokens, ROUTING_SAMPLE)
+    p = predict(hw, arch.moe_model(), Layout(layout.ep, domain), algorithm, _routing(arch, sample), sms,
                 "fp8" if layout.precision == "fp8" and layout.flex_backend else "bf16")
     framework = FRAMEWORK_CALL_FACTOR if domain < layout.ep else 1.0
-    return 2 * (p.dispatch_s + p.combine_s) * framework, algorithm
+    return 2 * (p.dispatch_s + p.combine_s) * framework * tokens / sample, algorithm
 
 
 def _gemm_seconds(flops: float, hw: Hardware, precision: str, rows_per_expert: float | None = None) -> float:

@@ -1,0 +1,189 @@
+"""`expertrail plan --fit --gpus N`: the layouts that fit, ranked by predicted step time.
+
+Parallel folding: attention layers take TP x CP x DP x PP and MoE layers ETP x EP x EDP x PP of
+the same GPUs, so TP / CP and EP / ETP are searched independently (within one pipeline
+stage's GPUs). For each layout the search also tries the recompute choices of `RECOMPUTE`
+(lightest first) and VPP; a layout that does not fit at any of them, or that breaks a
+`validate` rule, is dropped. The estimate of each survivor (`estimate.estimate`) ranks them.
+
+`fitting_pp` is the memory check `expertrail plan` makes for an EP size: the fewest pipeline
+stages with which a reference run of the model fits at that EP.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..errors import ConfigError
+from .architecture import ARCHITECTURES, Architecture
+from .catalog import Hardware, MoEModel
+from .estimate import estimate
+from .layout import TrainingLayout
+from .validate import validate
+
+# Lightest first: selective recompute of cheap modules before whole layers.
+RECOMPUTE = [(None, ()), ("selective", ("mla_up_proj", "moe_act", "layernorm")),
+             ("selective", ("mla_up_proj", "moe_act", "layernorm", "mlp", "shared_experts")),
+             ("selective", ("moe",)), ("full", ())]
+PP_SIZES = (1, 2, 4, 8, 16)
+
+
+def _divisors(n: int, limit: int) -> list:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def _recompute_choices(arch: Architecture) -> list:
+    out = []
+    for granularity, modules in RECOMPUTE:
+        mods = tuple(m for m in modules if m != "mla_up_proj" or arch.mla)
+        if (granularity, mods) not in out:
+            out.append((granularity, mods))
+    return out
+
+
+def architecture_of(model: MoEModel) -> Architecture | None:
+    """The whole-model shape behind a catalog MoE model, if the catalog has it."""
+    return ARCHITECTURES.get(model.name)
+
+
+def fitting_pp(arch: Architecture, hw: Hardware, ep: int, precision: str, gpus: int = 256,
+               seq: int = 4096) -> tuple:
+    """(fewest PP that fits or None, its estimate or the last one tried) for a reference run:
+    ``gpus`` GPUs, TP 1, micro-batch 1 of ``seq`` tokens, 8 micro-batches per stage, the
+    flex dispatcher, light selective recompute or else full recompute."""
+    last = None
+    light = ("selective", ("mla_up_proj", "moe_act") if arch.mla else ("moe_act",))
+    for pp in PP_SIZES:
+        if gpus % (pp * ep) or pp > arch.layers:
+            continue
+        for granularity, modules in (light, ("full", ())):
+            layout = TrainingLayout(gpus=gpus, pp=pp, ep=ep, seq=seq, precision=precision, dispatcher="flex",
+                                    flex_backend="hybridep" if hw.domain_size > 8 else "deepep",
+                                    global_batch=8 * gpus, recompute=granularity, recompute_modules=modules,
+                                    recompute_method="uniform" if granularity == "full" else None)
+            last = estimate(arch, hw, layout)
+            if last["fits"]:
+                return pp, last
+    return None, last
+
+
+def search(arch: Architecture, hw: Hardware, gpus: int, seq: int = 4096, global_batch: int | None = None,
+           micro_batch: int = 1, precision: str = "bf16", top: int = 5) -> list:
+    """Fitting layouts, fastest first: [(estimate, layout)]."""
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus}: give the number of GPUs, e.g. --gpus 256")
+    backend = "hybridep" if hw.domain_size > 8 else "deepep"
+    found = []
+    for pp in PP_SIZES:
+        if gpus % pp or pp > arch.layers:
+            continue
+        stage = gpus // pp
+        for tp in _divisors(stage, min(8, hw.domain_size)):
+            for cp in (1, 2):
+                if stage % (tp * cp):
+                    continue
+                dp = stage // (tp * cp)
+                batch = global_batch or max(dp * micro_batch, 1024 if seq <= 8192 else 256)
+                if batch % (dp * micro_batch):
+                    continue
+                for ep in [e for e in _divisors(arch.experts, stage) if e > 1]:
+                    for etp in (1, tp) if tp > 1 else (1,):
+                        if stage % (ep * etp):
+                            continue
+                        base = TrainingLayout(gpus=gpus, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, seq=seq,
+                                              micro_batch=micro_batch, global_batch=batch, precision=precision,
+                                              dispatcher="flex", flex_backend=backend,
+                                              ep_overlap=False)
+                        best = _best_fit(arch, hw, base)
+                        if best:
+                            found.append(best)
+    found.sort(key=lambda pair: pair[0]["step_time_s"] / pair[0]["layout"]["global_batch"])
+    return found[:top]
+
+
+def _best_fit(arch: Architecture, hw: Hardware, base: TrainingLayout):
+    """(estimate, layout) of the lightest recompute and fastest VPP that fit and validate, or None."""
+    vpps = [v for v in (1, 2, 4) if base.pp > 1 or v == 1]
+    best = None
+    for granularity, modules in _recompute_choices(arch):
+        for vpp in vpps:
+            if base.pp * vpp > arch.layers or (arch.layers % (base.pp * vpp) and vpp > 1):
+                continue
+            layout = replace(base, vpp=vpp, recompute=granularity, recompute_modules=modules,
+                             recompute_method="uniform" if granularity == "full" else None)
+            if layout.problems(arch.experts, arch.layers) or _violations(arch, hw, layout):
+                continue
+            r = estimate(arch, hw, layout)
+            if r["fits"] and (best is None or r["step_time_s"] < best[0]["step_time_s"]):
+                best = (r, layout)
+        if best:
+            return best                 # lighter recompute fits: heavier ones only cost time
+    return None
+
+
+def layout_fields(arch: Architecture, layout: TrainingLayout, hw: Hardware) -> dict:
+    """Megatron-Core fields of a layout (what `--emit` prints and `validate` reads)."""
+    fields = {"tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
+              "context_parallel_size": layout.cp, "expert_model_parallel_size": layout.ep,
+              "expert_tensor_parallel_size": layout.etp, "num_moe_experts": arch.experts,
+              "moe_router_topk": arch.topk, "micro_batch_size": layout.micro_batch,
+              "global_batch_size": layout.global_batch, "seq_length": layout.seq,
+              "moe_token_dispatcher_type": layout.dispatcher, "moe_grouped_gemm": True,
+              "use_distributed_optimizer": True, "bf16": True}
+    if layout.tp > 1:
+        fields["sequence_parallel"] = True
+    if layout.vpp > 1:
+        fields["virtual_pipeline_model_parallel_size"] = layout.vpp
+    if layout.flex_backend:
+        fields["moe_flex_dispatcher_backend"] = layout.flex_backend
+    if layout.recompute:
+        fields["recompute_granularity"] = layout.recompute
+        if layout.recompute == "selective":
+            fields["recompute_modules"] = list(layout.recompute_modules)
+        else:
+            fields.update(recompute_method="uniform", recompute_num_layers=1)
+    if layout.precision == "fp8":
+        fields.update(fp8="e4m3", fp8_recipe="mxfp8" if hw.arch == "blackwell" else "blockwise",
+                      moe_router_dtype="fp32")
+    return fields
+
+
+def _violations(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> list:
+    fields = layout_fields(arch, layout, hw)
+    return validate(dict(fields, hardware=hw.name, world_size=layout.gpus))
+
+
+def emit_layout(arch: Architecture, hw: Hardware, layout: TrainingLayout, style: str) -> str:
+    """Megatron-Core flags or Megatron-Bridge overrides of a layout."""
+    fields = layout_fields(arch, layout, hw)
+    if style == "megatron":
+        out = []
+        for k, v in fields.items():
+            flag = {"num_moe_experts": "--num-experts", "fp8": "--fp8-format"}.get(k, "--" + k.replace("_", "-"))
+            out.append(flag if v is True else f"{flag} {' '.join(v) if isinstance(v, list) else v}")
+        return " \\\n  ".join(out)
+    if style == "bridge":
+        return "\n".join(f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items())
+    raise ConfigError(f"--emit {style!r}; choose megatron or bridge")
+
+
+def format_search(found: list, arch: Architecture, hw: Hardware, gpus: int) -> str:
+    if not found:
+        return (f"plan --fit: no layout of {arch.name} fits {gpus} x {hw.name} (every PP, TP, CP, EP, ETP, VPP and "
+                "recompute choice tried): more GPUs, or GPUs with more memory")
+    lines = [f"plan --fit: {arch.name} on {gpus} x {hw.name}, fastest first (predicted; docs/planner.md)", "",
+             f"  {'#':>2} {'TP':>3} {'CP':>3} {'PP':>3} {'VPP':>3} {'DP':>4} | {'EP':>4} {'ETP':>3} {'EDP':>4}  "
+             f"{'recompute':<28} {'step s':>7} {'TFLOPS':>7} {'peak GB':>8}  wall"]
+    for i, (r, layout) in enumerate(found, 1):
+        lay = r["layout"]
+        rec = layout.recompute or "none"
+        if layout.recompute == "selective":
+            rec = ",".join(layout.recompute_modules)
+        lines.append(f"  {i:>2} {lay['tp']:>3} {lay['cp']:>3} {lay['pp']:>3} {lay['vpp']:>3} {lay['dp']:>4} | "
+                     f"{lay['ep']:>4} {lay['etp']:>3} {lay['edp']:>4}  {rec:<28} {r['step_time_s']:>7.2f} "
+                     f"{r['tflops_per_gpu']:>7.0f} {r['peak_memory_GB']:>8.1f}  {r['wall']}")
+    r = found[0][0]
+    mem = r["memory"]
+    lines += ["", "memory of #1 (busiest rank, GB): " + ", ".join(
+        f"{k} {mem[k + '_GB']:.1f}" for k in ("weights", "gradients", "optimizer", "activations", "dispatcher"))
+        + f" = {r['peak_memory_GB']:.1f} of {r['usable_memory_GB']:.1f} usable"]
+    return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""`expertrail estimate`: memory, step time and TFLOPS against published runs, and its sanity properties."""
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+
+from expertrail.cli import main
+from expertrail.plan.architecture import ARCHITECTURES, from_fields
+from expertrail.plan.catalog import HARDWARE
+from expertrail.plan.estimate import estimate
+from expertrail.plan.layout import TrainingLayout
+
+DSV3, QWEN = ARCHITECTURES["deepseek-v3"], ARCHITECTURES["qwen3-235b-a22b"]
+
+
+def run(hardware, arch, **fields):
+    backend = "hybridep" if HARDWARE[hardware].domain_size > 8 else "deepep"
+    layout = TrainingLayout(gpus=256, seq=4096, dispatcher="flex", flex_backend=backend, **fields)
+    return estimate(arch, HARDWARE[hardware], layout)
+
+
+MLA_UP = dict(recompute="selective", recompute_modules=("mla_up_proj",))
+# Megatron-Bridge performance summary (docs/performance-summary*.md of NVIDIA-NeMo/Megatron-Bridge):
+# 256 GPUs, sequence 4096, micro-batch 1, force-balanced dropless routing; Model TFLOP/s/GPU.
+PUBLISHED = {
+    "gb200 deepseek-v3": [(dict(precision="bf16", global_batch=4096, pp=4, vpp=4, ep=64, **MLA_UP), 782),
+                          (dict(precision="fp8", global_batch=4096, pp=8, vpp=4, ep=32, **MLA_UP), 1003),
+                          (dict(precision="fp8", global_batch=4096, pp=4, vpp=4, ep=64, **MLA_UP), 1028)],
+    "gb200 qwen3-235b": [(dict(precision="bf16", global_batch=8192, pp=8, vpp=3, ep=32), 728),
+                         (dict(precision="fp8", global_batch=8192, pp=8, ep=32), 806)],
+    "h100 qwen3-235b": [(dict(precision="fp8", global_batch=2048, tp=2, pp=8, vpp=4, ep=32), 233),
+                        (dict(precision="fp8", global_batch=8192, tp=2, pp=8, vpp=4, ep=32), 242)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_runs_fit_and_are_predicted_within_25_percent_in_order(name):
+    hardware = "gb200-nvl72" if name.startswith("gb200") else "h100"
+    arch = DSV3 if "deepseek" in name else QWEN
+    predicted = []
+    for fields, published in PUBLISHED[name]:
+        r = run(hardware, arch, **fields)
+        assert r["fits"], (fields, r["peak_memory_GB"], r["usable_memory_GB"])
+        assert abs(r["tflops_per_gpu"] - published) <= 0.25 * published, (fields, r["tflops_per_gpu"], published)
+        predicted.append(r["tflops_per_gpu"])
+    published = [p for _, p in PUBLISHED[name]]
+    assert sorted(range(len(published)), key=published.__getitem__) == \
+        sorted(range(len(predicted)), key=predicted.__getitem__)
+
+
+def test_model_flops_are_megatrons_count():
+    """Bridge's table gives TFLOP/s and tokens/s per GPU; their ratio is the FLOPs per token:
+    782e12 / 3139 for DeepSeek-V3 (without MTP), 728e12 / 4916 for Qwen3-235B."""
+    assert DSV3.flops_per_token(4096) == pytest.approx(782e12 / 3139, rel=0.02)
+    assert QWEN.flops_per_token(4096) == pytest.approx(728e12 / 4916, rel=0.02)
+    assert DSV3.total_params() == pytest.approx(671e9, rel=0.01) and QWEN.total_params() == pytest.approx(235e9, rel=0.01)
+
+
+def test_more_recompute_means_less_memory_and_more_time():
+    base = dict(precision="bf16", global_batch=1024, pp=8, ep=32)
+    rs = [run("h100", QWEN, **base),
+          run("h100", QWEN, recompute="selective", recompute_modules=("moe_act", "layernorm"), **base),
+          run("h100", QWEN, recompute="selective", recompute_modules=("moe",), **base),
+          run("h100", QWEN, recompute="full", recompute_method="uniform", **base)]
+    memory = [r["memory"]["activations_GB"] for r in rs]
+    step = [r["step_time_s"] for r in rs]
+    assert memory == sorted(memory, reverse=True) and len(set(memory)) == 4
+    assert step == sorted(step) and len(set(step)) == 4
+
+
+def test_more_pipeline_stages_mean_less_weight_memory_per_gpu():
+    weights = [run("gb200-nvl72", QWEN, precision="bf16", global_batch=1024, pp=pp, ep=32)["memory"]["weights_GB"]
+               for pp in (1, 2, 4, 8)]
+    assert weights == sorted(weights, reverse=True) and weights[0] > 6 * weights[-1]
+
+
+def test_a_235b_moe_on_8_gpus_without_sharding_does_not_fit():
+    layout = TrainingLayout(gpus=8, ep=8, distributed_optimizer=False, dispatcher="alltoall")
+    r = estimate(QWEN, HARDWARE["h100"], layout)
+    assert not r["fits"] and r["wall"] == "memory" and r["peak_memory_GB"] > 5 * r["usable_memory_GB"]
+    assert "does not" not in r["wall_reason"] and "needs" in r["wall_reason"]
+
+
+def test_pipeline_layout_string_and_dense_layers_place_the_work():
+    layout = TrainingLayout(gpus=256, pp=4, vpp=2, ep=64, layout_string="Et|(tttttttt|)*6ttttttttttttL")
+    from expertrail.plan.layout import stage_layers
+    ranks = stage_layers(layout, 61, 0, dense_layers=3)
+    assert sum(r[0] for r in ranks) == 61 and ranks[0][1] == 1 and ranks[1][1] == 2     # dense layers 0 | 1, 2
+    assert ranks[0][2] and ranks[3][3]                                                  # embedding first, loss last
+    assert from_fields(None, {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_moe_experts": 8,
+                              "moe_ffn_hidden_size": 128, "moe_layer_freq": "([0]*1+[1]*3)"}).dense_layers == 1
+
+
+def test_estimate_cli_is_torch_free_and_writes_json(tmp_path):
+    path = tmp_path / "e.json"
+    code = ("import sys; from expertrail.cli import main; "
+            "rc = main(['estimate', '--hardware', 'gb200-nvl72', '--gpus', '256', '--model', 'qwen3-235b-a22b', "
+            "'--pipeline-model-parallel-size', '8', '--expert-model-parallel-size', '32', '--global-batch-size', "
+            f"'1024', 'model.moe_token_dispatcher_type=flex', '--json', r'{path}']); "
+            "assert 'torch' not in sys.modules; sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "memory, busiest pipeline rank" in out.stdout and "wall:" in out.stdout
+    js = json.loads(path.read_text())
+    assert isinstance(js["fits"], bool) and {"peak_memory_GB", "step_time_s", "tflops_per_gpu", "memory", "step"} <= set(js)
+
+
+def test_estimate_cli_errors_name_the_fix(capsys):
+    assert main(["estimate", "--hardware", "h100", "--gpus", "256", "--expert-model-parallel-size", "8"]) == 2
+    assert "--model" in capsys.readouterr().err
+    assert main(["estimate", "--hardware", "h100", "--gpus", "100", "--model", "qwen3-235b-a22b",
+                 "--pipeline-model-parallel-size", "8"]) == 2
+    assert "does not divide 100 GPUs" in capsys.readouterr().err
+
+
+def test_estimate_and_simulate_stay_fast_at_ep_4096():
+    arch = replace(QWEN, name="wide", experts=8192)
+    layout = TrainingLayout(gpus=4096, ep=4096, pp=1, dispatcher="flex", flex_backend="hybridep", global_batch=4096)
+    start = time.perf_counter()
+    estimate(arch, HARDWARE["gb200-nvl72"], layout)
+    assert time.perf_counter() - start < 2.0
+
+
+def test_plan_fit_lists_fitting_layouts_that_validate(capsys):
+    assert main(["plan", "--fit", "--gpus", "64", "--hardware", "h100", "--model", "qwen3-30b-a3b", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" | ") == 4 and "peak GB" in out            # the header and 3 layouts
+    assert main(["plan", "--fit", "--gpus", "64", "--hardware", "h100", "--model", "qwen3-30b-a3b", "--emit",
+                 "megatron"]) == 0
+    flags = capsys.readouterr().out.replace("\\\n", " ").split()
+    assert main(["validate", *flags, "hardware=h100", "world_size=64"]) == 0
+    assert main(["plan", "--fit", "--gpus", "8", "--hardware", "h100", "--model", "deepseek-v3"]) == 1
+    assert "no layout of deepseek-v3 fits 8 x h100" in capsys.readouterr().out
