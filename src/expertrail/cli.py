@@ -786,6 +786,8 @@ def _main(argv=None) -> int:
     _plan_parser(sub)
     _estimate_parser(sub)
     _balance_parser(sub)
+    from .serve_sim import add_parser as _serve_sim_parser
+    _serve_sim_parser(sub)
     _cluster_parser(sub)
     args = parser.parse_args(argv)
     args.argv_seen = list(sys.argv[1:] if argv is None else argv)[1:]     # after the command's name
@@ -804,6 +806,9 @@ def _main(argv=None) -> int:
             return _run_estimate(args)
         if args.command == "balance":
             from .balance.report import run
+            return run(args)
+        if args.command == "serve-sim":
+            from .serve_sim import run
             return run(args)
         if args.command == "cluster":
             return _run_cluster(args)
