@@ -39,6 +39,8 @@ SMALL = [
     (r"expertrail train.*--overlap", "--steps 8 --world 2 --backends dedup --hidden 16 --seq 8 --batch 2 "
                                       "--micro-batches 2"),
     (r"expertrail train", "--steps 20 --world 2 --backends dedup"),
+    (r"expertrail serve-sim", "--world 2 --steps 8 --rebalance-every 3 --window 3 --drift-every 4 --experts 8 "
+                              "--redundant 2 --topk 2 --hidden 16 --ffn 16 --tokens 8"),
     (r"benchmarks/(phases|cpu_time|combine_flags)\.py", "--tokens 64 --hidden 8 --iters 2 --warmup 1"),
     (r"benchmarks/layouts\.py", "--shrink 256 --iters 2 --warmup 1"),
     (r"benchmarks/messages\.py", "--rows-per-peer 16 --hidden 8 --iters 2 --warmup 1"),

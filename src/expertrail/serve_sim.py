@@ -16,7 +16,7 @@ class ServeConfig:
     """Settings of a serving simulation (`expertrail serve-sim`)."""
 
     world: int = 4
-    steps: int = 240
+    steps: int = 300
     tokens: int = 64               # tokens per rank per decode step
     hidden: int = 256
     ffn: int = 256
@@ -24,9 +24,9 @@ class ServeConfig:
     topk: int = 8
     redundant: int = 8             # extra physical slots for replicas (split evenly over ranks)
     zipf: float = 1.2
-    drift_every: int = 60
+    drift_every: int = 100
     rebalance_every: int = 10
-    window: int = 20               # steps in the load window
+    window: int = 10               # steps in the load window
     window_seconds: float | None = None   # a window in seconds instead
     min_gain: float = 0.02         # least relief of the busiest rank worth moving weights for
     backend: str = "alltoall"
