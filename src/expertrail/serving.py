@@ -103,7 +103,7 @@ class ServedLayer:
     """
 
     def __init__(self, groups, full: GroupedExperts, slots: int | None = None, rebalance_every: int | None = None,
-                 window: int = 20, window_seconds: float | None = None, backend: str = "alltoall",
+                 window: int = 10, window_seconds: float | None = None, backend: str = "alltoall",
                  migration_group=None, min_gain: float = 0.02):
         from .dispatch import make_dispatcher
         num_experts = full.num_local_experts
