@@ -3,7 +3,8 @@
 For each size in ``DECODE_TOKENS`` (tokens per rank), three ways of moving the same tokens,
 alternating step by step so the machine's noise falls on all alike:
 
-- ``normal``: the `alltoall` backend, planned on the host from a counts round each call;
+- ``normal``: the `dedup` backend (the arithmetic lowlatency reproduces bit for bit), planned on
+  the host from a counts round each call;
 - ``lowlatency``: `LowLatencyDispatcher`, fixed buffers, one exchange each way;
 - ``bare``: the bare collectives that move lowlatency's fixed blocks out and back
   (``all_to_all_single`` of the same bytes, buffers allocated once): the floor for that traffic.
@@ -41,7 +42,7 @@ def decode_rank(rank: int, world: int, cfg: BenchConfig, sizes=DECODE_TOKENS) ->
     """Run on every rank; returns the report (the same on every rank)."""
     groups = EPGroups.from_default(domain_size=cfg.domain_size)
     dtype, device = DTYPES[cfg.dtype], groups.device
-    normal = make_dispatcher("alltoall", groups, num_experts=cfg.experts, hidden=cfg.hidden)
+    normal = make_dispatcher("dedup", groups, num_experts=cfg.experts, hidden=cfg.hidden)
     results = {mode: {} for mode in MODES}
     checked = True
     for tokens in sizes:
@@ -51,9 +52,8 @@ def decode_rank(rank: int, world: int, cfg: BenchConfig, sizes=DECODE_TOKENS) ->
         x = torch.randn(tokens, cfg.hidden, generator=g).to(dtype).to(device)
         idx = torch.stack([torch.randperm(cfg.experts, generator=g)[:cfg.topk] for _ in range(tokens)]).to(device)
         w = torch.rand(tokens, cfg.topk, generator=g).to(device)
-        block = ll._send.shape[0] - 1                  # lowlatency's fixed rows, sent out and back
-        send = torch.zeros(block, ll._send.shape[1], dtype=ll._send.dtype, device=device)
-        recv, back = torch.empty_like(send), torch.empty_like(send)
+        send, recv = torch.zeros_like(ll._send), torch.zeros_like(ll._recv)       # lowlatency's fixed blocks
+        back_send, back = torch.zeros_like(ll._back_send), torch.zeros_like(ll._back)
 
         def run_normal():
             res = normal.dispatch(x, idx, w)
@@ -65,7 +65,7 @@ def decode_rank(rank: int, world: int, cfg: BenchConfig, sizes=DECODE_TOKENS) ->
 
         def run_bare():
             dist.all_to_all_single(recv, send, group=groups.ep_group)
-            dist.all_to_all_single(back, recv, group=groups.ep_group)
+            dist.all_to_all_single(back, back_send, group=groups.ep_group)
 
         calls = {"normal": run_normal, "lowlatency": run_lowlatency, "bare": run_bare}
         for fn in calls.values():

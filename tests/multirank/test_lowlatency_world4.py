@@ -8,7 +8,7 @@ import workers
 @pytest.mark.parametrize("dtype,payload", [(torch.float32, "native"), (torch.bfloat16, "native"),
                                            (torch.bfloat16, "fp8")])
 def test_lowlatency_gives_the_normal_modes_rows_and_outputs(world4, dtype, payload):
-    assert world4.run(workers.lowlatency_matches_normal, dtype, payload) == [5] * 4
+    assert world4.run(workers.lowlatency_matches_normal, dtype, payload) == [6] * 4
 
 
 def test_lowlatency_bad_input_on_one_rank_raises_on_every_rank(world4):

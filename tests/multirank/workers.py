@@ -973,17 +973,18 @@ def overlap_matches_sequential(rank, world, backend, dtype, micro_batches=3):
 
 
 def lowlatency_matches_normal(rank, world, dtype, payload="native"):
-    """The lowlatency mode against alltoall's normal mode on the same inputs, call after call
-    with changing token counts (0 on one rank, dropped slots, one hot expert). Returns the
+    """The lowlatency mode against dedup's normal mode (one row per (token, rank), summed on the
+    expert side) on the same inputs, call after call with changing token counts (0 on one
+    rank, dropped slots, one hot expert, every token on one rank's experts). Returns the
     number of calls checked."""
     groups = groups_for(None, 2)
     experts, topk, hidden, most = 16, 4, 256, 12
     local = experts // world
     ll = er.make_dispatcher("lowlatency", groups, num_experts=experts, max_tokens_per_rank=most, hidden=hidden,
                             dtype=dtype, payload=payload)
-    normal = er.make_dispatcher("alltoall", groups, num_experts=experts, payload=payload)
+    normal = er.make_dispatcher("dedup", groups, num_experts=experts, payload=payload)
     checked = 0
-    for call, n in enumerate([most, 5, 0 if rank == 1 else 3, 1, most]):
+    for call, n in enumerate([most, 5, 0 if rank == 1 else 3, 1, most, 7]):
         g = torch.Generator().manual_seed(100 * call + rank)
         x = torch.randn(n, hidden, generator=g).to(dtype)
         idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(n)]) if n else \
@@ -993,6 +994,8 @@ def lowlatency_matches_normal(rank, world, dtype, payload="native"):
         if call == 3:
             idx[:, 0] = 5                                    # a hot expert (still distinct per token)
             idx[:, 1:] = torch.tensor([6, 7, 8])[:topk - 1]
+        if call == 5:                                        # every token's experts on rank 0
+            idx = torch.stack([torch.randperm(local, generator=g)[:topk] for _ in range(n)])
         w = torch.rand(n, topk, generator=g)
         res = ll.dispatch(x, idx, w)
         ref = normal.dispatch(x, idx, w)

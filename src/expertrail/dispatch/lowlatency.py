@@ -5,21 +5,28 @@ a round trip to exchange counts, then planning on the host from them. DeepEP's l
 kernels answer with static buffers; this mode does the same on any torch.distributed backend:
 
 - Every buffer is allocated once, sized by ``max_tokens_per_rank`` (T). A rank sends each peer
-  a fixed block ``[E_local, T, C]``: the rows for each of the peer's local experts in slots
-  0..count-1 (a token meets an expert at most once, so T slots are always enough), plus the
-  counts. Both go out at once: one exchange per dispatch and one per combine, no count round,
-  no sizes computed on the host, nothing that depends on the data outside tensors (on CUDA:
-  no host synchronisation, so a decode step can be captured in a CUDA graph).
-- The received rows come out packed per local expert (DeepEP's low-latency layout):
-  ``tokens [E_local, P * T, H]`` with ``count [E_local]`` real rows each, ordered by source rank
-  then source token, the rest of each expert's rows unspecified (experts may compute them;
-  combine ignores them). The same rows, in the same order, as the normal mode's expert blocks.
-- combine sends each expert row back to the slot it came from and sums each token's rows,
-  weighted by its routing weights in fp32, in k order (the normal mode's kernel: the same bits).
+  a fixed block: T row slots, one per token that has an expert on that peer (a token meets a
+  rank at most once, so T slots always suffice; `dedup`'s one row per (token, rank)), then a
+  metadata tail: per slot, which of the peer's local experts the row is for and with which
+  routing weight, and an error flag. One exchange per dispatch and one per combine, no count
+  round, no sizes computed on the host, nothing outside tensors that depends on the data (on
+  CUDA: no host synchronisation, so a decode step can be captured in a CUDA graph).
+- The receiver expands the rows into DeepEP's low-latency layout, packed per local expert:
+  ``tokens [E_local, P * T, H]`` with ``count [E_local]`` real rows each, ordered by source
+  rank then source token, the rest of each expert's rows unspecified (experts may compute
+  them; combine ignores them). The same rows, in the same order, as the normal mode's expert
+  rows.
+- combine sums each received row's expert outputs, weighted, on the expert side (fp32, in
+  local-expert order, rounded to the payload dtype), sends that one row back to its slot, and
+  the source sums a token's rows from its ranks in rank order: `dedup`'s normal mode, with
+  its kernel, so the same bits.
+
+Why one row per (token, rank) and not DeepEP's per (token, expert) slots: DeepEP's RDMA writes
+only the real rows into its slots, but a collective moves whole blocks, so per-expert slots
+would move E_local times the bytes (and the host would pass over them) whatever the routing.
 
 Shapes: N <= T tokens per rank and call (N may change between calls); rows move as the
-dispatcher's ``dtype`` (or as fp8 bytes with ``payload="fp8"``). The fixed blocks move T rows
-per (peer, expert) whatever the real counts: the bytes of a decode step, not of its tokens.
+dispatcher's ``dtype`` (or as fp8 bytes with ``payload="fp8"``).
 
 `res.tokens` is a view of a buffer the next dispatch overwrites (as DeepEP's): use it, or copy
 it, before the next call. Inference only: nothing here records autograd.
@@ -38,6 +45,9 @@ from ..schedule import wait_exchange
 from ..topology import EPGroups, check_same_on_all_ranks, guarded
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Routing weights travel as fp64 (exact for each of these) with their dtype's index beside them.
+_WEIGHT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_HEADER_WORDS = 2                 # fp64 words at the head of each metadata tail: error flag, weights dtype
 
 
 @dataclass
@@ -53,10 +63,9 @@ class LowLatencyResult:
     tokens: torch.Tensor
     count: torch.Tensor
     scales: torch.Tensor | None
-    _slot: torch.Tensor           # int64 [N, K]: the send-block row of each (token, k), or the scratch row
-    _copies: CopyPositions        # the same rows as each token's copies (dropped slots left out)
-    _weights: torch.Tensor        # [N, K] routing weights, 0 on dropped slots
-    _packed_at: torch.Tensor      # int64 [P, E_local, T]: each received slot's row in tokens (clamped)
+    _expert_copies: CopyPositions   # each received slot's rows in tokens (flattened), by local expert
+    _row_weights: torch.Tensor      # [E_local * P * T + 1] routing weight of each row of tokens (0 elsewhere)
+    _token_copies: CopyPositions    # each sent token's rows in the combine exchange, by rank
     _dtype: torch.dtype
 
 
@@ -75,7 +84,8 @@ class LowLatencyDispatcher:
             on one rank raises on all (default: on CPU; on CUDA reading it is a host sync, so
             there it is off unless asked for, and an invalid rank sends empty blocks and raises
             alone).
-    Construction is collective over the EP group; every rank must pass the same arguments.
+    Construction is collective over the EP group; every rank must pass the same arguments, and
+    every rank's ``topk_weights`` must have one dtype (checked with ``agree_on_errors``).
     """
 
     name = "lowlatency"
@@ -102,50 +112,37 @@ class LowLatencyDispatcher:
         self.payload, self.dequantize = payload, dequantize
         self.agree_on_errors = groups.device.type == "cpu" if agree_on_errors is None else agree_on_errors
         p, local, t, dev = groups.ep_size, self.num_local_experts, self.max_tokens, groups.device
-        width = fp8.row_bytes(self.hidden) if payload == "fp8" else self.hidden
-        wire = torch.uint8 if payload == "fp8" else dtype
-        # Each peer's block: local * T data rows (slot s of local expert l at l * T + s), then
-        # header rows carrying the counts and an error flag, so that one message per peer
-        # and direction carries everything. One row past the blocks: the scratch row unused
-        # slots are written to, and on the way back the zero row dropped slots read.
-        self._header_bytes = 4 * (local + 1)                      # int32 counts + the error flag
-        header_rows = -(-self._header_bytes // (width * torch.empty(0, dtype=wire).element_size()))
-        self._block = local * t + header_rows
-        rows = p * self._block
-        self._send = torch.zeros(rows + 1, width, dtype=wire, device=dev)
-        self._recv = torch.zeros(rows, width, dtype=wire, device=dev)
-        self._packed = torch.zeros(local * p * t + 1, width, dtype=wire, device=dev)
-        back_header = -(-self._header_bytes // (self.hidden * torch.empty(0, dtype=dtype).element_size()))
-        if back_header != header_rows:
-            raise ConfigError(f"hidden={hidden} is too narrow to carry {local + 1} counts in one row each way; "
-                              "use a larger hidden size")
-        self._back_send = torch.zeros(rows, self.hidden, dtype=dtype, device=dev)
-        self._back = torch.zeros(rows + 1, self.hidden, dtype=dtype, device=dev)
-        self._slot_ids = torch.arange(t, device=dev)
-        self._expert_base = torch.arange(local, device=dev).view(1, local, 1) * (p * t)    # packed row of slot 0
-        self._no_counts = torch.zeros(p, local, dtype=torch.int64, device=dev)
-        # Row indices per block row (header rows: the packed scratch row on the way in, row 0 on
-        # the way back, overwritten by the header): filled per call in their data part.
-        self._landing = torch.full((p, self._block), local * p * t, dtype=torch.int64, device=dev)
-        self._gather_back = torch.zeros(p, self._block, dtype=torch.int64, device=dev)
-
-    def _header(self, buffer: torch.Tensor) -> torch.Tensor:
-        """uint8 [P, 4 * (E_local + 1)]: the header bytes of every peer's block in ``buffer``."""
-        p, data = self.groups.ep_size, self.num_local_experts * self.max_tokens
-        blocks = buffer[:p * self._block].view(torch.uint8).view(p, self._block, -1)
-        return blocks[:, data:].reshape(p, -1)[:, :self._header_bytes]
-
-    def _write_header(self, buffer: torch.Tensor, counts: torch.Tensor, failed: bool) -> None:
-        """counts int [P, E_local] (rows to each peer's experts) and this rank's error flag."""
-        words = torch.zeros(counts.shape[0], counts.shape[1] + 1, dtype=torch.int32, device=counts.device)
-        words[:, :-1] = counts
-        words[:, -1] = int(failed)
-        self._header(buffer).copy_(words.view(torch.uint8))
-
-    def _read_header(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(counts int64 [P, E_local] from each peer, error flags [P])."""
-        words = self._header(buffer).contiguous().view(torch.int32).long()
-        return words[:, :-1], words[:, -1]
+        quantized = payload == "fp8"
+        width, wire = (fp8.row_bytes(self.hidden), torch.uint8) if quantized else (self.hidden, dtype)
+        # Each peer's block: T row slots, then a metadata tail of fp64 words (the header, then per
+        # slot E_local expert flags and E_local weights), so one message per peer and direction
+        # carries everything. Combine's blocks carry T rows and the header.
+        self._words = _HEADER_WORDS + 2 * t * local
+        self._block = t + _rows_for(8 * self._words, width * wire.itemsize)
+        self._back_block = t + _rows_for(8 * _HEADER_WORDS, self.hidden * dtype.itemsize)
+        self._send = torch.zeros(p * self._block, width, dtype=wire, device=dev)
+        self._recv = torch.zeros_like(self._send)
+        self._rows = torch.zeros(t + 1, width, dtype=wire, device=dev)      # this call's rows, then a zero row
+        # The row of _rows each send row takes: per call, slot s of peer p takes its token's row;
+        # column T (the tail's first row) collects the tokens that skip a peer.
+        self._row_of_send = torch.zeros(p, self._block, dtype=torch.int64, device=dev)
+        # The experts' rows (+ a scratch row that slots nobody fills are written to on CUDA).
+        packed_width, packed_dtype = (width, wire) if quantized and not dequantize else (self.hidden, dtype)
+        self._packed = torch.zeros(local * p * t + 1, packed_width, dtype=packed_dtype, device=dev)
+        self._back_send = torch.zeros(p * self._back_block, self.hidden, dtype=dtype, device=dev)
+        self._back = torch.zeros_like(self._back_send)
+        # The metadata as fp64 words [P, words], and the byte views of each buffer's tails it
+        # is copied to and from (views made once: the buffers never move).
+        self._meta_out = torch.zeros(p, self._words, dtype=torch.float64, device=dev)
+        self._meta_in = torch.zeros_like(self._meta_out)
+        self._back_flags = torch.zeros(p, _HEADER_WORDS, dtype=torch.float64, device=dev)
+        self._back_flags_in = torch.zeros_like(self._back_flags)
+        self._send_tail, self._recv_tail = (self._tail(b, self._words) for b in (self._send, self._recv))
+        self._back_send_tail, self._back_tail = (self._tail(b, _HEADER_WORDS) for b in (self._back_send, self._back))
+        self._peers = torch.arange(p, device=dev)
+        self._token_ids = torch.arange(t, device=dev)
+        self._slot_rows = (self._peers.unsqueeze(1) * self._block + self._token_ids).reshape(-1)
+        self._expert_base = torch.arange(local, device=dev) * (p * t)      # row of each local expert's first
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> LowLatencyResult:
@@ -153,89 +150,122 @@ class LowLatencyDispatcher:
         [N, K] float. Collective over the EP group: a rank with invalid input makes every rank
         raise InvalidInputError once the exchange lands (it sends empty blocks meanwhile)."""
         with guarded("lowlatency dispatch", self.groups.label, self.groups.timeout), torch.no_grad():
+            p, t = self.groups.ep_size, self.max_tokens
             message = self._check(x, topk_idx, topk_weights)
-            p, local, t = self.groups.ep_size, self.num_local_experts, self.max_tokens
-            scratch = p * self._block
+            table = None if message is not None else self._routing(topk_idx, topk_weights)
+            if isinstance(table, str):
+                message = table
+            meta, token_copies = self._meta_out, None
             if message is None:
-                n, k = topk_idx.shape
-                valid = topk_idx >= 0
-                expert = topk_idx.long().clamp(min=0)
-                hits = torch.zeros(n, self.num_experts, dtype=torch.int64, device=x.device)
-                hits.scatter_add_(1, expert, valid.long())                 # [N, E]: 1 where the token meets e
-                if x.device.type == "cpu" and bool(hits.gt(1).any()):       # a value check: CPU only (host sync)
-                    message = (f"lowlatency dispatch on EP rank {self.groups.ep_rank}: a token lists the same expert "
-                               "twice in topk_idx; each of its K experts must differ")
-            if message is None:
-                slot_of = (hits.cumsum(0) - 1).gather(1, expert)             # [N, K] its slot among e's tokens
-                peer, rest = expert // local, expert % local
-                slot = torch.where(valid, peer * self._block + rest * t + slot_of, scratch)
-                rows = fp8.quantize(x) if self.payload == "fp8" else x
-                self._send[slot.reshape(-1)] = rows.repeat_interleave(k, 0)  # dropped slots: into the scratch row
-                self._write_header(self._send, hits.sum(0).view(p, local), False)
-                weights = torch.where(valid, topk_weights, torch.zeros_like(topk_weights))
+                n = x.shape[0]
+                on_peer = table[:n, 0].amax(2) > 0                           # [N, P]: the token meets the peer
+                slot = on_peer.cumsum(0) - 1                                  # its slot in each peer's block
+                # Which token fills each slot (n: none, the zero row), straight into the send gather.
+                self._row_of_send.fill_(n)
+                self._row_of_send[:, :t + 1].scatter_(1, torch.where(on_peer, slot, t).t(),
+                                                      self._token_ids[:n].expand(p, n))
+                self._rows[:n] = fp8.quantize(x) if self.payload == "fp8" else x
+                self._rows[n].zero_()
+                torch.index_select(self._rows, 0, self._row_of_send.view(-1), out=self._send)
+                # Each slot's expert flags and weights: [P, T, 2, E_local] from the token's row.
+                meta[:, _HEADER_WORDS:].view(p, t, 2, -1).copy_(table[self._row_of_send[:, :t], :, self._peers.unsqueeze(1)])
+                meta[:, 0], meta[:, 1] = 0, _WEIGHT_DTYPES.index(topk_weights.dtype)
+                token_copies = CopyPositions(n, min(topk_idx.shape[1], p), dense=torch.where(
+                    on_peer, self._peers * self._back_block + slot, -1))
             else:
-                self._write_header(self._send, self._no_counts, True)
-                slot = weights = None
-            got = self._exchange(self._send[:scratch], self._recv)
+                meta[:, 0], meta[:, _HEADER_WORDS:] = 1, 0                  # no rows for anyone
+            self._send_tail.copy_(meta.view(torch.uint8))
+            got = self._exchange(self._send, self._recv)
             wait_exchange("lowlatency dispatch", got.wait)
-            counts, failed = self._read_header(self._recv)
-            self._raise_if_any_failed(message, failed, "dispatch")
-            return self._pack(counts, slot, weights, x.dtype)
+            meta = self._meta_in
+            meta.view(torch.uint8).copy_(self._recv_tail)
+            self._raise_if_any_failed(message, meta[:, 0], "dispatch")
+            if self.agree_on_errors:
+                self._check_weight_dtypes(meta[:, 1], topk_weights.dtype)
+            return self._expand(meta[:, _HEADER_WORDS:], token_copies, topk_weights.dtype)
 
-    def _pack(self, counts, slot, weights, dtype) -> LowLatencyResult:
+    def _routing(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+        """fp64 [N + 1, 2, P, E_local]: per token (and a last row of zeros for none), 1 where it
+        meets that expert of that rank, then the routing weight there (0 elsewhere); or an error
+        message."""
+        n, e = topk_idx.shape[0], self.num_experts
+        column = topk_idx.long().masked_fill(topk_idx < 0, e)               # dropped slots: a spare column
+        table = torch.zeros(n + 1, 2, e + 1, dtype=torch.float64, device=topk_idx.device)
+        table[:n, 0].scatter_(1, column, 1.0)
+        if topk_idx.device.type == "cpu" and int(table[:, 0, :e].sum()) != int(column.lt(e).sum()):
+            return (f"lowlatency dispatch on EP rank {self.groups.ep_rank}: a token lists the same expert twice in "
+                    "topk_idx; each of its K experts must differ")            # (a value check: CPU only)
+        table[:n, 1].scatter_(1, column, topk_weights.double())
+        return table[:, :, :e].view(n + 1, 2, self.groups.ep_size, self.num_local_experts)
+
+    def _expand(self, slots: torch.Tensor, token_copies: CopyPositions, weights_dtype: torch.dtype) -> LowLatencyResult:
         """The received blocks -> rows packed per local expert [E_local, P * T, C] (by source,
-        then slot). counts: int64 [P, E_local] rows each source sent each local expert."""
+        then slot). slots: fp64 [P, T * 2 E_local], each slot's expert flags, then weights."""
         p, local, t = self.groups.ep_size, self.num_local_experts, self.max_tokens
-        before = counts.cumsum(0) - counts                                   # rows of earlier sources
-        at = before.unsqueeze(-1) + self._slot_ids                           # [P, E_local, T]
-        real = self._slot_ids < counts.unsqueeze(-1)
-        packed_at = self._expert_base + at.clamp(max=p * t - 1)
-        scratch = local * p * t
-        # Where every received row goes, header rows and unused slots to the scratch row.
-        self._landing[:, :local * t] = torch.where(real, packed_at, scratch).view(p, -1)
-        self._packed[self._landing.view(-1)] = self._recv
-        rows = self._packed[:scratch]
-        scales = None
-        if self.payload == "fp8":
-            if self.dequantize:
-                rows = fp8.dequantize(rows, self.hidden, dtype)
-            else:
-                values, scales = fp8.unpack(rows, self.hidden)
-                rows, scales = values, scales.view(local, p * t, -1)
-        copies = None if slot is None else CopyPositions.from_dense(torch.where(slot < p * self._block, slot, -1))
-        return LowLatencyResult(rows.view(local, p * t, self.hidden), counts.sum(0), scales, slot, copies, weights,
-                                packed_at, dtype)
+        pt, scratch = p * t, local * p * t
+        slots = slots.reshape(pt, 2, local)
+        member = slots[:, 0] != 0                                             # [P*T, E_local]
+        place = member.cumsum(0).add_(self._expert_base - 1)                 # its row in tokens (flattened)
+        row_weights = torch.zeros(scratch + 1, dtype=weights_dtype, device=slots.device)
+        row_weights[torch.where(member, place, scratch)] = slots[:, 1].to(weights_dtype)
+        if slots.device.type == "cpu":          # only the real rows (their number is known on the host)
+            slot, expert = torch.nonzero(member, as_tuple=True)              # by slot, then local expert
+            to = place[slot, expert]
+            offsets = torch.zeros(pt + 1, dtype=torch.int64)
+            torch.cumsum(member.sum(1), 0, out=offsets[1:])
+            copies = CopyPositions(pt, local, bags=(to, expert, slot, offsets))
+        else:                                   # fixed size, no host sync: unused pairs to the scratch row
+            slot = torch.arange(pt, device=slots.device).repeat_interleave(local)
+            to = torch.where(member, place, scratch).view(-1)
+            copies = CopyPositions.from_dense(torch.where(member, place, -1))
+        if self.payload == "fp8" and self.dequantize:
+            source = fp8.dequantize(self._recv.index_select(0, self._slot_rows), self.hidden, self.dtype)
+        else:
+            source, slot = self._recv, self._slot_rows[slot]
+        self._packed[to] = source.index_select(0, slot)
+        rows, scales = self._packed[:scratch], None
+        if self.payload == "fp8" and not self.dequantize:
+            rows, scales = fp8.unpack(rows, self.hidden)
+            scales = scales.view(local, pt, -1)
+        return LowLatencyResult(rows.view(local, pt, self.hidden), member.sum(0), scales, copies, row_weights,
+                                token_copies, self.dtype)
 
     # ------------------------------------------------------------------ combine
     def combine(self, expert_out: torch.Tensor, res: LowLatencyResult) -> torch.Tensor:
         """expert_out [E_local, P * T, H] (rows past each expert's count are ignored) -> y [N, H]
-        in x's dtype: y[n] = sum over k, in order, of w[n, k] * out[n, k], in fp32."""
+        in x's dtype: each received row's experts summed on this side, w * out in fp32 in local
+        expert order and rounded to ``dtype``, then a token's rows from its ranks summed in rank
+        order in fp32 (`dedup`'s combine: the same bits)."""
         with guarded("lowlatency combine", self.groups.label, self.groups.timeout), torch.no_grad():
-            local, pt = self.num_local_experts, self.groups.ep_size * self.max_tokens
-            message = None
             if not isinstance(res, LowLatencyResult):
                 raise InvalidInputError(f"lowlatency combine: res must be the LowLatencyResult dispatch returned, "
                                         f"got {type(res).__name__}")
-            p = self.groups.ep_size
-            if tuple(expert_out.shape) != (local, pt, self.hidden) or not expert_out.is_floating_point():
+            p, local, t = self.groups.ep_size, self.num_local_experts, self.max_tokens
+            message = None
+            if tuple(expert_out.shape) != (local, p * t, self.hidden) or not expert_out.is_floating_point():
                 message = (f"lowlatency combine on EP rank {self.groups.ep_rank}: expert_out must be float "
-                           f"[{local}, {pt}, {self.hidden}] like res.tokens, got {tuple(expert_out.shape)} "
+                           f"[{local}, {p * t}, {self.hidden}] like res.tokens, got {tuple(expert_out.shape)} "
                            f"{expert_out.dtype}")
-            else:     # each received slot's output back to its place in the blocks (headers: rewritten below)
-                self._gather_back[:, :local * self.max_tokens] = res._packed_at.view(p, -1)
-                torch.index_select(expert_out.reshape(local * pt, -1).to(self.dtype), 0, self._gather_back.view(-1),
-                                   out=self._back_send)
-            self._write_header(self._back_send, self._no_counts, message is not None)
-            back = self._exchange(self._back_send, self._back[:-1])
+            else:
+                summed = kernels.reduce_copies(expert_out.reshape(local * p * t, -1).to(self.dtype), res._expert_copies,
+                                               res._row_weights, self.dtype)                    # [P*T, H]
+                self._back_send.view(p, self._back_block, -1)[:, :t] = summed.view(p, t, -1)
+            self._back_flags[:, 0] = int(message is not None)
+            self._back_send_tail.copy_(self._back_flags.view(torch.uint8))
+            back = self._exchange(self._back_send, self._back)
             wait_exchange("lowlatency combine", back.wait)
-            self._raise_if_any_failed(message, self._read_header(self._back)[1], "combine")
-            self._back[-1].zero_()
-            # The normal mode's sum (same kernel, same order): bitwise the same y.
-            row_weights = torch.zeros(self._back.shape[0], dtype=res._weights.dtype, device=self._back.device)
-            row_weights[res._slot.reshape(-1)] = res._weights.reshape(-1)
-            return kernels.reduce_copies(self._back, res._copies, row_weights, res._dtype)
+            self._back_flags_in.view(torch.uint8).copy_(self._back_tail)
+            self._raise_if_any_failed(message, self._back_flags_in[:, 0], "combine")
+            return kernels.reduce_copies(self._back, res._token_copies, None, self.dtype).to(res._dtype)
 
     # ------------------------------------------------------------------ shared
+    def _tail(self, buffer: torch.Tensor, words: int) -> torch.Tensor:
+        """uint8 [P, 8 * words]: the first ``words`` fp64 words after the T row slots of every
+        peer's block in ``buffer`` (a view)."""
+        p = self.groups.ep_size
+        start = self.max_tokens * buffer.shape[1] * buffer.element_size()
+        return buffer.view(torch.uint8).view(p, -1)[:, start:start + 8 * words]
+
     def _exchange(self, rows: torch.Tensor, out: torch.Tensor):
         """Every peer's block of ``rows`` to it, theirs into ``out`` (posted, not waited): one
         collective of equal blocks."""
@@ -251,8 +281,9 @@ class LowLatencyDispatcher:
         if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] or topk_weights.shape != topk_idx.shape:
             return (f"{where}: topk_idx and topk_weights must both be [N={x.shape[0]}, K], got "
                     f"{tuple(topk_idx.shape)} and {tuple(topk_weights.shape)}")
-        if topk_idx.dtype.is_floating_point or not topk_weights.is_floating_point():
-            return f"{where}: topk_idx must be integer and topk_weights float, got {topk_idx.dtype}, {topk_weights.dtype}"
+        if topk_idx.dtype.is_floating_point or topk_weights.dtype not in _WEIGHT_DTYPES:
+            return (f"{where}: topk_idx must be integer and topk_weights one of "
+                    f"{', '.join(map(str, _WEIGHT_DTYPES))}, got {topk_idx.dtype}, {topk_weights.dtype}")
         if x.device != self.groups.device:
             return f"{where}: x is on {x.device}, the EP group communicates on {self.groups.device}"
         if x.device.type == "cpu" and topk_idx.numel():     # a value check costs a host sync on CUDA: CPU only
@@ -262,8 +293,8 @@ class LowLatencyDispatcher:
         return None
 
     def _raise_if_any_failed(self, message: str | None, failed: torch.Tensor, verb: str) -> None:
-        """Raise on every rank when any rank flagged invalid input (``failed`` [P], from the
-        headers), or on this rank alone without ``agree_on_errors``."""
+        """Raise on every rank when any rank flagged invalid input (``failed`` [P], nonzero
+        where a rank did, from the headers), or on this rank alone without ``agree_on_errors``."""
         if message is not None and not self.agree_on_errors:
             raise InvalidInputError(message)
         if self.agree_on_errors and bool(failed.any()):
@@ -273,7 +304,20 @@ class LowLatencyDispatcher:
             raise InvalidInputError(f"lowlatency {verb} aborted on EP rank {self.groups.ep_rank}: invalid input on "
                                     f"EP rank(s) {bad}; see the error raised there")
 
+    def _check_weight_dtypes(self, codes: torch.Tensor, mine: torch.dtype) -> None:
+        """Every rank sees every rank's weights dtype (``codes`` [P]) and raises alike if they differ."""
+        names = [str(_WEIGHT_DTYPES[int(c)]) for c in codes.tolist()]
+        if len(set(names)) > 1:
+            raise InvalidInputError(f"lowlatency dispatch on EP rank {self.groups.ep_rank}: topk_weights must have one "
+                                    f"dtype on every EP rank, got {names} by rank; pass topk_weights.to({mine}) "
+                                    "(or one common dtype) everywhere")
+
     def __repr__(self) -> str:
         return (f"LowLatencyDispatcher(ep_size={self.groups.ep_size}, num_experts={self.num_experts}, "
                 f"max_tokens_per_rank={self.max_tokens}, hidden={self.hidden}, dtype={self.dtype}, "
                 f"payload={self.payload!r})")
+
+
+def _rows_for(nbytes: int, row_bytes: int) -> int:
+    """Rows of ``row_bytes`` that hold ``nbytes``."""
+    return -(-nbytes // row_bytes)
