@@ -135,14 +135,25 @@ class LowLatencyDispatcher:
         # is copied to and from (views made once: the buffers never move).
         self._meta_out = torch.zeros(p, self._words, dtype=torch.float64, device=dev)
         self._meta_in = torch.zeros_like(self._meta_out)
+        self._slots_out = torch.zeros(p * t, 2 * local, dtype=torch.float64, device=dev)   # the body, by (peer, slot)
+        self._headers = torch.tensor([[0, code] for code in range(len(_WEIGHT_DTYPES))], dtype=torch.float64,
+                                     device=dev)                                      # no error, weights dtype
         self._back_flags = torch.zeros(p, _HEADER_WORDS, dtype=torch.float64, device=dev)
         self._back_flags_in = torch.zeros_like(self._back_flags)
         self._send_tail, self._recv_tail = (self._tail(b, self._words) for b in (self._send, self._recv))
         self._back_send_tail, self._back_tail = (self._tail(b, _HEADER_WORDS) for b in (self._back_send, self._back))
         self._peers = torch.arange(p, device=dev)
         self._token_ids = torch.arange(t, device=dev)
+        self._before_expert = torch.arange(local, device=dev) * (p * t) - 1   # the row before each expert's first
+        # The receive row of each (peer, slot), and the row each (slot, local expert) pair would
+        # take from the rows the experts' rows are gathered from (the receive buffer, or the
+        # dequantized slots); the packed rows' sources (_source_of_packed) are scattered from
+        # them each call, and rows past an expert's count keep whatever row they last named.
         self._slot_rows = (self._peers.unsqueeze(1) * self._block + self._token_ids).reshape(-1)
-        self._expert_base = torch.arange(local, device=dev) * (p * t)      # row of each local expert's first
+        from_slots = quantized and dequantize
+        pair_source = torch.arange(p * t, device=dev) if from_slots else self._slot_rows
+        self._pair_source = pair_source.repeat_interleave(local)
+        self._source_of_packed = torch.zeros(local * p * t + 1, dtype=torch.int64, device=dev)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> LowLatencyResult:
@@ -167,9 +178,12 @@ class LowLatencyDispatcher:
                 self._rows[:n] = fp8.quantize(x) if self.payload == "fp8" else x
                 self._rows[n].zero_()
                 torch.index_select(self._rows, 0, self._row_of_send.view(-1), out=self._send)
-                # Each slot's expert flags and weights: [P, T, 2, E_local] from the token's row.
-                meta[:, _HEADER_WORDS:].view(p, t, 2, -1).copy_(table[self._row_of_send[:, :t], :, self._peers.unsqueeze(1)])
-                meta[:, 0], meta[:, 1] = 0, _WEIGHT_DTYPES.index(topk_weights.dtype)
+                # Each slot's expert flags and weights, from its token's row of the table by peer.
+                by_peer = table.permute(2, 0, 1, 3).reshape(p * (n + 1), -1)             # [P * (N+1), 2 E_local]
+                torch.index_select(by_peer, 0, (self._row_of_send[:, :t] + self._peers.unsqueeze(1) * (n + 1)).view(-1),
+                                   out=self._slots_out)
+                meta[:, _HEADER_WORDS:] = self._slots_out.view(p, -1)
+                meta[:, :_HEADER_WORDS] = self._headers[_WEIGHT_DTYPES.index(topk_weights.dtype)]
                 token_copies = CopyPositions(n, min(topk_idx.shape[1], p), dense=torch.where(
                     on_peer, self._peers * self._back_block + slot, -1))
             else:
@@ -191,10 +205,10 @@ class LowLatencyDispatcher:
         n, e = topk_idx.shape[0], self.num_experts
         column = topk_idx.long().masked_fill(topk_idx < 0, e)               # dropped slots: a spare column
         table = torch.zeros(n + 1, 2, e + 1, dtype=torch.float64, device=topk_idx.device)
-        table[:n, 0].scatter_(1, column, 1.0)
-        if topk_idx.device.type == "cpu" and int(table[:, 0, :e].sum()) != int(column.lt(e).sum()):
+        table[:n, 0].scatter_add_(1, column, torch.ones_like(column, dtype=torch.float64))
+        if topk_idx.device.type == "cpu" and n and float(table[:, 0, :e].amax()) > 1:    # a value check: CPU only
             return (f"lowlatency dispatch on EP rank {self.groups.ep_rank}: a token lists the same expert twice in "
-                    "topk_idx; each of its K experts must differ")            # (a value check: CPU only)
+                    "topk_idx; each of its K experts must differ")
         table[:n, 1].scatter_(1, column, topk_weights.double())
         return table[:, :, :e].view(n + 1, 2, self.groups.ep_size, self.num_local_experts)
 
@@ -205,24 +219,23 @@ class LowLatencyDispatcher:
         pt, scratch = p * t, local * p * t
         slots = slots.reshape(pt, 2, local)
         member = slots[:, 0] != 0                                             # [P*T, E_local]
-        place = member.cumsum(0).add_(self._expert_base - 1)                 # its row in tokens (flattened)
+        place = member.cumsum(0).add_(self._before_expert)                   # its row in tokens (flattened)
+        to = torch.where(member, place, scratch).view(-1)                    # each (slot, expert) pair's row
         row_weights = torch.zeros(scratch + 1, dtype=weights_dtype, device=slots.device)
-        row_weights[torch.where(member, place, scratch)] = slots[:, 1].to(weights_dtype)
-        if slots.device.type == "cpu":          # only the real rows (their number is known on the host)
-            slot, expert = torch.nonzero(member, as_tuple=True)              # by slot, then local expert
-            to = place[slot, expert]
+        row_weights[to] = slots[:, 1].to(weights_dtype).view(-1)
+        if slots.device.type == "cpu":          # the sum's bags straight from the pairs (sizes known on the host)
+            pair = torch.nonzero(member.view(-1)).squeeze(1)                  # by slot, then local expert
             offsets = torch.zeros(pt + 1, dtype=torch.int64)
             torch.cumsum(member.sum(1), 0, out=offsets[1:])
-            copies = CopyPositions(pt, local, bags=(to, expert, slot, offsets))
-        else:                                   # fixed size, no host sync: unused pairs to the scratch row
-            slot = torch.arange(pt, device=slots.device).repeat_interleave(local)
-            to = torch.where(member, place, scratch).view(-1)
+            copies = CopyPositions(pt, local, bags=(to.index_select(0, pair), pair % local, pair // local, offsets))
+        else:                                   # no host sync: the dense form
             copies = CopyPositions.from_dense(torch.where(member, place, -1))
-        if self.payload == "fp8" and self.dequantize:
-            source = fp8.dequantize(self._recv.index_select(0, self._slot_rows), self.hidden, self.dtype)
-        else:
-            source, slot = self._recv, self._slot_rows[slot]
-        self._packed[to] = source.index_select(0, slot)
+        # Gather every packed row from its source (one pass, no sizes on the host): the
+        # source of each real row is scattered in first, unused pairs into the scratch entry.
+        self._source_of_packed[to] = self._pair_source
+        source = (fp8.dequantize(self._recv.index_select(0, self._slot_rows), self.hidden, self.dtype)
+                  if self.payload == "fp8" and self.dequantize else self._recv)
+        torch.index_select(source, 0, self._source_of_packed[:scratch], out=self._packed[:scratch])
         rows, scales = self._packed[:scratch], None
         if self.payload == "fp8" and not self.dequantize:
             rows, scales = fp8.unpack(rows, self.hidden)
