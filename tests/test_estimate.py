@@ -7,7 +7,11 @@ from dataclasses import replace
 
 import pytest
 
+import numpy as np
+
 from expertrail.cli import main
+from expertrail.plan.cost import Routing
+from expertrail.plan.simulate import simulate
 from expertrail.plan.architecture import ARCHITECTURES, from_fields
 from expertrail.plan.catalog import HARDWARE
 from expertrail.plan.estimate import estimate
@@ -122,6 +126,19 @@ def test_estimate_and_simulate_stay_fast_at_ep_4096():
     start = time.perf_counter()
     estimate(arch, HARDWARE["gb200-nvl72"], layout)
     assert time.perf_counter() - start < 2.0
+    start = time.perf_counter()                     # every algorithm at the default 4096 tokens per rank
+    rows = simulate(HARDWARE["gb200-nvl72"], arch.moe_model(), 4096, [4096], [20])
+    assert time.perf_counter() - start < 2.0 and {r["ep"] for r in rows} == {4096}
+
+
+def test_uniform_routing_draws_distinct_experts_evenly():
+    """Floyd's sampler: k distinct experts per token, each expert equally often."""
+    model = replace(QWEN.moe_model(), num_experts=64, topk=8)
+    idx = Routing("uniform").sample(model, 20000, seed=1)
+    assert idx.shape == (20000, 8) and all(len(set(row)) == 8 for row in idx[:2000].tolist())
+    counts = np.bincount(idx.ravel(), minlength=64)
+    expected = 20000 * 8 / 64
+    assert np.abs(counts - expected).max() < 5 * np.sqrt(expected)                # within 5 sigma
 
 
 def test_plan_fit_lists_fitting_layouts_that_validate(capsys):
