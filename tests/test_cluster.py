@@ -43,14 +43,17 @@ def no_leftovers():
 @pytest.mark.parametrize("text,expected", [
     ("1gbit", cl.LinkSpec(1e9)), ("200mbit", cl.LinkSpec(2e8)), ("100mbps", cl.LinkSpec(8e8)),
     ("1gbit,delay=100us,loss=0", cl.LinkSpec(1e9, 1e-4, 0.0)), ("10gbit,loss=1%", cl.LinkSpec(1e10, 0.0, 0.01)),
+    ("1gbit,queue=5ms", cl.LinkSpec(1e9, queue=0.005)),
 ])
 def test_link_specs_parse(text, expected):
     assert cl.LinkSpec.parse(text) == expected
+    assert cl.LinkSpec.parse(str(expected)) == expected           # the form relaunched nodes are given
 
 
 @pytest.mark.parametrize("text,message", [
     ("", "is empty"), ("fast", "write a number and a unit"), ("1gbit,jitter=1ms", "unknown setting 'jitter'"),
     ("1gbit,loss=2", "loss must be in [0, 1)"), ("10kbit", "below 100kbit"), ("1gbit,delay=5", "100us or 1ms"),
+    ("1gbit,queue=500us", "queue must be >= 1ms"), ("1gbit,queue=5", "queue '5'"),
 ])
 def test_bad_link_specs_say_what_to_write(text, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(")", r"\)")):
@@ -71,9 +74,11 @@ def test_missing_iproute2_is_named(monkeypatch):
 
 @needs_root
 def test_two_nodes_launch_like_a_multinode_job_and_shape_the_inter_node_link(no_leftovers):
-    with cl.Cluster(2, cl.LinkSpec.parse("100mbit")) as c:
+    with cl.Cluster(2, cl.LinkSpec.parse("100mbit,queue=20ms")) as c:
         results = c.run([PROBE], ranks_per_node=2, timeout=240, capture=True)
         assert c.prefix in cl.list_clusters() and len(cl.leftovers()) >= 5
+        shaper = subprocess.run(["tc", "qdisc", "show", "dev", f"{c.prefix}b1"], capture_output=True, text=True).stdout
+        assert "tbf" in shaper and "lat 20ms" in shaper, shaper            # the queue setting reached tc
     rows = [json.loads(line) for r in results for line in r.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in rows) == [0, 1, 2, 3]
     for r in rows:   # torchrun's multi-node numbering: node i holds ranks [2i, 2i+2), LOCAL_WORLD_SIZE 2

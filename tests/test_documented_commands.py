@@ -58,6 +58,8 @@ NOT_RUN = {
     "./run.sh test": "the suite itself",
     ".venv/bin/python benchmarks/gpu_kernels.py": "needs a CUDA device",
     ".venv/bin/python -m pytest tests/multirank/test_hf_world4.py tests/test_hf.py -q": "part of the suite itself",
+    ".venv/bin/python examples/quickstart.py": "run by tests/test_examples.py, which also checks its output",
+    ".venv/bin/python examples/hf_expert_parallel.py": "run by tests/test_examples.py, which also checks its output",
 }
 
 
@@ -114,7 +116,9 @@ ALL = sorted({entry for doc in DOCUMENTS for entry in documented_commands(doc)})
 def same_run(command: str) -> tuple:
     """What running ``command`` here does: its words less the options `SMALL` overrides and the
     output paths (sent to a temporary folder anyway; which outputs are asked for stays in).
-    Commands with the same key run alike, so the test runs the first of them only."""
+    Commands with the same key run alike, so the test runs the first of them only; a command
+    whose key differs from another's only by asking for fewer outputs runs within that one
+    (`distinct_runs`)."""
     extra = next((e.split() for pattern, e in SMALL if re.search(pattern, command)), [])
     overridden = {a for a in extra if a.startswith("--")}
     words, key, skip = shlex.split(command), [], False
@@ -132,13 +136,23 @@ def same_run(command: str) -> tuple:
 
 
 def distinct_runs(entries: list) -> list:
-    seen, out = set(), []
+    """One command per way of running: the first of those with the same `same_run` key, and
+    none whose run another command's covers (the same words and status, asking for a superset
+    of its outputs)."""
+    def split(command):
+        key = same_run(command)
+        return tuple(w for w in key if w not in OUTPUTS), {w for w in key if w in OUTPUTS}
+
+    runs = {}
     for command, status in entries:
-        key = (same_run(command), status)
-        if key not in seen:
-            seen.add(key)
-            out.append((command, status))
-    return out
+        words, outputs = split(command)
+        runs.setdefault((words, status), {}).setdefault(frozenset(outputs), (command, status))
+    out = []
+    for by_outputs in runs.values():
+        for outputs, entry in by_outputs.items():
+            if not any(outputs < other for other in by_outputs):
+                out.append(entry)
+    return sorted(out)
 
 
 def test_the_docs_show_commands_and_every_exclusion_is_still_shown():
@@ -156,6 +170,16 @@ def test_extraction_joins_continuations_and_reads_the_expected_status(tmp_path):
     doc.write_text("`expertrail cluster down NAME | --all`, `expertrail bench --nodes N`, `torchrun --rdzv <node 0>`, "
                    "`expertrail bench --emit-hardware PATH.yaml`, `expertrail bench --tokens 8`\n")
     assert documented_commands(doc) == [("expertrail bench --tokens 8", 0)]
+
+
+def test_a_command_asking_for_fewer_outputs_runs_within_another():
+    runs = distinct_runs([("expertrail bench --experts 8", 0), ("expertrail bench --experts 8 --json a.json", 0),
+                          ("expertrail bench --experts 8 --json b.json --plot b.png", 0),
+                          ("expertrail bench --experts 8 --plot c.png --timeline c.png", 0),
+                          ("expertrail bench --experts 8 --json d.json", 2), ("expertrail bench --experts 9", 0)])
+    assert runs == sorted([("expertrail bench --experts 8 --json b.json --plot b.png", 0),
+                           ("expertrail bench --experts 8 --plot c.png --timeline c.png", 0),
+                           ("expertrail bench --experts 8 --json d.json", 2), ("expertrail bench --experts 9", 0)])
 
 
 @pytest.mark.parametrize("command,status", distinct_runs([e for e in ALL if e[0] not in NOT_RUN]), ids=lambda v: str(v))

@@ -73,8 +73,9 @@ def _cluster_arguments(parser, ranks_per_node_help: str):
 
 def _inter_link_argument(parser) -> None:
     parser.add_argument("--inter-link", default="1gbit",
-                        help="each node's link, both directions: RATE[,loss=P][,delay=T], e.g. 200mbit,loss=1%% "
-                             "(loss needs nftables; a delay needs the kernel's netem) (default %(default)s)")
+                        help="each node's link, both directions: RATE[,loss=P][,delay=T][,queue=T], e.g. "
+                             "200mbit,loss=1%% (loss needs nftables; a delay needs the kernel's netem; queue: how long "
+                             "a packet may wait in the shaper's FIFO, default 50ms) (default %(default)s)")
 
 
 _CLUSTER_OPTIONS = ("--nodes", "--ranks-per-node", "--inter-link")

@@ -54,15 +54,22 @@ class ClusterError(ExpertrailError, RuntimeError):
     """The emulated cluster cannot be built, run or removed (permissions, tools, a failed step)."""
 
 
+# How long a packet may wait in the shaper's FIFO (tbf latency). The measurements in docs/ were
+# taken with this; fabrics queue far less (see docs/emulated-cluster.md, "Queue depth").
+DEFAULT_QUEUE_S = 0.05
+
+
 @dataclass(frozen=True)
 class LinkSpec:
     """One direction of an inter-node link: ``rate`` bits/s, one-way ``delay`` seconds, ``loss``
-    fraction of packets dropped. Parsed from ``"1gbit"``, ``"1gbit,delay=100us,loss=0.01"``
-    (loss also as ``1%``)."""
+    fraction of packets dropped, ``queue`` seconds of line rate the shaper's FIFO holds before
+    it drops (tbf's ``latency``: how long a packet can wait behind others). Parsed from
+    ``"1gbit"``, ``"1gbit,delay=100us,loss=0.01,queue=5ms"`` (loss also as ``1%``)."""
 
     rate: float
     delay: float = 0.0
     loss: float = 0.0
+    queue: float = DEFAULT_QUEUE_S
 
     @classmethod
     def parse(cls, text: str) -> "LinkSpec":
@@ -71,17 +78,23 @@ class LinkSpec:
             raise ConfigError("--inter-link is empty: give a rate such as 1gbit (optionally ,delay=100us,loss=0)")
         rate = _parse_rate(parts[0])
         delay = loss = 0.0
+        queue = DEFAULT_QUEUE_S
         for part in parts[1:]:
             key, _, value = part.partition("=")
             if key == "delay":
                 delay = _parse_time(value)
+            elif key == "queue":
+                queue = _parse_time(value, "queue")
+                if queue < 1e-3:
+                    raise ConfigError(f"--inter-link {text!r}: queue must be >= 1ms (the shaper needs room for a "
+                                      "64 KiB segment)")
             elif key == "loss":
                 loss = float(value[:-1]) / 100 if value.endswith("%") else _float(value, "loss")
             else:
-                raise ConfigError(f"--inter-link {text!r}: unknown setting {key!r}; use rate,delay=T,loss=P")
+                raise ConfigError(f"--inter-link {text!r}: unknown setting {key!r}; use rate,delay=T,loss=P,queue=T")
         if not 0 <= loss < 1:
             raise ConfigError(f"--inter-link {text!r}: loss must be in [0, 1) (or a percentage such as 1%)")
-        return cls(rate, delay, loss)
+        return cls(rate, delay, loss, queue)
 
     def __str__(self) -> str:
         text = f"{self.rate / 1e9:g}gbit" if self.rate >= 1e9 else f"{self.rate / 1e6:g}mbit"
@@ -89,6 +102,8 @@ class LinkSpec:
             text += f",delay={self.delay * 1e6:g}us"
         if self.loss:
             text += f",loss={self.loss * 100:g}%"
+        if self.queue != DEFAULT_QUEUE_S:
+            text += f",queue={self.queue * 1e3:g}ms"
         return text
 
 
@@ -109,11 +124,11 @@ def _parse_rate(text: str) -> float:
     return rate
 
 
-def _parse_time(text: str) -> float:
+def _parse_time(text: str, what: str = "delay") -> float:
     match = re.fullmatch(r"([0-9.]+)\s*(s|ms|us|ns)", text.lower())
     if not match:
-        raise ConfigError(f"--inter-link delay {text!r}: write a number and a unit, e.g. 100us or 1ms")
-    return _float(match.group(1), "delay") / _TIME_UNITS[match.group(2)]
+        raise ConfigError(f"--inter-link {what} {text!r}: write a number and a unit, e.g. 100us or 1ms")
+    return _float(match.group(1), what) / _TIME_UNITS[match.group(2)]
 
 
 # ---------------------------------------------------------------------------- system commands
@@ -248,7 +263,7 @@ class Cluster:
         rate = self.inter_link.rate
         burst = max(64 * 1024 + 1514, int(rate / 8 / 250))     # ~4 ms of line rate, >= one GSO segment
         _sh("tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", f"{int(rate)}bit", "burst", str(burst),
-            "latency", "50ms", netns=netns)
+            "latency", f"{self.inter_link.queue * 1e6:g}us", netns=netns)
         if self.inter_link.delay:
             _sh("tc", "qdisc", "add", "dev", dev, "parent", "1:1", "netem", "delay",
                 f"{self.inter_link.delay * 1e6:g}us", netns=netns)
