@@ -11,6 +11,12 @@ def test_lowlatency_gives_the_normal_modes_rows_and_outputs(world4, dtype, paylo
     assert world4.run(workers.lowlatency_matches_normal, dtype, payload) == [6] * 4
 
 
+@pytest.mark.parametrize("payload", ["native", "fp8"])
+def test_lowlatency_without_host_sizes_gives_the_same_bits(world4, payload):
+    """The expansion CUDA runs (fixed-size index map, dense copy positions), here on CPU."""
+    assert world4.run(workers.lowlatency_matches_normal, torch.bfloat16, payload, False) == [6] * 4
+
+
 def test_lowlatency_bad_input_on_one_rank_raises_on_every_rank(world4):
     results = world4.run(workers.lowlatency_bad_input)
     assert "max_tokens_per_rank=4" in results[2][0]

@@ -972,7 +972,7 @@ def overlap_matches_sequential(rank, world, backend, dtype, micro_batches=3):
     return out
 
 
-def lowlatency_matches_normal(rank, world, dtype, payload="native"):
+def lowlatency_matches_normal(rank, world, dtype, payload="native", sizes_on_host=True):
     """The lowlatency mode against dedup's normal mode (one row per (token, rank), summed on the
     expert side) on the same inputs, call after call with changing token counts (0 on one
     rank, dropped slots, one hot expert, every token on one rank's experts). Returns the
@@ -982,6 +982,9 @@ def lowlatency_matches_normal(rank, world, dtype, payload="native"):
     local = experts // world
     ll = er.make_dispatcher("lowlatency", groups, num_experts=experts, max_tokens_per_rank=most, hidden=hidden,
                             dtype=dtype, payload=payload)
+    ll.sizes_on_host = sizes_on_host                         # False: the path CUDA takes (no host reads)
+    raw = er.make_dispatcher("lowlatency", groups, num_experts=experts, max_tokens_per_rank=most, hidden=hidden,
+                             dtype=dtype, payload=payload, dequantize=False) if payload == "fp8" else None
     normal = er.make_dispatcher("dedup", groups, num_experts=experts, payload=payload)
     checked = 0
     for call, n in enumerate([most, 5, 0 if rank == 1 else 3, 1, most, 7]):
@@ -1004,6 +1007,13 @@ def lowlatency_matches_normal(rank, world, dtype, payload="native"):
         expert_of_row = torch.repeat_interleave(torch.arange(local), ref.tokens_per_expert)
         for e in range(local):
             assert torch.equal(res.tokens[e, :int(res.count[e])], ref.tokens[expert_of_row == e]), (call, e)
+        if raw is not None:                                  # fp8 values and scales for FP8 experts
+            kept = raw.dispatch(x, idx, w)
+            assert kept.tokens.dtype == torch.float8_e4m3fn and torch.equal(kept.count, res.count)
+            for e in range(local):
+                c = int(res.count[e])
+                assert torch.equal(er.fp8.dequantize_values(kept.tokens[e, :c], kept.scales[e, :c], dtype),
+                                   res.tokens[e, :c]), (call, e)
         scale = torch.linspace(0.5, 1.5, local).view(local, 1, 1)
         out = (res.tokens.float() * scale).to(dtype)
         y = ll.combine(out, res)

@@ -111,6 +111,9 @@ class LowLatencyDispatcher:
         self.max_tokens, self.hidden, self.dtype = int(max_tokens_per_rank), int(hidden), dtype
         self.payload, self.dequantize = payload, dequantize
         self.agree_on_errors = groups.device.type == "cpu" if agree_on_errors is None else agree_on_errors
+        # Whether the expansion may read sizes on the host (free on CPU; a sync on CUDA, so there
+        # it takes the fixed-size path; tests run that path on CPU too).
+        self.sizes_on_host = groups.device.type == "cpu"
         p, local, t, dev = groups.ep_size, self.num_local_experts, self.max_tokens, groups.device
         quantized = payload == "fp8"
         width, wire = (fp8.row_bytes(self.hidden), torch.uint8) if quantized else (self.hidden, dtype)
@@ -223,9 +226,9 @@ class LowLatencyDispatcher:
         to = torch.where(member, place, scratch).view(-1)                    # each (slot, expert) pair's row
         row_weights = torch.zeros(scratch + 1, dtype=weights_dtype, device=slots.device)
         row_weights[to] = slots[:, 1].to(weights_dtype).view(-1)
-        if slots.device.type == "cpu":          # the sum's bags straight from the pairs (sizes known on the host)
+        if self.sizes_on_host:                  # the sum's bags straight from the pairs (sizes known on the host)
             pair = torch.nonzero(member.view(-1)).squeeze(1)                  # by slot, then local expert
-            offsets = torch.zeros(pt + 1, dtype=torch.int64)
+            offsets = torch.zeros(pt + 1, dtype=torch.int64, device=slots.device)
             torch.cumsum(member.sum(1), 0, out=offsets[1:])
             copies = CopyPositions(pt, local, bags=(to.index_select(0, pair), pair % local, pair // local, offsets))
         else:                                   # no host sync: the dense form
