@@ -22,3 +22,8 @@ def test_lowlatency_bad_input_on_one_rank_raises_on_every_rank(world4):
     assert "max_tokens_per_rank=4" in results[2][0]
     assert all(r[0] and "EP rank(s) 2" in r[0] for i, r in enumerate(results) if i != 2)
     assert all(r[1] == (4, 16) for r in results)
+    assert all(r[2] and "topk_weights must have one dtype on every EP rank" in r[2] for r in results)
+
+
+def test_lowlatency_carries_bf16_and_fp64_routing_weights_exactly(world4):
+    assert world4.run(workers.lowlatency_weight_dtypes) == [[True, True]] * 4

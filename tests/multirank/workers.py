@@ -1039,4 +1039,27 @@ def lowlatency_bad_input(rank, world):
     idx = torch.stack([torch.randperm(8)[:2] for _ in range(4)])
     res = ll.dispatch(x, idx, torch.rand(4, 2))
     y = ll.combine(res.tokens, res)
-    return raised, tuple(y.shape)
+    try:                                                     # routing weights of another dtype on rank 1
+        ll.dispatch(x, idx, torch.rand(4, 2, dtype=torch.float64 if rank == 1 else torch.float32))
+        mixed = None
+    except er.InvalidInputError as err:
+        mixed = str(err)
+    return raised, tuple(y.shape), mixed
+
+
+def lowlatency_weight_dtypes(rank, world):
+    """bf16 and fp64 routing weights (carried exactly, summed as dedup sums them): the same bits
+    as dedup's normal mode."""
+    groups = groups_for(None, 2)
+    ll = er.make_dispatcher("lowlatency", groups, num_experts=8, max_tokens_per_rank=6, hidden=32,
+                            dtype=torch.bfloat16)
+    normal = er.make_dispatcher("dedup", groups, num_experts=8)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(6, 32, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(6)])
+    same = []
+    for wdtype in (torch.bfloat16, torch.float64):
+        w = torch.rand(6, 3, generator=g).to(wdtype)
+        res, ref = ll.dispatch(x, idx, w), normal.dispatch(x, idx, w)
+        same.append(torch.equal(ll.combine(res.tokens, res), normal.combine(ref.tokens, ref)))
+    return same

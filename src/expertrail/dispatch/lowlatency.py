@@ -225,7 +225,7 @@ class LowLatencyDispatcher:
         place = member.cumsum(0).add_(self._before_expert)                   # its row in tokens (flattened)
         to = torch.where(member, place, scratch).view(-1)                    # each (slot, expert) pair's row
         row_weights = torch.zeros(scratch + 1, dtype=weights_dtype, device=slots.device)
-        row_weights[to] = slots[:, 1].to(weights_dtype).view(-1)
+        row_weights[to] = slots[:, 1].to(weights_dtype).reshape(-1)
         if self.sizes_on_host:                  # the sum's bags straight from the pairs (sizes known on the host)
             pair = torch.nonzero(member.view(-1)).squeeze(1)                  # by slot, then local expert
             offsets = torch.zeros(pt + 1, dtype=torch.int64, device=slots.device)
