@@ -48,6 +48,7 @@ SMALL = [
     (r"benchmarks/user_process\.py.*--soak", "--tokens 256 --hidden 64 --soak 20"),
     (r"benchmarks/user_process\.py", "--tokens 256 --hidden 64 --iters 2"),
     (r"benchmarks/balance_quality\.py", "--layers 2"),
+    (r"benchmarks/gpu_lowlatency\.py", "--tokens 1,8 --hidden 64 --iters 2"),
 ]
 # Options naming an output file: sent to the test's temporary folder.
 OUTPUTS = ("--json", "--plot", "--emit-hardware", "--timeline")
