@@ -134,13 +134,12 @@ class LowLatencyDispatcher:
         self._packed = torch.zeros(local * p * t + 1, packed_width, dtype=packed_dtype, device=dev)
         self._back_send = torch.zeros(p * self._back_block, self.hidden, dtype=dtype, device=dev)
         self._back = torch.zeros_like(self._back_send)
-        # The metadata as fp64 words [P, words], and the byte views of each buffer's tails it
-        # is copied to and from (views made once: the buffers never move).
-        self._meta_out = torch.zeros(p, self._words, dtype=torch.float64, device=dev)
-        self._meta_in = torch.zeros_like(self._meta_out)
-        self._slots_out = torch.zeros(p * t, 2 * local, dtype=torch.float64, device=dev)   # the body, by (peer, slot)
-        self._headers = torch.tensor([[0, code] for code in range(len(_WEIGHT_DTYPES))], dtype=torch.float64,
-                                     device=dev)                                      # no error, weights dtype
+        # Byte views of each buffer's metadata tail (made once: the buffers never move); the
+        # header bytes each call starts with (no error and the weights' dtype code, or failed);
+        # the received metadata as fp64 words [P, words] (a copy: the tail need not be aligned).
+        headers = [[0.0, code] for code in range(len(_WEIGHT_DTYPES))] + [[1.0, -1.0]]
+        self._headers = torch.tensor(headers, dtype=torch.float64, device=dev).view(torch.uint8)
+        self._meta_in = torch.zeros(p, self._words, dtype=torch.float64, device=dev)
         self._back_flags = torch.zeros(p, _HEADER_WORDS, dtype=torch.float64, device=dev)
         self._back_flags_in = torch.zeros_like(self._back_flags)
         self._send_tail, self._recv_tail = (self._tail(b, self._words) for b in (self._send, self._recv))
@@ -169,7 +168,7 @@ class LowLatencyDispatcher:
             table = None if message is not None else self._routing(topk_idx, topk_weights)
             if isinstance(table, str):
                 message = table
-            meta, token_copies = self._meta_out, None
+            token_copies = None
             if message is None:
                 n = x.shape[0]
                 on_peer = table[:n, 0].amax(2) > 0                           # [N, P]: the token meets the peer
@@ -183,15 +182,15 @@ class LowLatencyDispatcher:
                 torch.index_select(self._rows, 0, self._row_of_send.view(-1), out=self._send)
                 # Each slot's expert flags and weights, from its token's row of the table by peer.
                 by_peer = table.permute(2, 0, 1, 3).reshape(p * (n + 1), -1)             # [P * (N+1), 2 E_local]
-                torch.index_select(by_peer, 0, (self._row_of_send[:, :t] + self._peers.unsqueeze(1) * (n + 1)).view(-1),
-                                   out=self._slots_out)
-                meta[:, _HEADER_WORDS:] = self._slots_out.view(p, -1)
-                meta[:, :_HEADER_WORDS] = self._headers[_WEIGHT_DTYPES.index(topk_weights.dtype)]
+                slots = by_peer.index_select(0, (self._row_of_send[:, :t] + self._peers.unsqueeze(1) * (n + 1)).view(-1))
+                self._send_tail[:, 8 * _HEADER_WORDS:] = slots.view(torch.uint8).view(p, -1)
+                header = self._headers[_WEIGHT_DTYPES.index(topk_weights.dtype)]
                 token_copies = CopyPositions(n, min(topk_idx.shape[1], p), dense=torch.where(
                     on_peer, self._peers * self._back_block + slot, -1))
             else:
-                meta[:, 0], meta[:, _HEADER_WORDS:] = 1, 0                  # no rows for anyone
-            self._send_tail.copy_(meta.view(torch.uint8))
+                self._send_tail[:, 8 * _HEADER_WORDS:] = 0                    # no rows for anyone
+                header = self._headers[-1]
+            self._send_tail[:, :8 * _HEADER_WORDS] = header
             got = self._exchange(self._send, self._recv)
             wait_exchange("lowlatency dispatch", got.wait)
             meta = self._meta_in
