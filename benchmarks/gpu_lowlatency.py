@@ -14,34 +14,13 @@ FAIL with its error; the exit status is 1 if any failed.
 import argparse
 import os
 import socket
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 import expertrail as er
-
-
-def clock(device, fn, iters):
-    """Median seconds of fn() (CUDA events on GPU), after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from gpu_kernels import timer          # benchmarks/ is on the path when a script there runs
 
 
 def inputs(n, args, device, seed):
@@ -79,7 +58,7 @@ def run_size(t, args, groups, device, failures) -> dict:
             assert torch.equal(step(ll, x, idx, w), normal.combine(ref.tokens, ref)), f"N={n}"
 
     check("same bits as dedup", same_as_dedup, failures)
-    row = {"eager_us": 1e6 * clock(device, lambda: step(ll, *inputs(t, args, device, 1)), args.iters)}
+    row = {"eager_us": 1e6 * timer(device, lambda: step(ll, *inputs(t, args, device, 1)), args.iters)}
     if device.type != "cuda":
         print("  no host sync, CUDA graph: skipped (no CUDA device)")
         return row
@@ -114,12 +93,12 @@ def run_size(t, args, groups, device, failures) -> dict:
                 buffer.copy_(value)
             graph.replay()
             assert torch.equal(out, step(ll, *fresh)), f"replay with inputs of seed {seed}"
-        row["graph_us"] = 1e6 * clock(device, graph.replay, args.iters)
+        row["graph_us"] = 1e6 * timer(device, graph.replay, args.iters)
 
     check("captured in a CUDA graph, replayed on new inputs", captured, failures)
     send, recv = torch.zeros_like(ll._send), torch.zeros_like(ll._recv)
     back_send, back = torch.zeros_like(ll._back_send), torch.zeros_like(ll._back)
-    row["bare_us"] = 1e6 * clock(device, lambda: (dist.all_to_all_single(recv, send),
+    row["bare_us"] = 1e6 * timer(device, lambda: (dist.all_to_all_single(recv, send),
                                                   dist.all_to_all_single(back, back_send)), args.iters)
     return row
 

@@ -55,7 +55,7 @@ class ClusterError(ExpertrailError, RuntimeError):
 
 
 # How long a packet may wait in the shaper's FIFO (tbf latency). The measurements in docs/ were
-# taken with this; fabrics queue far less (see docs/emulated-cluster.md, "Queue depth").
+# taken with this; fabrics queue far less (docs/emulated-cluster.md, "How it works").
 DEFAULT_QUEUE_S = 0.05
 
 
