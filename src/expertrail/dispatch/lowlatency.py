@@ -5,21 +5,24 @@ a round trip to exchange counts, then planning on the host from them. DeepEP's l
 kernels answer with static buffers; this mode does the same on any torch.distributed backend:
 
 - Every buffer is allocated once, sized by ``max_tokens_per_rank`` (T). A rank sends each peer
-  a fixed block: T row slots, one per token that has an expert on that peer (a token meets a
-  rank at most once, so T slots always suffice; `dedup`'s one row per (token, rank)), then a
-  metadata tail: per slot, which of the peer's local experts the row is for and with which
-  routing weight, and an error flag. One exchange per dispatch and one per combine, no count
-  round, no sizes computed on the host, nothing outside tensors that depends on the data (on
-  CUDA: no host synchronisation, so a decode step can be captured in a CUDA graph).
+  a fixed block: T row slots, slot s holding token s (a token meets a rank at most once, so
+  `dedup`'s one row per (token, rank) fits), then a metadata tail: per slot, which of the
+  peer's local experts the row is for (none: the peer skips it) and with which routing
+  weight, and an error flag. Slot s = token s makes the sender's side one broadcast copy of
+  x and one of its routing table, with no positions to plan. One exchange per dispatch and
+  one per combine, no count round, no sizes computed on the host, nothing outside tensors
+  that depends on the data (on CUDA: no host synchronisation, so a decode step can be
+  captured in a CUDA graph).
 - The receiver expands the rows into DeepEP's low-latency layout, packed per local expert:
   ``tokens [E_local, P * T, H]`` with ``count [E_local]`` real rows each, ordered by source
   rank then source token, the rest of each expert's rows unspecified (experts may compute
   them; combine ignores them). The same rows, in the same order, as the normal mode's expert
   rows.
 - combine sums each received row's expert outputs, weighted, on the expert side (fp32, in
-  local-expert order, rounded to the payload dtype), sends that one row back to its slot, and
-  the source sums a token's rows from its ranks in rank order: `dedup`'s normal mode, with
-  its kernel, so the same bits.
+  local-expert order, rounded to the payload dtype), sends that one row back to its slot (a
+  zero row for slots it has no expert of), and the source sums slot s of every rank's block
+  in rank order, over positions fixed at construction: `dedup`'s normal mode, with its
+  kernel, so the same bits (the zero rows of ranks a token skips add exactly nothing).
 
 Why one row per (token, rank) and not DeepEP's per (token, expert) slots: DeepEP's RDMA writes
 only the real rows into its slots, but a collective moves whole blocks, so per-expert slots
@@ -125,18 +128,15 @@ class LowLatencyDispatcher:
         self._back_block = t + _rows_for(8 * _HEADER_WORDS, self.hidden * dtype.itemsize)
         self._send = torch.zeros(p * self._block, width, dtype=wire, device=dev)
         self._recv = torch.zeros_like(self._send)
-        self._rows = torch.zeros(t + 1, width, dtype=wire, device=dev)      # this call's rows, then a zero row
-        # The row of _rows each send row takes: per call, slot s of peer p takes its token's row;
-        # column T (the tail's first row) collects the tokens that skip a peer.
-        self._row_of_send = torch.zeros(p, self._block, dtype=torch.int64, device=dev)
         # The experts' rows (+ a scratch row that slots nobody fills are written to on CUDA).
         packed_width, packed_dtype = (width, wire) if quantized and not dequantize else (self.hidden, dtype)
         self._packed = torch.zeros(local * p * t + 1, packed_width, dtype=packed_dtype, device=dev)
         self._back_send = torch.zeros(p * self._back_block, self.hidden, dtype=dtype, device=dev)
         self._back = torch.zeros_like(self._back_send)
-        # Byte views of each buffer's metadata tail (made once: the buffers never move); the
-        # header bytes each call starts with (no error and the weights' dtype code, or failed);
-        # the received metadata as fp64 words [P, words] (a copy: the tail need not be aligned).
+        # Byte views of each buffer's slots and metadata tail (made once: the buffers never
+        # move); the header bytes each call starts with (no error and the weights' dtype code,
+        # or failed); the received metadata as fp64 words [P, words] (a copy: the tail need not
+        # be aligned).
         headers = [[0.0, code] for code in range(len(_WEIGHT_DTYPES))] + [[1.0, -1.0]]
         self._headers = torch.tensor(headers, dtype=torch.float64, device=dev).view(torch.uint8)
         self._meta_in = torch.zeros(p, self._words, dtype=torch.float64, device=dev)
@@ -144,18 +144,26 @@ class LowLatencyDispatcher:
         self._back_flags_in = torch.zeros_like(self._back_flags)
         self._send_tail, self._recv_tail = (self._tail(b, self._words) for b in (self._send, self._recv))
         self._back_send_tail, self._back_tail = (self._tail(b, _HEADER_WORDS) for b in (self._back_send, self._back))
-        self._peers = torch.arange(p, device=dev)
-        self._token_ids = torch.arange(t, device=dev)
+        self._send_slots = self._send.view(p, self._block, -1)[:, :t]                 # [P, T, C]: slot s = token s
+        self._send_meta = self._send_tail[:, 8 * _HEADER_WORDS:].view(p, t, 2, 8 * local)   # per slot: flags, weights
         self._before_expert = torch.arange(local, device=dev) * (p * t) - 1   # the row before each expert's first
         # The receive row of each (peer, slot), and the row each (slot, local expert) pair would
         # take from the rows the experts' rows are gathered from (the receive buffer, or the
         # dequantized slots); the packed rows' sources (_source_of_packed) are scattered from
         # them each call, and rows past an expert's count keep whatever row they last named.
-        self._slot_rows = (self._peers.unsqueeze(1) * self._block + self._token_ids).reshape(-1)
+        slot_rows = torch.arange(p, device=dev).unsqueeze(1) * self._block + torch.arange(t, device=dev)
+        self._slot_rows = slot_rows.reshape(-1)
         from_slots = quantized and dequantize
         pair_source = torch.arange(p * t, device=dev) if from_slots else self._slot_rows
         self._pair_source = pair_source.repeat_interleave(local)
         self._source_of_packed = torch.zeros(local * p * t + 1, dtype=torch.int64, device=dev)
+        # Where token s's row comes back from each rank: slot s of every rank's combine block, in
+        # rank order. Ranks a token skips send a zero row there (an empty sum), so the source
+        # sums all P of them with no per-call plan: [T, P] positions and their bag form.
+        back_rows = (torch.arange(p, device=dev) * self._back_block + torch.arange(t, device=dev).unsqueeze(1))
+        every = torch.arange(t * p, device=dev)
+        self._back_dense = back_rows
+        self._back_bags = (back_rows.reshape(-1), every % p, every // p, torch.arange(0, (t + 1) * p, p, device=dev))
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> LowLatencyResult:
@@ -163,32 +171,20 @@ class LowLatencyDispatcher:
         [N, K] float. Collective over the EP group: a rank with invalid input makes every rank
         raise InvalidInputError once the exchange lands (it sends empty blocks meanwhile)."""
         with guarded("lowlatency dispatch", self.groups.label, self.groups.timeout), torch.no_grad():
-            p, t = self.groups.ep_size, self.max_tokens
             message = self._check(x, topk_idx, topk_weights)
             table = None if message is not None else self._routing(topk_idx, topk_weights)
             if isinstance(table, str):
                 message = table
-            token_copies = None
             if message is None:
+                # Slot s of every peer's block holds token s; the metadata says which of the
+                # peer's experts it is for (none: the peer skips it).
                 n = x.shape[0]
-                on_peer = table[:n, 0].amax(2) > 0                           # [N, P]: the token meets the peer
-                slot = on_peer.cumsum(0) - 1                                  # its slot in each peer's block
-                # Which token fills each slot (n: none, the zero row), straight into the send gather.
-                self._row_of_send.fill_(n)
-                self._row_of_send[:, :t + 1].scatter_(1, torch.where(on_peer, slot, t).t(),
-                                                      self._token_ids[:n].expand(p, n))
-                self._rows[:n] = fp8.quantize(x) if self.payload == "fp8" else x
-                self._rows[n].zero_()
-                torch.index_select(self._rows, 0, self._row_of_send.view(-1), out=self._send)
-                # Each slot's expert flags and weights, from its token's row of the table by peer.
-                by_peer = table.permute(2, 0, 1, 3).reshape(p * (n + 1), -1)             # [P * (N+1), 2 E_local]
-                slots = by_peer.index_select(0, (self._row_of_send[:, :t] + self._peers.unsqueeze(1) * (n + 1)).view(-1))
-                self._send_tail[:, 8 * _HEADER_WORDS:] = slots.view(torch.uint8).view(p, -1)
+                self._send_slots[:, :n] = fp8.quantize(x) if self.payload == "fp8" else x
+                self._send_meta[:, :n] = table.permute(2, 0, 1, 3).view(torch.uint8)
+                self._send_meta[:, n:] = 0
                 header = self._headers[_WEIGHT_DTYPES.index(topk_weights.dtype)]
-                token_copies = CopyPositions(n, min(topk_idx.shape[1], p), dense=torch.where(
-                    on_peer, self._peers * self._back_block + slot, -1))
             else:
-                self._send_tail[:, 8 * _HEADER_WORDS:] = 0                    # no rows for anyone
+                self._send_meta.zero_()                                       # no rows for anyone
                 header = self._headers[-1]
             self._send_tail[:, :8 * _HEADER_WORDS] = header
             got = self._exchange(self._send, self._recv)
@@ -198,33 +194,33 @@ class LowLatencyDispatcher:
             self._raise_if_any_failed(message, meta[:, 0], "dispatch")
             if self.agree_on_errors:
                 self._check_weight_dtypes(meta[:, 1], topk_weights.dtype)
-            return self._expand(meta[:, _HEADER_WORDS:], token_copies, topk_weights.dtype)
+            return self._expand(meta[:, _HEADER_WORDS:], x.shape[0], topk_weights.dtype)
 
     def _routing(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
-        """fp64 [N + 1, 2, P, E_local]: per token (and a last row of zeros for none), 1 where it
-        meets that expert of that rank, then the routing weight there (0 elsewhere); or an error
-        message."""
+        """fp64 [N, 2, P, E_local]: per token, 1 where it meets that expert of that rank, then the
+        routing weight there (0 elsewhere); or an error message."""
         n, e = topk_idx.shape[0], self.num_experts
         column = topk_idx.long().masked_fill(topk_idx < 0, e)               # dropped slots: a spare column
-        table = torch.zeros(n + 1, 2, e + 1, dtype=torch.float64, device=topk_idx.device)
-        table[:n, 0].scatter_add_(1, column, torch.ones_like(column, dtype=torch.float64))
+        table = torch.zeros(n, 2, e + 1, dtype=torch.float64, device=topk_idx.device)
+        table[:, 0].scatter_add_(1, column, torch.ones_like(column, dtype=torch.float64))
         if topk_idx.device.type == "cpu" and n and float(table[:, 0, :e].amax()) > 1:    # a value check: CPU only
             return (f"lowlatency dispatch on EP rank {self.groups.ep_rank}: a token lists the same expert twice in "
                     "topk_idx; each of its K experts must differ")
-        table[:n, 1].scatter_(1, column, topk_weights.double())
-        return table[:, :, :e].view(n + 1, 2, self.groups.ep_size, self.num_local_experts)
+        table[:, 1].scatter_(1, column, topk_weights.double())
+        return table[:, :, :e].view(n, 2, self.groups.ep_size, self.num_local_experts)
 
-    def _expand(self, slots: torch.Tensor, token_copies: CopyPositions, weights_dtype: torch.dtype) -> LowLatencyResult:
+    def _expand(self, slots: torch.Tensor, n: int, weights_dtype: torch.dtype) -> LowLatencyResult:
         """The received blocks -> rows packed per local expert [E_local, P * T, C] (by source,
-        then slot). slots: fp64 [P, T * 2 E_local], each slot's expert flags, then weights."""
+        then slot). slots: fp64 [P, T * 2 E_local], each slot's expert flags, then weights; n:
+        the tokens this rank sent."""
         p, local, t = self.groups.ep_size, self.num_local_experts, self.max_tokens
         pt, scratch = p * t, local * p * t
-        slots = slots.reshape(pt, 2, local)
-        member = slots[:, 0] != 0                                             # [P*T, E_local]
+        slots = slots.view(p, t, 2, local)
+        member = (slots[:, :, 0] != 0).view(pt, local)                        # [P*T, E_local]
         place = member.cumsum(0).add_(self._before_expert)                   # its row in tokens (flattened)
         to = torch.where(member, place, scratch).view(-1)                    # each (slot, expert) pair's row
         row_weights = torch.zeros(scratch + 1, dtype=weights_dtype, device=slots.device)
-        row_weights[to] = slots[:, 1].to(weights_dtype).reshape(-1)
+        row_weights[to] = slots[:, :, 1].to(weights_dtype).reshape(-1)
         if self.sizes_on_host:                  # the sum's bags straight from the pairs (sizes known on the host)
             pair = torch.nonzero(member.view(-1)).squeeze(1)                  # by slot, then local expert
             offsets = torch.zeros(pt + 1, dtype=torch.int64, device=slots.device)
@@ -242,6 +238,8 @@ class LowLatencyDispatcher:
         if self.payload == "fp8" and not self.dequantize:
             rows, scales = fp8.unpack(rows, self.hidden)
             scales = scales.view(local, pt, -1)
+        token_copies = CopyPositions(n, p, dense=self._back_dense[:n], bags=(*(b[:n * p] for b in self._back_bags[:3]),
+                                                                         self._back_bags[3][:n + 1]))
         return LowLatencyResult(rows.view(local, pt, self.hidden), member.sum(0), scales, copies, row_weights,
                                 token_copies, self.dtype)
 

@@ -185,34 +185,26 @@ def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tens
                 index, offsets = index.repeat_interleave(parts), offsets * parts
         else:
             per_copy = per_copy.to(table.dtype)
-    out = allocate((num_src, width), table.dtype, rows.device)
-    _embedding_bag_sum(table, index, offsets, per_copy, out)
-    return out.to(out_dtype)
+    return _embedding_bag_sum(table, index, offsets, per_copy).to(out_dtype)
 
 
-_BAG_FORWARD = getattr(getattr(torch.ops.aten, "_embedding_bag_forward_only", None), "out", None)
-
-
-def _embedding_bag_sum(table, index, offsets, per_copy, out) -> None:
-    """``embedding_bag(..., mode="sum", include_last_offset=True)`` written into ``out`` (a
-    workspace buffer; empty bags give zero rows). Uses aten's forward-only out variant, which
-    the functional form lacks; without it, a copy."""
-    if _BAG_FORWARD is None:
-        out.copy_(torch.nn.functional.embedding_bag(index, table, offsets, mode="sum", per_sample_weights=per_copy,
-                                                    include_last_offset=True))
-        return
-    aux = [torch.empty(0, dtype=torch.int64, device=index.device) for _ in range(3)]
-    _BAG_FORWARD(table, index, offsets, False, 0, False, per_copy, True, -1, out0=out, out1=aux[0], out2=aux[1],
-                 out3=aux[2])
+def _embedding_bag_sum(table, index, offsets, per_copy) -> torch.Tensor:
+    """``embedding_bag(..., mode="sum", include_last_offset=True)``: [len(offsets) - 1, C],
+    empty bags give zero rows. The functional form into a fresh tensor, not aten's forward-only
+    ``out`` variant into a pooled buffer: that one zero-fills its output and then accumulates,
+    1.5x the time here (a 4096 x 1024 bf16 sum of 2 copies: 2.2 against 1.4 ms), more than
+    the fresh output's page faults cost (docs/benchmarks.md, issue 18)."""
+    return torch.embedding_bag(table, index, offsets, False, 0, False, per_copy, True)[0]
 
 
 def _split(values: torch.Tensor, dtype: torch.dtype, parts: int) -> torch.Tensor:
     """[n] fp32 -> [n, parts] in ``dtype`` whose row sums are ``values`` (each part rounds the
-    remainder of the previous ones)."""
-    out, rest = [], values
-    for _ in range(parts):
+    remainder of the previous ones; the remainders are exact in fp32)."""
+    out = [values.to(dtype)]
+    rest = values
+    for _ in range(parts - 1):
+        rest = rest - out[-1]                       # promoted to fp32: the exact remainder
         out.append(rest.to(dtype))
-        rest = rest - out[-1].to(values.dtype)
     return torch.stack(out, 1)
 
 
