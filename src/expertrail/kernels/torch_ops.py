@@ -192,8 +192,8 @@ def _embedding_bag_sum(table, index, offsets, per_copy) -> torch.Tensor:
     """``embedding_bag(..., mode="sum", include_last_offset=True)``: [len(offsets) - 1, C],
     empty bags give zero rows. The functional form into a fresh tensor, not aten's forward-only
     ``out`` variant into a pooled buffer: that one zero-fills its output and then accumulates,
-    1.5x the time here (a 4096 x 1024 bf16 sum of 2 copies: 2.2 against 1.4 ms), more than
-    the fresh output's page faults cost (docs/benchmarks.md, issue 18)."""
+    1.5x the time here, more than a fresh output's page faults cost (docs/benchmarks.md,
+    "Combine's sums into fresh tensors")."""
     return torch.embedding_bag(table, index, offsets, False, 0, False, per_copy, True)[0]
 
 
