@@ -93,9 +93,10 @@ class DispatchResult:
         each 128-value block of ``tokens`` (then float8_e4m3fn); else None
     dtype: x's dtype: the dtype rows travel back in and combine returns
 
-    Which tensors are fresh: ``tokens`` and combine's output are views of buffers from the
-    dispatcher's `Workspace`, which never hands a buffer out again while any tensor views it,
-    so they stay valid as long as they are kept; the other fields are ordinary tensors.
+    Which tensors are fresh: ``tokens`` and combine's output may be views of buffers from the
+    dispatcher's `Workspace` (combine's weighted sums are fresh tensors), which never hands a
+    buffer out again while any tensor views it, so they stay valid as long as they are kept;
+    the other fields are ordinary tensors. Nothing handed out is overwritten by a later call.
     """
 
     tokens: torch.Tensor
