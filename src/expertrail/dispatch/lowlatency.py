@@ -140,12 +140,13 @@ class LowLatencyDispatcher:
         headers = [[0.0, code] for code in range(len(_WEIGHT_DTYPES))] + [[1.0, -1.0]]
         self._headers = torch.tensor(headers, dtype=torch.float64, device=dev).view(torch.uint8)
         self._meta_in = torch.zeros(p, self._words, dtype=torch.float64, device=dev)
-        self._back_flags = torch.zeros(p, _HEADER_WORDS, dtype=torch.float64, device=dev)
-        self._back_flags_in = torch.zeros_like(self._back_flags)
+        self._back_headers = self._headers[[0, -1]]        # combine reads only the error flag: clear, failed
+        self._back_flags_in = torch.zeros(p, _HEADER_WORDS, dtype=torch.float64, device=dev)
         self._send_tail, self._recv_tail = (self._tail(b, self._words) for b in (self._send, self._recv))
         self._back_send_tail, self._back_tail = (self._tail(b, _HEADER_WORDS) for b in (self._back_send, self._back))
         self._send_slots = self._send.view(p, self._block, -1)[:, :t]                 # [P, T, C]: slot s = token s
         self._send_meta = self._send_tail[:, 8 * _HEADER_WORDS:].view(p, t, 2, 8 * local)   # per slot: flags, weights
+        self._back_slots = self._back_send.view(p, self._back_block, -1)[:, :t]       # [P, T, H]: slot s = token s
         self._before_expert = torch.arange(local, device=dev) * (p * t) - 1   # the row before each expert's first
         # The receive row of each (peer, slot), and the row each (slot, local expert) pair would
         # take from the rows the experts' rows are gathered from (the receive buffer, or the
@@ -194,7 +195,7 @@ class LowLatencyDispatcher:
             self._raise_if_any_failed(message, meta[:, 0], "dispatch")
             if self.agree_on_errors:
                 self._check_weight_dtypes(meta[:, 1], topk_weights.dtype)
-            return self._expand(meta[:, _HEADER_WORDS:], x.shape[0], topk_weights.dtype)
+            return self._expand(meta[:, _HEADER_WORDS:], self._token_copies(x.shape[0]), topk_weights.dtype)
 
     def _routing(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
         """fp64 [N, 2, P, E_local]: per token, 1 where it meets that expert of that rank, then the
@@ -209,10 +210,17 @@ class LowLatencyDispatcher:
         table[:, 1].scatter_(1, column, topk_weights.double())
         return table[:, :, :e].view(n, 2, self.groups.ep_size, self.num_local_experts)
 
-    def _expand(self, slots: torch.Tensor, n: int, weights_dtype: torch.dtype) -> LowLatencyResult:
+    def _token_copies(self, n: int) -> CopyPositions:
+        """Where this rank's n tokens come back in combine: slot s of every rank's block, in rank
+        order (fixed positions, sliced to n)."""
+        copies = n * self.groups.ep_size
+        pos, slot, source, offsets = self._back_bags
+        return CopyPositions(n, self.groups.ep_size, dense=self._back_dense[:n],
+                             bags=(pos[:copies], slot[:copies], source[:copies], offsets[:n + 1]))
+
+    def _expand(self, slots: torch.Tensor, token_copies: CopyPositions, weights_dtype: torch.dtype) -> LowLatencyResult:
         """The received blocks -> rows packed per local expert [E_local, P * T, C] (by source,
-        then slot). slots: fp64 [P, T * 2 E_local], each slot's expert flags, then weights; n:
-        the tokens this rank sent."""
+        then slot). slots: fp64 [P, T * 2 E_local], each slot's expert flags, then weights."""
         p, local, t = self.groups.ep_size, self.num_local_experts, self.max_tokens
         pt, scratch = p * t, local * p * t
         slots = slots.view(p, t, 2, local)
@@ -238,8 +246,6 @@ class LowLatencyDispatcher:
         if self.payload == "fp8" and not self.dequantize:
             rows, scales = fp8.unpack(rows, self.hidden)
             scales = scales.view(local, pt, -1)
-        token_copies = CopyPositions(n, p, dense=self._back_dense[:n], bags=(*(b[:n * p] for b in self._back_bags[:3]),
-                                                                         self._back_bags[3][:n + 1]))
         return LowLatencyResult(rows.view(local, pt, self.hidden), member.sum(0), scales, copies, row_weights,
                                 token_copies, self.dtype)
 
@@ -262,9 +268,8 @@ class LowLatencyDispatcher:
             else:
                 summed = kernels.reduce_copies(expert_out.reshape(local * p * t, -1).to(self.dtype), res._expert_copies,
                                                res._row_weights, self.dtype)                    # [P*T, H]
-                self._back_send.view(p, self._back_block, -1)[:, :t] = summed.view(p, t, -1)
-            self._back_flags[:, 0] = int(message is not None)
-            self._back_send_tail.copy_(self._back_flags.view(torch.uint8))
+                self._back_slots.copy_(summed.view(p, t, -1))
+            self._back_send_tail.copy_(self._back_headers[int(message is not None)].expand(p, -1))
             back = self._exchange(self._back_send, self._back)
             wait_exchange("lowlatency combine", back.wait)
             self._back_flags_in.view(torch.uint8).copy_(self._back_tail)
