@@ -5,17 +5,16 @@ import sys
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
-import numpy as np
-
 from expertrail.cli import main
-from expertrail.plan.cost import Routing
-from expertrail.plan.simulate import simulate
 from expertrail.plan.architecture import ARCHITECTURES, from_fields
 from expertrail.plan.catalog import HARDWARE
+from expertrail.plan.cost import Routing
 from expertrail.plan.estimate import estimate
 from expertrail.plan.layout import TrainingLayout
+from expertrail.plan.simulate import simulate
 
 DSV3, QWEN = ARCHITECTURES["deepseek-v3"], ARCHITECTURES["qwen3-235b-a22b"]
 
