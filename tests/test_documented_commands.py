@@ -10,7 +10,8 @@ joined) or an inline code span that `COMMAND` matches: `./run.sh <verb>`, a prog
 Each runs from the repository root as written, with `.venv/bin/` pointed at this test's Python
 environment, output files (`--json`, `--plot`, `--emit-hardware`, `--timeline`) sent to a temporary folder, and the size options
 of `SMALL` appended (argparse keeps the last value of an option); commands that then run alike
-(`same_run`) run once, so the whole list takes a few minutes on 2 cores. The planner's commands (torch-free, milliseconds each) run in this process.
+(`same_run`) run once, as do commands that differ only in the output files they ask for
+(`distinct_runs`), so the whole list takes a few minutes on 2 cores. The planner's commands (torch-free, milliseconds each) run in this process.
 A command that cannot run here says why in `NOT_RUN`.
 """
 from __future__ import annotations
@@ -65,6 +66,13 @@ NOT_RUN = {
         "run (smaller) by tests/test_cluster.py::test_bench_on_four_nodes_of_two_is_correct, which also checks "
         "that every backend passed",
     ".venv/bin/python examples/hf_expert_parallel.py": "run by tests/test_examples.py, which also checks its output",
+    ".venv/bin/expertrail train": "run as documented (every backend, 4 ranks, 20 steps) by tests/test_train_cli.py::"
+                                  "test_train_matches_single_process_for_every_backend, which also checks the losses",
+    "expertrail train --overlap --steps 4 --hidden 256 --ffn 8 --topk 8 --experts 16 --seq 64 --batch 8 --nodes 2 "
+    "--ranks-per-node 2 --inter-link 1gbit,queue=5ms":
+        "the `--inter-link 1gbit` train run (which runs) with a shallower shaper queue; that a queue setting "
+        "reaches tc is checked by tests/test_cluster.py::test_two_nodes_launch_like_a_multinode_job_and_shape_"
+        "the_inter_node_link, and parsing it by test_cluster.py's LinkSpec cases",
 }
 
 
@@ -142,23 +150,26 @@ def same_run(command: str) -> tuple:
 
 
 def distinct_runs(entries: list) -> list:
-    """One command per way of running: the first of those with the same `same_run` key, and
-    none whose run another command's covers (the same words and status, asking for a superset
-    of its outputs)."""
+    """One command per way of running: commands with the same `same_run` key run once (the
+    first of them), and commands that differ only in which outputs they ask for run as one
+    command asking for all of those outputs (the first such command, with the output options
+    the others add appended)."""
     def split(command):
         key = same_run(command)
         return tuple(w for w in key if w not in OUTPUTS), {w for w in key if w in OUTPUTS}
 
-    runs = {}
+    runs = {}                  # (words, status) -> [command to run, the outputs it asks for]
     for command, status in entries:
         words, outputs = split(command)
-        runs.setdefault((words, status), {}).setdefault(frozenset(outputs), (command, status))
-    out = []
-    for by_outputs in runs.values():
-        for outputs, entry in by_outputs.items():
-            if not any(outputs < other for other in by_outputs):
-                out.append(entry)
-    return sorted(out)
+        if (words, status) not in runs:
+            runs[(words, status)] = [command, outputs]
+            continue
+        run = runs[(words, status)]
+        argv = shlex.split(command)
+        for option in sorted(outputs - run[1]):
+            run[0] += f" {option} {argv[argv.index(option) + 1]}"
+            run[1].add(option)
+    return sorted((command, status) for (_, status), (command, _) in runs.items())
 
 
 def test_the_docs_show_commands_and_every_exclusion_is_still_shown():
@@ -178,14 +189,13 @@ def test_extraction_joins_continuations_and_reads_the_expected_status(tmp_path):
     assert documented_commands(doc) == [("expertrail bench --tokens 8", 0)]
 
 
-def test_a_command_asking_for_fewer_outputs_runs_within_another():
+def test_commands_differing_only_in_their_outputs_run_as_one():
     runs = distinct_runs([(".venv/bin/expertrail bench --dtype bf16", 0),
                           ("expertrail bench --dtype bf16 --json a.json", 0),
                           ("expertrail bench --dtype bf16 --json b.json --plot b.png", 0),
                           ("expertrail bench --dtype bf16 --plot c.png --timeline c.png", 0),
                           ("expertrail bench --dtype bf16 --json d.json", 2), ("expertrail bench --dtype fp32", 0)])
-    assert runs == sorted([("expertrail bench --dtype bf16 --json b.json --plot b.png", 0),
-                           ("expertrail bench --dtype bf16 --plot c.png --timeline c.png", 0),
+    assert runs == sorted([(".venv/bin/expertrail bench --dtype bf16 --json a.json --plot b.png --timeline c.png", 0),
                            ("expertrail bench --dtype bf16 --json d.json", 2), ("expertrail bench --dtype fp32", 0)])
 
 
