@@ -66,6 +66,12 @@ NOT_RUN = {
         "run (smaller) by tests/test_cluster.py::test_bench_on_four_nodes_of_two_is_correct, which also checks "
         "that every backend passed",
     ".venv/bin/python examples/hf_expert_parallel.py": "run by tests/test_examples.py, which also checks its output",
+    ".venv/bin/python benchmarks/cpu_time.py": "run as documented by tests/test_profile_scripts.py, which also checks "
+                                                "its table",
+    ".venv/bin/python benchmarks/layouts.py": "run with the same sizes by tests/test_profile_scripts.py, which also "
+                                              "checks its table",
+    ".venv/bin/python benchmarks/messages.py": "run with the same sizes by tests/test_profile_scripts.py, which also "
+                                               "checks its table",
     ".venv/bin/expertrail train": "run as documented (every backend, 4 ranks, 20 steps) by tests/test_train_cli.py::"
                                   "test_train_matches_single_process_for_every_backend, which also checks the losses",
     "expertrail train --overlap --steps 4 --hidden 256 --ffn 8 --topk 8 --experts 16 --seq 64 --batch 8 --nodes 2 "
