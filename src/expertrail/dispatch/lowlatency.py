@@ -161,10 +161,9 @@ class LowLatencyDispatcher:
         # Where token s's row comes back from each rank: slot s of every rank's combine block, in
         # rank order. Ranks a token skips send a zero row there (an empty sum), so the source
         # sums all P of them with no per-call plan: [T, P] positions and their bag form.
-        back_rows = (torch.arange(p, device=dev) * self._back_block + torch.arange(t, device=dev).unsqueeze(1))
-        every = torch.arange(t * p, device=dev)
-        self._back_dense = back_rows
-        self._back_bags = (back_rows.reshape(-1), every % p, every // p, torch.arange(0, (t + 1) * p, p, device=dev))
+        back = CopyPositions.from_dense(torch.arange(p, device=dev) * self._back_block
+                                        + torch.arange(t, device=dev).unsqueeze(1))
+        self._back_dense, self._back_bags = back.dense(), (back.pos, back.slot, back.source, back.offsets)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> LowLatencyResult:
