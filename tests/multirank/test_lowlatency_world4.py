@@ -23,6 +23,11 @@ def test_lowlatency_bad_input_on_one_rank_raises_on_every_rank(world4):
     assert all(r[0] and "EP rank(s) 2" in r[0] for i, r in enumerate(results) if i != 2)
     assert all(r[1] == (4, 16) for r in results)
     assert all(r[2] and "topk_weights must have one dtype on every EP rank" in r[2] for r in results)
+    for i, (bad_rank, text) in enumerate(((3, "values must be in [-1, 8), found 8"), (0, "found -2"),
+                                          (1, "lists the same expert twice"))):
+        assert text in results[bad_rank][3][i]
+        assert all(f"EP rank(s) {bad_rank}" in r[3][i] for rank, r in enumerate(results) if rank != bad_rank)
+    assert all(r[4] == (4, 16) for r in results)
 
 
 def test_lowlatency_carries_bf16_and_fp64_routing_weights_exactly(world4):

@@ -972,7 +972,7 @@ def overlap_matches_sequential(rank, world, backend, dtype, micro_batches=3):
     return out
 
 
-def lowlatency_matches_normal(rank, world, dtype, payload="native", sizes_on_host=True):
+def lowlatency_matches_normal(rank, world, dtype, payload="native", plan_on_host=True):
     """The lowlatency mode against dedup's normal mode (one row per (token, rank), summed on the
     expert side) on the same inputs, call after call with changing token counts (0 on one
     rank, dropped slots, one hot expert, every token on one rank's experts). Returns the
@@ -982,7 +982,7 @@ def lowlatency_matches_normal(rank, world, dtype, payload="native", sizes_on_hos
     local = experts // world
     ll = er.make_dispatcher("lowlatency", groups, num_experts=experts, max_tokens_per_rank=most, hidden=hidden,
                             dtype=dtype, payload=payload)
-    ll.sizes_on_host = sizes_on_host                         # False: the path CUDA takes (no host reads)
+    ll.plan_on_host = plan_on_host                           # False: the plan CUDA makes (torch, no host reads)
     raw = er.make_dispatcher("lowlatency", groups, num_experts=experts, max_tokens_per_rank=most, hidden=hidden,
                              dtype=dtype, payload=payload, dequantize=False) if payload == "fp8" else None
     normal = er.make_dispatcher("dedup", groups, num_experts=experts, payload=payload)
@@ -1044,7 +1044,18 @@ def lowlatency_bad_input(rank, world):
         mixed = None
     except er.InvalidInputError as err:
         mixed = str(err)
-    return raised, tuple(y.shape), mixed
+    values = []
+    for bad_rank, bad in ((3, [[0, 8]]), (0, [[-2, 1]]), (1, [[5, 5]])):   # out of range, below -1, twice
+        wrong = idx.clone()
+        if rank == bad_rank:
+            wrong[1:2] = torch.tensor(bad)
+        try:
+            ll.dispatch(x, wrong, torch.rand(4, 2))
+            values.append(None)
+        except er.InvalidInputError as err:
+            values.append(str(err))
+    res = ll.dispatch(x, idx, torch.rand(4, 2))              # and the next call works again
+    return raised, tuple(y.shape), mixed, values, tuple(ll.combine(res.tokens, res).shape)
 
 
 def lowlatency_weight_dtypes(rank, world):

@@ -10,9 +10,10 @@ kernels answer with static buffers; this mode does the same on any torch.distrib
   peer's local experts the row is for (none: the peer skips it) and with which routing
   weight, and an error flag. Slot s = token s makes the sender's side one broadcast copy of
   x and one of its routing table, with no positions to plan. One exchange per dispatch and
-  one per combine, no count round, no sizes computed on the host, nothing outside tensors
-  that depends on the data (on CUDA: no host synchronisation, so a decode step can be
-  captured in a CUDA graph).
+  one per combine, no count round. The metadata's small per-call plan (lowlatency_plan.py) is
+  made with torch on CUDA, with nothing read on the host (no host synchronisation, so a
+  decode step can be captured in a CUDA graph), and in numpy on CPU, where torch's per-call
+  overhead would be most of the step.
 - The receiver expands the rows into DeepEP's low-latency layout, packed per local expert:
   ``tokens [E_local, P * T, H]`` with ``count [E_local]`` real rows each, ordered by source
   rank then source token, the rest of each expert's rows unspecified (experts may compute
@@ -43,14 +44,12 @@ import torch.distributed as dist
 
 from .. import fp8, kernels
 from ..errors import ConfigError, InvalidInputError
-from ..kernels.torch_ops import CopyPositions
+from ..kernels.torch_ops import CopyPositions, cast
+from .lowlatency_plan import HEADER_WORDS, WEIGHT_DTYPES, DevicePlan, HostPlan
 from ..schedule import wait_exchange
 from ..topology import EPGroups, check_same_on_all_ranks, guarded
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Routing weights travel as fp64 (exact for each of these) with their dtype's index beside them.
-_WEIGHT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_HEADER_WORDS = 2                 # fp64 words at the head of each metadata tail: error flag, weights dtype
 
 
 @dataclass
@@ -114,18 +113,18 @@ class LowLatencyDispatcher:
         self.max_tokens, self.hidden, self.dtype = int(max_tokens_per_rank), int(hidden), dtype
         self.payload, self.dequantize = payload, dequantize
         self.agree_on_errors = groups.device.type == "cpu" if agree_on_errors is None else agree_on_errors
-        # Whether the expansion may read sizes on the host (free on CPU; a sync on CUDA, so there
-        # it takes the fixed-size path; tests run that path on CPU too).
-        self.sizes_on_host = groups.device.type == "cpu"
+        # Whether each call's metadata is planned on the host in numpy (CPU) or with torch on the
+        # device (CUDA; tests run that planner on CPU too): lowlatency_plan.py.
+        self.plan_on_host = groups.device.type == "cpu"
         p, local, t, dev = groups.ep_size, self.num_local_experts, self.max_tokens, groups.device
         quantized = payload == "fp8"
         width, wire = (fp8.row_bytes(self.hidden), torch.uint8) if quantized else (self.hidden, dtype)
         # Each peer's block: T row slots, then a metadata tail of fp64 words (the header, then per
         # slot E_local expert flags and E_local weights), so one message per peer and direction
         # carries everything. Combine's blocks carry T rows and the header.
-        self._words = _HEADER_WORDS + 2 * t * local
+        self._words = HEADER_WORDS + 2 * t * local
         self._block = t + _rows_for(8 * self._words, width * wire.itemsize)
-        self._back_block = t + _rows_for(8 * _HEADER_WORDS, self.hidden * dtype.itemsize)
+        self._back_block = t + _rows_for(8 * HEADER_WORDS, self.hidden * dtype.itemsize)
         self._send = torch.zeros(p * self._block, width, dtype=wire, device=dev)
         self._recv = torch.zeros_like(self._send)
         # The experts' rows (+ a scratch row that slots nobody fills are written to on CUDA).
@@ -133,21 +132,9 @@ class LowLatencyDispatcher:
         self._packed = torch.zeros(local * p * t + 1, packed_width, dtype=packed_dtype, device=dev)
         self._back_send = torch.zeros(p * self._back_block, self.hidden, dtype=dtype, device=dev)
         self._back = torch.zeros_like(self._back_send)
-        # Byte views of each buffer's slots and metadata tail (made once: the buffers never
-        # move); the header bytes each call starts with (no error and the weights' dtype code,
-        # or failed); the received metadata as fp64 words [P, words] (a copy: the tail need not
-        # be aligned).
-        headers = [[0.0, code] for code in range(len(_WEIGHT_DTYPES))] + [[1.0, -1.0]]
-        self._headers = torch.tensor(headers, dtype=torch.float64, device=dev).view(torch.uint8)
-        self._meta_in = torch.zeros(p, self._words, dtype=torch.float64, device=dev)
-        self._back_headers = self._headers[[0, -1]]        # combine reads only the error flag: clear, failed
-        self._back_flags_in = torch.zeros(p, _HEADER_WORDS, dtype=torch.float64, device=dev)
-        self._send_tail, self._recv_tail = (self._tail(b, self._words) for b in (self._send, self._recv))
-        self._back_send_tail, self._back_tail = (self._tail(b, _HEADER_WORDS) for b in (self._back_send, self._back))
+        # Views of each buffer's row slots (made once: the buffers never move).
         self._send_slots = self._send.view(p, self._block, -1)[:, :t]                 # [P, T, C]: slot s = token s
-        self._send_meta = self._send_tail[:, 8 * _HEADER_WORDS:].view(p, t, 2, 8 * local)   # per slot: flags, weights
         self._back_slots = self._back_send.view(p, self._back_block, -1)[:, :t]       # [P, T, H]: slot s = token s
-        self._before_expert = torch.arange(local, device=dev) * (p * t) - 1   # the row before each expert's first
         # The receive row of each (peer, slot), and the row each (slot, local expert) pair would
         # take from the rows the experts' rows are gathered from (the receive buffer, or the
         # dequantized slots); the packed rows' sources (_source_of_packed) are scattered from
@@ -164,6 +151,13 @@ class LowLatencyDispatcher:
         back = CopyPositions.from_dense(torch.arange(p, device=dev) * self._back_block
                                         + torch.arange(t, device=dev).unsqueeze(1))
         self._back_dense, self._back_bags = back.dense(), (back.pos, back.slot, back.source, back.offsets)
+        self._token_copies_of = {}                                            # n -> its CopyPositions
+        # The metadata planners, on the byte views of every buffer's tail.
+        tails = (self._tail(self._send, self._words), self._tail(self._recv, self._words),
+                 self._tail(self._back_send, HEADER_WORDS), self._tail(self._back, HEADER_WORDS))
+        plan_args = (self.num_experts, p, local, t, *tails, self._source_of_packed, self._pair_source)
+        self._device_plan = DevicePlan(*plan_args)
+        self._host_plan = HostPlan(*plan_args) if dev.type == "cpu" else None
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> LowLatencyResult:
@@ -171,73 +165,43 @@ class LowLatencyDispatcher:
         [N, K] float. Collective over the EP group: a rank with invalid input makes every rank
         raise InvalidInputError once the exchange lands (it sends empty blocks meanwhile)."""
         with guarded("lowlatency dispatch", self.groups.label, self.groups.timeout), torch.no_grad():
-            message = self._check(x, topk_idx, topk_weights)
-            table = None if message is not None else self._routing(topk_idx, topk_weights)
-            if isinstance(table, str):
-                message = table
+            plan = self._plan()
+            # Slot s of every peer's block holds token s; the metadata says which of the peer's
+            # experts it is for (none: the peer skips it). An invalid rank sends no rows.
+            message = plan.write(topk_idx, topk_weights, self._check(x, topk_idx, topk_weights),
+                                 f"lowlatency dispatch on EP rank {self.groups.ep_rank}")
             if message is None:
-                # Slot s of every peer's block holds token s; the metadata says which of the
-                # peer's experts it is for (none: the peer skips it).
-                n = x.shape[0]
-                self._send_slots[:, :n] = fp8.quantize(x) if self.payload == "fp8" else x
-                self._send_meta[:, :n] = table.permute(2, 0, 1, 3).view(torch.uint8)
-                self._send_meta[:, n:] = 0
-                header = self._headers[_WEIGHT_DTYPES.index(topk_weights.dtype)]
-            else:
-                self._send_meta.zero_()                                       # no rows for anyone
-                header = self._headers[-1]
-            self._send_tail[:, :8 * _HEADER_WORDS] = header
+                self._send_slots[:, :x.shape[0]] = fp8.quantize(x) if self.payload == "fp8" else x
             got = self._exchange(self._send, self._recv)
             wait_exchange("lowlatency dispatch", got.wait)
-            meta = self._meta_in
-            meta.view(torch.uint8).copy_(self._recv_tail)
-            self._raise_if_any_failed(message, meta[:, 0], "dispatch")
+            failed, codes = plan.received_header()
+            self._raise_if_any_failed(message, failed, "dispatch")
             if self.agree_on_errors:
-                self._check_weight_dtypes(meta[:, 1], topk_weights.dtype)
-            return self._expand(meta[:, _HEADER_WORDS:], self._token_copies(x.shape[0]), topk_weights.dtype)
+                self._check_weight_dtypes(codes, topk_weights.dtype)
+            return self._packed_rows(*plan.expansion(topk_weights.dtype), self._token_copies(x.shape[0]))
 
-    def _routing(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
-        """fp64 [N, 2, P, E_local]: per token, 1 where it meets that expert of that rank, then the
-        routing weight there (0 elsewhere); or an error message."""
-        n, e = topk_idx.shape[0], self.num_experts
-        column = topk_idx.long().masked_fill(topk_idx < 0, e)               # dropped slots: a spare column
-        table = torch.zeros(n, 2, e + 1, dtype=torch.float64, device=topk_idx.device)
-        table[:, 0].scatter_add_(1, column, torch.ones_like(column, dtype=torch.float64))
-        if topk_idx.device.type == "cpu" and n and float(table[:, 0, :e].amax()) > 1:    # a value check: CPU only
-            return (f"lowlatency dispatch on EP rank {self.groups.ep_rank}: a token lists the same expert twice in "
-                    "topk_idx; each of its K experts must differ")
-        table[:, 1].scatter_(1, column, topk_weights.double())
-        return table[:, :, :e].view(n, 2, self.groups.ep_size, self.num_local_experts)
+    def _plan(self):
+        """The planner of this call: on the host (numpy) or on the device (torch)."""
+        return self._host_plan if self.plan_on_host else self._device_plan
 
     def _token_copies(self, n: int) -> CopyPositions:
         """Where this rank's n tokens come back in combine: slot s of every rank's block, in rank
-        order (fixed positions, sliced to n)."""
-        copies = n * self.groups.ep_size
-        pos, slot, source, offsets = self._back_bags
-        return CopyPositions(n, self.groups.ep_size, dense=self._back_dense[:n],
-                             bags=(pos[:copies], slot[:copies], source[:copies], offsets[:n + 1]))
+        order (fixed positions, sliced to n; made once per n)."""
+        if n not in self._token_copies_of:
+            copies = n * self.groups.ep_size
+            pos, slot, source, offsets = self._back_bags
+            self._token_copies_of[n] = CopyPositions(n, self.groups.ep_size, dense=self._back_dense[:n],
+                                                     bags=(pos[:copies], slot[:copies], source[:copies],
+                                                           offsets[:n + 1]))
+        return self._token_copies_of[n]
 
-    def _expand(self, slots: torch.Tensor, token_copies: CopyPositions, weights_dtype: torch.dtype) -> LowLatencyResult:
-        """The received blocks -> rows packed per local expert [E_local, P * T, C] (by source,
-        then slot). slots: fp64 [P, T * 2 E_local], each slot's expert flags, then weights."""
+    def _packed_rows(self, copies: CopyPositions, row_weights: torch.Tensor, count: torch.Tensor,
+                     token_copies: CopyPositions) -> LowLatencyResult:
+        """The received rows packed per local expert [E_local, P * T, C] (by source, then slot):
+        one gather of every packed row from ``_source_of_packed`` (no sizes on the host; rows
+        past an expert's count take whatever row they last named)."""
         p, local, t = self.groups.ep_size, self.num_local_experts, self.max_tokens
         pt, scratch = p * t, local * p * t
-        slots = slots.view(p, t, 2, local)
-        member = (slots[:, :, 0] != 0).view(pt, local)                        # [P*T, E_local]
-        place = member.cumsum(0).add_(self._before_expert)                   # its row in tokens (flattened)
-        to = torch.where(member, place, scratch).view(-1)                    # each (slot, expert) pair's row
-        row_weights = torch.zeros(scratch + 1, dtype=weights_dtype, device=slots.device)
-        row_weights[to] = slots[:, :, 1].to(weights_dtype).reshape(-1)
-        if self.sizes_on_host:                  # the sum's bags straight from the pairs (sizes known on the host)
-            pair = torch.nonzero(member.view(-1)).squeeze(1)                  # by slot, then local expert
-            offsets = torch.zeros(pt + 1, dtype=torch.int64, device=slots.device)
-            torch.cumsum(member.sum(1), 0, out=offsets[1:])
-            copies = CopyPositions(pt, local, bags=(to.index_select(0, pair), pair % local, pair // local, offsets))
-        else:                                   # no host sync: the dense form
-            copies = CopyPositions.from_dense(torch.where(member, place, -1))
-        # Gather every packed row from its source (one pass, no sizes on the host): the
-        # source of each real row is scattered in first, unused pairs into the scratch entry.
-        self._source_of_packed[to] = self._pair_source
         source = (fp8.dequantize(self._recv.index_select(0, self._slot_rows), self.hidden, self.dtype)
                   if self.payload == "fp8" and self.dequantize else self._recv)
         torch.index_select(source, 0, self._source_of_packed[:scratch], out=self._packed[:scratch])
@@ -245,7 +209,7 @@ class LowLatencyDispatcher:
         if self.payload == "fp8" and not self.dequantize:
             rows, scales = fp8.unpack(rows, self.hidden)
             scales = scales.view(local, pt, -1)
-        return LowLatencyResult(rows.view(local, pt, self.hidden), member.sum(0), scales, copies, row_weights,
+        return LowLatencyResult(rows.view(local, pt, self.hidden), count, scales, copies, row_weights,
                                 token_copies, self.dtype)
 
     # ------------------------------------------------------------------ combine
@@ -265,15 +229,15 @@ class LowLatencyDispatcher:
                            f"[{local}, {p * t}, {self.hidden}] like res.tokens, got {tuple(expert_out.shape)} "
                            f"{expert_out.dtype}")
             else:
-                summed = kernels.reduce_copies(expert_out.reshape(local * p * t, -1).to(self.dtype), res._expert_copies,
+                summed = kernels.reduce_copies(cast(expert_out.reshape(local * p * t, -1), self.dtype), res._expert_copies,
                                                res._row_weights, self.dtype)                    # [P*T, H]
                 self._back_slots.copy_(summed.view(p, t, -1))
-            self._back_send_tail.copy_(self._back_headers[int(message is not None)].expand(p, -1))
+            plan = self._plan()
+            plan.write_back_header(message is not None)
             back = self._exchange(self._back_send, self._back)
             wait_exchange("lowlatency combine", back.wait)
-            self._back_flags_in.view(torch.uint8).copy_(self._back_tail)
-            self._raise_if_any_failed(message, self._back_flags_in[:, 0], "combine")
-            return kernels.reduce_copies(self._back, res._token_copies, None, self.dtype).to(res._dtype)
+            self._raise_if_any_failed(message, plan.back_failed(), "combine")
+            return cast(kernels.reduce_copies(self._back, res._token_copies, None, self.dtype), res._dtype)
 
     # ------------------------------------------------------------------ shared
     def _tail(self, buffer: torch.Tensor, words: int) -> torch.Tensor:
@@ -298,32 +262,31 @@ class LowLatencyDispatcher:
         if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] or topk_weights.shape != topk_idx.shape:
             return (f"{where}: topk_idx and topk_weights must both be [N={x.shape[0]}, K], got "
                     f"{tuple(topk_idx.shape)} and {tuple(topk_weights.shape)}")
-        if topk_idx.dtype.is_floating_point or topk_weights.dtype not in _WEIGHT_DTYPES:
+        if topk_idx.dtype.is_floating_point or topk_weights.dtype not in WEIGHT_DTYPES:
             return (f"{where}: topk_idx must be integer and topk_weights one of "
-                    f"{', '.join(map(str, _WEIGHT_DTYPES))}, got {topk_idx.dtype}, {topk_weights.dtype}")
-        if x.device != self.groups.device:
-            return f"{where}: x is on {x.device}, the EP group communicates on {self.groups.device}"
-        if x.device.type == "cpu" and topk_idx.numel():     # a value check costs a host sync on CUDA: CPU only
-            low, high = (int(v) for v in torch.aminmax(topk_idx))
-            if low < -1 or high >= self.num_experts:
-                return f"{where}: topk_idx values must be in [-1, {self.num_experts}), found {low if low < -1 else high}"
+                    f"{', '.join(map(str, WEIGHT_DTYPES))}, got {topk_idx.dtype}, {topk_weights.dtype}")
+        if x.device != self.groups.device or topk_idx.device != x.device or topk_weights.device != x.device:
+            return (f"{where}: x, topk_idx and topk_weights must be on {self.groups.device} (the EP group's device), "
+                    f"got {x.device}, {topk_idx.device}, {topk_weights.device}")
         return None
 
     def _raise_if_any_failed(self, message: str | None, failed: torch.Tensor, verb: str) -> None:
-        """Raise on every rank when any rank flagged invalid input (``failed`` [P], nonzero
-        where a rank did, from the headers), or on this rank alone without ``agree_on_errors``."""
+        """Raise on every rank when any rank flagged invalid input (``failed`` [P], a tensor or
+        array, nonzero where a rank did, from the headers), or on this rank alone without
+        ``agree_on_errors``."""
         if message is not None and not self.agree_on_errors:
             raise InvalidInputError(message)
         if self.agree_on_errors and bool(failed.any()):
             if message:
                 raise InvalidInputError(message)
-            bad = ", ".join(str(r) for r in torch.nonzero(failed).flatten().tolist())
+            bad = ", ".join(str(r) for r, flag in enumerate(failed.tolist()) if flag)
             raise InvalidInputError(f"lowlatency {verb} aborted on EP rank {self.groups.ep_rank}: invalid input on "
                                     f"EP rank(s) {bad}; see the error raised there")
 
     def _check_weight_dtypes(self, codes: torch.Tensor, mine: torch.dtype) -> None:
-        """Every rank sees every rank's weights dtype (``codes`` [P]) and raises alike if they differ."""
-        names = [str(_WEIGHT_DTYPES[int(c)]) for c in codes.tolist()]
+        """Every rank sees every rank's weights dtype (``codes`` [P], a tensor or array) and raises
+        alike if they differ."""
+        names = [str(WEIGHT_DTYPES[int(c)]) for c in codes.tolist()]
         if len(set(names)) > 1:
             raise InvalidInputError(f"lowlatency dispatch on EP rank {self.groups.ep_rank}: topk_weights must have one "
                                     f"dtype on every EP rank, got {names} by rank; pass topk_weights.to({mine}) "

@@ -51,6 +51,12 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor, skip: tuple | None = No
     return out
 
 
+def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)``, without the call when it already has it (a no-op ``to`` still costs
+    a dispatch, which small decode-time tensors feel)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for 16-bit floats and fp32, fp64 stays fp64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -172,20 +178,20 @@ def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tens
         else:
             picked = allocate_zeros((num_src, width), rows.dtype, rows.device).index_copy_(
                 0, copies.source, take_rows(rows, copies.pos))
-        return picked.to(out_dtype)
+        return cast(picked, out_dtype)
     native = rows.dtype in _NATIVE and (rows.dtype == out_dtype or rows.dtype != torch.bfloat16)
-    table = rows if native else rows.to(accumulation_dtype(rows.dtype))
+    table = rows if native else cast(rows, accumulation_dtype(rows.dtype))
     index, offsets, per_copy = copies.pos, copies.offsets, None
     if weights is not None:
-        per_copy = weights.index_select(0, copies.pos).to(accumulation_dtype(table.dtype))
+        per_copy = cast(weights.index_select(0, index), accumulation_dtype(table.dtype))
         if table.dtype == torch.bfloat16:
             parts = _WEIGHT_PARTS.get(weights.dtype, 3)
             per_copy = _split(per_copy, torch.bfloat16, parts).reshape(-1)
             if parts > 1:
                 index, offsets = index.repeat_interleave(parts), offsets * parts
         else:
-            per_copy = per_copy.to(table.dtype)
-    return _embedding_bag_sum(table, index, offsets, per_copy).to(out_dtype)
+            per_copy = cast(per_copy, table.dtype)
+    return cast(_embedding_bag_sum(table, index, offsets, per_copy), out_dtype)
 
 
 def _embedding_bag_sum(table, index, offsets, per_copy) -> torch.Tensor:
