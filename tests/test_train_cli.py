@@ -59,7 +59,15 @@ def test_train_overlap_reports_both_runs_with_identical_losses(tmp_path):
         assert r["same_losses"] and r["losses"] == r["without_overlap"]["losses"], name
         assert r["max_abs_diff"] <= 1e-4, name
         assert r["overlap_speedup"] == r["without_overlap"]["step_time_s"] / r["step_time_s"]
+        assert 0 < r["cpu_floor_s"] and r["overlap_ceiling"] == r["without_overlap"]["step_time_s"] / r["cpu_floor_s"]
     assert "losses identical: yes" in out.stdout
+    assert "overlap can gain at most" in out.stdout
+
+
+def test_cpu_floor_is_the_busiest_hosts_cpu_time_over_its_cores():
+    from expertrail.train import floor_per_step
+    ranks = [("a", 2, [1.0, 2.0]), ("a", 2, [3.0, 4.0]), ("b", 4, [6.0, 1.0]), ("b", 4, [2.0, 3.0])]
+    assert floor_per_step(ranks) == [2.0, 3.0]          # host a: [4, 6] / 2; host b: [8, 4] / 4
 
 
 def test_overlap_needs_two_micro_batches():

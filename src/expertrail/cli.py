@@ -138,7 +138,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--timeline", metavar="PATH.png",
                    help="draw rank 0's compute and exchanges over one step of each run (with --overlap)")
     p.add_argument("--json", metavar="PATH",
-                   help="write per backend the per-step losses and step_time_s (median), and the reference")
+                   help="write per backend the per-step losses, step_time_s and cpu_floor_s (medians), and the "
+                        "reference")
     _cluster_arguments(p, "ranks per node, the EP domain size")
 
 
@@ -543,6 +544,9 @@ def _train_report(cfg, reference: list, runs: dict, crashed: dict, spans, args, 
             without = r["without_overlap"]
             print(f"{b}: step {1e3 * without['step_time_s']:.1f} ms without overlap, {1e3 * r['step_time_s']:.1f} ms "
                   f"with ({r['overlap_speedup']:.2f}x); losses identical: {'yes' if r['same_losses'] else 'NO'}")
+            if r.get("overlap_ceiling"):
+                print(f"{b}: CPU floor {1e3 * r['cpu_floor_s']:.1f} ms (all ranks' CPU time per step over the host's "
+                      f"cores): overlap can gain at most {r['overlap_ceiling']:.2f}x on this machine")
             if not r["same_losses"]:
                 failures.append(f"{b}: the overlapped run's losses differ from the run without overlap")
         if not r["matches_reference"]:

@@ -12,6 +12,8 @@ tokens grouped by expert directly) as the reference: per-step losses must agree.
 """
 from __future__ import annotations
 
+import os
+import socket
 import statistics
 import time
 from dataclasses import asdict, replace
@@ -169,11 +171,12 @@ def train_reference(cfg: TrainConfig, world: int) -> list:
 
 
 def train_rank(rank: int, world: int, cfg: TrainConfig, backend: str, domain_size: int | None = None) -> dict:
-    """Expert-parallel training on this rank. Returns, per mode run, the global mean loss and
-    the wall time of every step: ``{"sequential": {"losses": [...], "step_times": [...]}}``,
-    plus ``"overlap"`` with ``cfg.overlap``: the same model trained on the same micro-batches
-    with the 1F1B overlapped schedule, step by step beside the sequential one (alternating,
-    so the machine's noise falls on both alike)."""
+    """Expert-parallel training on this rank. Returns, per mode run, the global mean loss, the
+    wall time of every step and its CPU floor (`cpu_floors`): ``{"sequential": {"losses":
+    [...], "step_times": [...], "cpu_floors": [...]}}``, plus ``"overlap"`` with
+    ``cfg.overlap``: the same model trained on the same micro-batches with the 1F1B overlapped
+    schedule, step by step beside the sequential one (alternating, so the machine's noise falls
+    on both alike)."""
     groups = EPGroups.from_default(domain_size=domain_size or max(1, world // 2))
     modes = ["sequential", "overlap"] if cfg.overlap else ["sequential"]
     runs = {}
@@ -181,19 +184,42 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, backend: str, domain_siz
         model = build_ep_model(cfg, groups, backend)
         model.train()
         runs[mode] = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=cfg.lr), "losses": [],
-                      "step_times": []}
+                      "step_times": [], "cpu_times": []}
     for step in range(cfg.steps):
         for mode in modes:
             run = runs[mode]
             try:
                 dist.barrier()
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 loss = _train_step(run["model"], run["opt"], cfg, step, rank, world, mode == "overlap")
                 run["step_times"].append(time.perf_counter() - start)
+                run["cpu_times"].append(time.process_time() - cpu)
                 run["losses"].append(loss)
             except Exception as err:        # say which step: the CLI reports it with the backend
                 raise RuntimeError(f"{backend} training ({mode}), step {step}: {type(err).__name__}: {err}") from err
-    return {mode: {"losses": runs[mode]["losses"], "step_times": runs[mode]["step_times"]} for mode in modes}
+    return {mode: {"losses": runs[mode]["losses"], "step_times": runs[mode]["step_times"],
+                   "cpu_floors": cpu_floors(runs[mode]["cpu_times"])} for mode in modes}
+
+
+def cpu_floors(cpu_times: list) -> list:
+    """Per step, the least wall time the CPUs allow (`floor_per_step`) from this rank's
+    ``cpu_times`` (every thread of the process) and every other rank's. Collective over the
+    default group."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (socket.gethostname(), cores, list(cpu_times)))
+    return floor_per_step(everyone)
+
+
+def floor_per_step(ranks: list) -> list:
+    """``ranks``: (host, cores, CPU seconds per step) of every rank -> per step, the CPU time all
+    ranks on one host spent over that host's cores, the largest over hosts. When ranks share
+    cores no schedule, overlapped or not, makes a step shorter than this."""
+    hosts: dict = {}
+    for host, cores, times in ranks:
+        total = hosts.setdefault(host, [[0.0] * len(times), cores])[0]
+        hosts[host][0] = [a + b for a, b in zip(total, times)]
+    return [max(total[i] / cores for total, cores in hosts.values()) for i in range(len(ranks[0][2]))]
 
 
 def _train_step(model, opt, cfg: TrainConfig, step: int, rank: int, world: int, overlap: bool) -> float:
@@ -236,6 +262,7 @@ def summarize(cfg: TrainConfig, reference: list, runs: dict) -> dict:
         diffs = [abs(a - b) for a, b in zip(losses, reference)]
         bad = [step for step, d in enumerate(diffs) if not (d <= cfg.tolerance)]    # NaN counts as bad
         r = out["backends"][name] = {"losses": losses, "step_time_s": _median_step(run["step_times"]),
+                                     "cpu_floor_s": _median_step(run["cpu_floors"]) if "cpu_floors" in run else None,
                                      "max_abs_diff": max(diffs), "first_bad_step": bad[0] if bad else None,
                                      "loss_fell": losses[-1] < losses[0] - 0.1 * abs(losses[0]),
                                      "matches_reference": not bad}
@@ -243,6 +270,8 @@ def summarize(cfg: TrainConfig, reference: list, runs: dict) -> dict:
             without = modes["sequential"]
             r["without_overlap"] = {"losses": without["losses"], "step_time_s": _median_step(without["step_times"])}
             r["overlap_speedup"] = r["without_overlap"]["step_time_s"] / r["step_time_s"]
+            # The most any schedule could gain here: the step without overlap over the CPU floor.
+            r["overlap_ceiling"] = r["without_overlap"]["step_time_s"] / r["cpu_floor_s"] if r["cpu_floor_s"] else None
             r["same_losses"] = without["losses"] == losses
     return out
 
