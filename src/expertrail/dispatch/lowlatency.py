@@ -45,9 +45,9 @@ import torch.distributed as dist
 from .. import fp8, kernels
 from ..errors import ConfigError, InvalidInputError
 from ..kernels.torch_ops import CopyPositions, cast
-from .lowlatency_plan import HEADER_WORDS, WEIGHT_DTYPES, DevicePlan, HostPlan
 from ..schedule import wait_exchange
 from ..topology import EPGroups, check_same_on_all_ranks, guarded
+from .lowlatency_plan import HEADER_WORDS, WEIGHT_DTYPES, DevicePlan, HostPlan
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
