@@ -30,5 +30,5 @@ def test_lowlatency_bad_input_on_one_rank_raises_on_every_rank(world4):
     assert all(r[4] == (4, 16) for r in results)
 
 
-def test_lowlatency_carries_bf16_and_fp64_routing_weights_exactly(world4):
-    assert world4.run(workers.lowlatency_weight_dtypes) == [[True, True]] * 4
+def test_lowlatency_carries_bf16_fp64_and_fp16_routing_weights_exactly(world4):
+    assert world4.run(workers.lowlatency_weight_dtypes) == [[True] * 6] * 4

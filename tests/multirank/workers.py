@@ -1059,8 +1059,8 @@ def lowlatency_bad_input(rank, world):
 
 
 def lowlatency_weight_dtypes(rank, world):
-    """bf16 and fp64 routing weights (carried exactly, summed as dedup sums them): the same bits
-    as dedup's normal mode."""
+    """bf16, fp64 and fp16 routing weights (carried exactly, summed as dedup sums them): the same
+    bits as dedup's normal mode, with the host plan and with the device plan."""
     groups = groups_for(None, 2)
     ll = er.make_dispatcher("lowlatency", groups, num_experts=8, max_tokens_per_rank=6, hidden=32,
                             dtype=torch.bfloat16)
@@ -1069,8 +1069,10 @@ def lowlatency_weight_dtypes(rank, world):
     x = torch.randn(6, 32, generator=g).bfloat16()
     idx = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(6)])
     same = []
-    for wdtype in (torch.bfloat16, torch.float64):
-        w = torch.rand(6, 3, generator=g).to(wdtype)
-        res, ref = ll.dispatch(x, idx, w), normal.dispatch(x, idx, w)
-        same.append(torch.equal(ll.combine(res.tokens, res), normal.combine(ref.tokens, ref)))
+    for plan_on_host in (True, False):
+        ll.plan_on_host = plan_on_host
+        for wdtype in (torch.bfloat16, torch.float64, torch.float16):
+            w = torch.rand(6, 3, generator=g).to(wdtype)
+            res, ref = ll.dispatch(x, idx, w), normal.dispatch(x, idx, w)
+            same.append(torch.equal(ll.combine(res.tokens, res), normal.combine(ref.tokens, ref)))
     return same
