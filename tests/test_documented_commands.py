@@ -74,6 +74,14 @@ NOT_RUN = {
                                                "checks its table",
     ".venv/bin/expertrail train": "run as documented (every backend, 4 ranks, 20 steps) by tests/test_train_cli.py::"
                                   "test_train_matches_single_process_for_every_backend, which also checks the losses",
+    "expertrail train --overlap --steps 3 --hidden 256 --ffn 8 --topk 8 --experts 16 --seq 64 --batch 8":
+        "shrunk for the test it is the `expertrail train --overlap --json` run (which runs) with top-8 of 16 experts, "
+        "which the emulated-cluster train command (which runs) passes too",
+    "expertrail bench --iters 30 --backends alltoall,dedup":
+        "shrunk for the test it is `./run.sh bench` (which runs every backend) with two of the backends",
+    "expertrail bench --decode":
+        "run (smaller, the same default dtype) by tests/test_bench_cli.py::test_bench_decode_writes_p50_and_p99_per_"
+        "mode_and_size, which also checks its JSON; the documented bf16 decode commands run",
     "expertrail train --overlap --steps 4 --hidden 256 --ffn 8 --topk 8 --experts 16 --seq 64 --batch 8 --nodes 2 "
     "--ranks-per-node 2 --inter-link 1gbit,queue=5ms":
         "the `--inter-link 1gbit` train run (which runs) with a shallower shaper queue; that a queue setting "
