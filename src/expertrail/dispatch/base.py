@@ -13,7 +13,7 @@ import torch
 
 from .. import fp8
 from ..errors import InvalidInputError
-from ..kernels.torch_ops import gather_rows, stable_argsort
+from ..kernels.torch_ops import cast, gather_rows, stable_argsort
 from ..routing import TokenLayout, apply_capacity, compute_layout, expert_capacity
 from ..schedule import wait_exchange
 from ..topology import EPGroups, check_same_on_all_ranks, guarded
@@ -231,7 +231,7 @@ class Dispatcher:
         if error:   # take part with zero rows of the agreed shape, so that no peer waits; raise in agreement
             rows = res.tokens.new_zeros(res.tokens.shape, dtype=res.dtype)
         else:
-            rows = expert_out if expert_out.dtype == res.dtype else expert_out.to(res.dtype)
+            rows = cast(expert_out, res.dtype)
         weights = res.weights if weighted else None
         at_source = res.route.weights_at_source(weights)
         needs_grad = torch.is_grad_enabled() and (rows.requires_grad or (weights is not None and weights.requires_grad))
