@@ -21,7 +21,7 @@ def test_train_matches_single_process_for_every_backend(tmp_path):
 def test_summary_names_the_first_step_beyond_the_tolerance():
     from expertrail.configs import TrainConfig
     from expertrail.train import summarize
-    runs = {name: {"sequential": {"losses": losses, "step_times": [1.0] * 4}}
+    runs = {name: {"sequential": {"losses": losses, "step_times": [1.0] * 4, "cpu_floors": [0.5] * 4}}
             for name, losses in (("ok", [4.0, 3.0, 2.0, 1.0 + 5e-5]), ("off", [4.0, 3.0, 2.1, 1.0]),
                                  ("nan", [4.0, float("nan"), 2.0, 1.0]))}
     report = summarize(TrainConfig(tolerance=1e-4), [4.0, 3.0, 2.0, 1.0], runs)["backends"]

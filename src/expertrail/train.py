@@ -215,11 +215,11 @@ def floor_per_step(ranks: list) -> list:
     """``ranks``: (host, cores, CPU seconds per step) of every rank -> per step, the CPU time all
     ranks on one host spent over that host's cores, the largest over hosts. When ranks share
     cores no schedule, overlapped or not, makes a step shorter than this."""
-    hosts: dict = {}
+    totals, cores_of = {}, {}
     for host, cores, times in ranks:
-        total = hosts.setdefault(host, [[0.0] * len(times), cores])[0]
-        hosts[host][0] = [a + b for a, b in zip(total, times)]
-    return [max(total[i] / cores for total, cores in hosts.values()) for i in range(len(ranks[0][2]))]
+        totals[host] = [a + b for a, b in zip(totals.get(host, [0.0] * len(times)), times)]
+        cores_of[host] = cores
+    return [max(totals[host][i] / cores_of[host] for host in totals) for i in range(len(ranks[0][2]))]
 
 
 def _train_step(model, opt, cfg: TrainConfig, step: int, rank: int, world: int, overlap: bool) -> float:
@@ -262,7 +262,7 @@ def summarize(cfg: TrainConfig, reference: list, runs: dict) -> dict:
         diffs = [abs(a - b) for a, b in zip(losses, reference)]
         bad = [step for step, d in enumerate(diffs) if not (d <= cfg.tolerance)]    # NaN counts as bad
         r = out["backends"][name] = {"losses": losses, "step_time_s": _median_step(run["step_times"]),
-                                     "cpu_floor_s": _median_step(run["cpu_floors"]) if "cpu_floors" in run else None,
+                                     "cpu_floor_s": _median_step(run["cpu_floors"]),
                                      "max_abs_diff": max(diffs), "first_bad_step": bad[0] if bad else None,
                                      "loss_fell": losses[-1] < losses[0] - 0.1 * abs(losses[0]),
                                      "matches_reference": not bad}
