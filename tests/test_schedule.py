@@ -18,6 +18,21 @@ def test_tasks_take_turns_at_switch_points_and_return_their_results():
     assert order == ["a0", "b0", "a1", "b1", "a2"]       # b ended: a goes on alone
 
 
+def test_small_exchanges_are_waited_for_without_giving_the_turn_away():
+    order = []
+
+    def task(name, give_turn):
+        order.append(f"{name} posts")
+        schedule.wait_exchange("counts", lambda: order.append(f"{name} waits"), give_turn=give_turn)
+        order.append(f"{name} goes on")
+
+    schedule.run_interleaved([lambda: task("a", False), lambda: task("b", True)])
+    assert order == ["a posts", "a waits", "a goes on", "b posts", "b waits", "b goes on"]
+    order.clear()
+    schedule.run_interleaved([lambda: task("a", True), lambda: task("b", True)])
+    assert order == ["a posts", "b posts", "a waits", "a goes on", "b waits", "b goes on"]
+
+
 def test_the_first_error_is_raised_after_every_task_ended():
     ended = []
 

@@ -187,9 +187,9 @@ class TopKRouter(nn.Module):
             # against this rank's mean scores: the gradient is the local one, as data-parallel
             # averaging expects.
             loads = torch.cat([tokens_per_expert.float(), torch.tensor([float(num_tokens)], device=idx.device)])
-            if self.load_group is not None:     # one all-reduce; another micro-batch may run meanwhile
+            if self.load_group is not None:     # one small all-reduce: waited for without giving the turn away
                 work = dist.all_reduce(loads, group=self.load_group, async_op=True)
-                wait_exchange("router loads", work.wait)
+                wait_exchange("router loads", work.wait, give_turn=False)
             counts, total = loads[:-1], loads[-1]
             fraction = counts / (total * c.topk)
             out["global_aux_loss"] = c.global_aux_loss_coeff * c.num_experts * (probs.mean(0) * fraction).sum()

@@ -8,10 +8,10 @@ micro-batch i beside the backward of micro-batch i-1); `forward_interleaved` is 
 overlap of inference.
 
 How: each micro-batch's work runs as a task on its own thread (the caller's for the first,
-long-lived workers for the others), but only one task runs at a time. A task gives its turn away at a *switch point*, right after it has posted an exchange
-and before it waits for it (`switch_point`, called by the dispatchers: dispatch's metadata
-round, `Pending.wait`, and the backwards of dispatch and combine), and gets it back when the
-other task reaches one. Every rank runs the same code, so every rank switches at the same
+long-lived workers for the others), but only one task runs at a time. A task gives its turn away at a *switch point*, right after it has posted a row exchange
+and before it waits for it (`switch_point`, called by the dispatchers: `Pending.wait` and the
+backwards of dispatch and combine), and gets it back when the other task reaches one. Exchanges
+of a few numbers (dispatch counts, the router's loads) are waited for without one. Every rank runs the same code, so every rank switches at the same
 places and issues its collectives in the same order: no collective can cross another.
 
 Delayed weight gradients (``delay_wgrad``): inside a task, `GroupedExperts` and `SwiGLUMLP`
@@ -121,11 +121,17 @@ def switch_point() -> None:
         task.since = time.perf_counter()
 
 
-def wait_exchange(what: str, wait: Callable[[], Any]) -> Any:
+def wait_exchange(what: str, wait: Callable[[], Any], give_turn: bool = True) -> Any:
     """``wait()`` for an exchange just posted, after a `switch_point`; on a `Timeline` its span
-    from posted to landed is recorded as ``what``."""
+    from posted to landed is recorded as ``what``.
+
+    give_turn=False: wait without a switch point, for exchanges of a few numbers (dispatch
+    counts, the router's loads). Such an exchange lands in milliseconds, while a turn given
+    away lasts one whole chunk of the other task; and a forward would get twice as many switch
+    points as the backward beside it, so its last layer would find nothing left to overlap."""
     posted = time.perf_counter()
-    switch_point()
+    if give_turn:
+        switch_point()
     result = wait()
     task = getattr(_local, "task", None)
     _record(task.lane if task is not None else getattr(_local, "lane", "main"), "exchange", what, posted)

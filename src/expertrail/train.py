@@ -234,14 +234,23 @@ def _train_step(model, opt, cfg: TrainConfig, step: int, rank: int, world: int, 
         lm_losses[m] = loss = lm_loss(model, make_batch(cfg, step, rank, m))
         return (loss + router_loss(model)) / (world * cfg.micro_batches)
     train_micro_batches(forward, list(range(cfg.micro_batches)), overlap=overlap)
-    for p in model.parameters():
-        if id(p) not in is_expert and p.grad is not None:
-            dist.all_reduce(p.grad)
+    sum_over_ranks([p.grad for p in model.parameters() if id(p) not in is_expert and p.grad is not None])
     opt.step()
     opt.zero_grad()
     mean = sum(lm_losses[m].detach() for m in range(cfg.micro_batches)).reshape(1) / (world * cfg.micro_batches)
     dist.all_reduce(mean)
     return mean.item()
+
+
+def sum_over_ranks(tensors: list) -> None:
+    """All-reduce (sum) ``tensors`` in place over the default group: one flat all-reduce per
+    dtype, not one per tensor (each would pay the inter-node round trip)."""
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        group = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.reshape(-1) for t in group])
+        dist.all_reduce(flat)
+        for t, summed in zip(group, flat.split([t.numel() for t in group])):
+            t.copy_(summed.view_as(t))
 
 
 def _median_step(times: list) -> float:

@@ -167,8 +167,9 @@ class Dispatcher:
         # (local work only: nothing is sent before every rank's input is known to be valid).
         wire = fp8.quantize(x.detach()) if plan and self.config.payload == "fp8" else x.detach()
         sent = self._gather_first(wire, plan) if plan else None
-        # Another micro-batch may run while the counts travel (`schedule`).
-        recv_counts, headers = wait_exchange("dispatch counts", lambda: self._finish_control(control, message))
+        # A few numbers: waited for without giving the turn to another micro-batch (`schedule`).
+        recv_counts, headers = wait_exchange("dispatch counts", lambda: self._finish_control(control, message),
+                                             give_turn=False)
         with torch.no_grad():
             route = self._route(topk_weights.detach(), plan, recv_counts, headers)
             route.label, route.timeout, route.workspace = self.groups.label, self.groups.timeout, self.workspace
