@@ -8,11 +8,13 @@ micro-batch i beside the backward of micro-batch i-1); `forward_interleaved` is 
 overlap of inference.
 
 How: each micro-batch's work runs as a task on its own thread (the caller's for the first,
-long-lived workers for the others), but only one task runs at a time. A task gives its turn away at a *switch point*, right after it has posted a row exchange
-and before it waits for it (`switch_point`, called by the dispatchers: `Pending.wait` and the
-backwards of dispatch and combine), and gets it back when the other task reaches one. Exchanges
-of a few numbers (dispatch counts, the router's loads) are waited for without one. Every rank runs the same code, so every rank switches at the same
-places and issues its collectives in the same order: no collective can cross another.
+long-lived workers for the others), but only one task runs at a time. A task gives its turn
+away at a *switch point*, right after it has posted a row exchange and before it waits for it
+(`switch_point`, called by the dispatchers: `Pending.wait` and the backwards of dispatch and
+combine), and gets it back when the other task reaches one. Exchanges of a few numbers
+(dispatch counts, the router's loads) are waited for without one. Every rank runs the same
+code, so every rank switches at the same places and issues its collectives in the same order:
+no collective can cross another.
 
 Delayed weight gradients (``delay_wgrad``): inside a task, `GroupedExperts` and `SwiGLUMLP`
 compute the input gradient at once (the previous layer needs it) and hand the weight gradient
@@ -122,8 +124,8 @@ def switch_point() -> None:
 
 
 def wait_exchange(what: str, wait: Callable[[], Any], give_turn: bool = True) -> Any:
-    """``wait()`` for an exchange just posted, after a `switch_point`; on a `Timeline` its span
-    from posted to landed is recorded as ``what``.
+    """``wait()`` for an exchange just posted, after a `switch_point` (another task runs while it
+    travels); on a `Timeline` its span from posted to landed is recorded as ``what``.
 
     give_turn=False: wait without a switch point, for exchanges of a few numbers (dispatch
     counts, the router's loads). Such an exchange lands in milliseconds, while a turn given
