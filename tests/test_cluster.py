@@ -112,8 +112,11 @@ def test_two_clusters_at_once_do_not_clash(no_leftovers):
     assert not {a.prefix, b.prefix} & set(cl.list_clusters())
 
 
+# The owner handles Ctrl-C as an interactive Python does, also when the suite runs as a
+# background job (whose children start with SIGINT ignored).
 OWNER = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from expertrail import cluster as cl
     c = cl.Cluster(2, cl.LinkSpec.parse("1gbit")).up()
     print(c.prefix, flush=True)
