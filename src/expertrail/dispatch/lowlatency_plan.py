@@ -75,9 +75,9 @@ class HostPlan(_Plan):
         table = self._send_table                                                  # [P, T, 2, E_local]
         table[...] = 0
         idx = topk_idx.numpy() if message is None else None
-        if idx is not None and idx.size and (idx.min() < -1 or idx.max() >= self.num_experts):
-            bad = int(idx.min()) if idx.min() < -1 else int(idx.max())
-            message = f"{where}: topk_idx values must be in [-1, {self.num_experts}), found {bad}"
+        low, high = (int(idx.min()), int(idx.max())) if idx is not None and idx.size else (-1, -1)
+        if low < -1 or high >= self.num_experts:
+            message = f"{where}: topk_idx values must be in [-1, {self.num_experts}), found {low if low < -1 else high}"
         if message is None:
             token, k = np.nonzero(idx >= 0)
             peer, expert = np.divmod(idx[token, k], self.local)
