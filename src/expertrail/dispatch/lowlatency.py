@@ -152,6 +152,7 @@ class LowLatencyDispatcher:
                                         + torch.arange(t, device=dev).unsqueeze(1))
         self._back_dense, self._back_bags = back.dense(), (back.pos, back.slot, back.source, back.offsets)
         self._token_copies_of = {}                                            # n -> its CopyPositions
+        self._where = f"lowlatency dispatch on EP rank {groups.ep_rank}"      # what its errors begin with
         # The metadata planners, on the byte views of every buffer's tail.
         tails = (self._tail(self._send, self._words), self._tail(self._recv, self._words),
                  self._tail(self._back_send, HEADER_WORDS), self._tail(self._back, HEADER_WORDS))
@@ -168,8 +169,7 @@ class LowLatencyDispatcher:
             plan = self._plan()
             # Slot s of every peer's block holds token s; the metadata says which of the peer's
             # experts it is for (none: the peer skips it). An invalid rank sends no rows.
-            message = plan.write(topk_idx, topk_weights, self._check(x, topk_idx, topk_weights),
-                                 f"lowlatency dispatch on EP rank {self.groups.ep_rank}")
+            message = plan.write(topk_idx, topk_weights, self._check(x, topk_idx, topk_weights), self._where)
             if message is None:
                 self._send_slots[:, :x.shape[0]] = fp8.quantize(x) if self.payload == "fp8" else x
             got = self._exchange(self._send, self._recv)
@@ -253,7 +253,7 @@ class LowLatencyDispatcher:
         return dist.all_to_all_single(out, rows, group=self.groups.ep_group, async_op=True)
 
     def _check(self, x, topk_idx, topk_weights) -> str | None:
-        where = f"lowlatency dispatch on EP rank {self.groups.ep_rank}"
+        where = self._where
         if x.dim() != 2 or x.shape[1] != self.hidden or x.shape[0] > self.max_tokens:
             return (f"{where}: x must be [N <= max_tokens_per_rank={self.max_tokens}, hidden={self.hidden}], got "
                     f"{tuple(x.shape)}; build the dispatcher with a larger max_tokens_per_rank or dispatch in parts")
@@ -288,7 +288,7 @@ class LowLatencyDispatcher:
         alike if they differ."""
         names = [str(WEIGHT_DTYPES[int(c)]) for c in codes.tolist()]
         if len(set(names)) > 1:
-            raise InvalidInputError(f"lowlatency dispatch on EP rank {self.groups.ep_rank}: topk_weights must have one "
+            raise InvalidInputError(f"{self._where}: topk_weights must have one "
                                     f"dtype on every EP rank, got {names} by rank; pass topk_weights.to({mine}) "
                                     "(or one common dtype) everywhere")
 
