@@ -89,6 +89,35 @@ def test_delayed_weight_gradients_are_the_same_bits():
     torch.testing.assert_close(ref[1].grad, now[1])
 
 
+def test_attention_projections_delay_their_weight_gradients_to_the_same_bits():
+    from expertrail.train import Attention
+    torch.manual_seed(0)
+    attn = Attention(16, 2)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    params = (attn.qkv.weight, attn.out.weight, x)
+
+    def grads(delay):
+        for p in params:
+            p.grad = None
+
+        def task():
+            attn(x).square().sum().backward()
+            return attn.qkv.weight.grad is None and attn.out.weight.grad is None   # still queued?
+        queued = schedule.run_interleaved([task], delay)[0]
+        return queued, [p.grad.clone() for p in params]
+    (queued_now, now), (queued_later, later) = grads(False), grads(True)
+    assert not queued_now and queued_later
+    assert all(torch.equal(a, b) for a, b in zip(now, later))
+    # and they are what nn.Linear's autograd gives
+    ref = [p.detach().clone().requires_grad_() for p in params]
+    b, s, h = x.shape
+    q, k, v = (ref[2] @ ref[0].T).view(b, s, 3, 2, h // 2).permute(2, 0, 3, 1, 4)
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    (y.transpose(1, 2).reshape(b, s, h) @ ref[1].T).square().sum().backward()
+    for r, got in zip(ref, now):
+        torch.testing.assert_close(r.grad, got)
+
+
 def test_timeline_records_runs_and_exchanges():
     with schedule.Timeline() as t:
         schedule.run_interleaved([lambda: schedule.wait_exchange("dispatch", lambda: None), lambda: None],

@@ -88,6 +88,14 @@ class _Linear(torch.autograd.Function):
         return grad_x, _weight_grad(ctx, weight, lambda: flat_grad.T @ flat_x)
 
 
+def delayable_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., In] @ weight [Out, In].T -> [..., Out]`` (no bias), whose backward hands its
+    weight gradient to an overlapped schedule with delayed weight gradients (`schedule.defer`)
+    and returns the input gradient at once. For any dense projection a model wants to give the
+    schedule as filler for exchanges in flight: the shared expert's, attention's."""
+    return _Linear.apply(x, weight)
+
+
 def _weight_grad(ctx, weight: torch.Tensor, compute):
     """The weight gradient to return from a backward: ``compute()`` now, or None after handing
     it to the schedule, which adds it into ``weight.grad`` at the task's next switch point."""
@@ -141,5 +149,5 @@ class SwiGLUMLP(nn.Module):
         self.ffn_hidden = ffn_hidden
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = _Linear.apply(x, self.gate_up_proj.weight).split(self.ffn_hidden, dim=-1)
-        return _Linear.apply(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = delayable_linear(x, self.gate_up_proj.weight).split(self.ffn_hidden, dim=-1)
+        return delayable_linear(F.silu(gate) * up, self.down_proj.weight)

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from .configs import TrainConfig
 from .dispatch import make_dispatcher
-from .experts import GroupedExperts, SwiGLUMLP
+from .experts import GroupedExperts, SwiGLUMLP, delayable_linear
 from .layer import MoELayer, router_loss
 from .router import RouterConfig, TopKRouter
 from .schedule import Timeline, train_micro_batches
@@ -33,6 +33,11 @@ from .topology import EPGroups
 
 
 class Attention(nn.Module):
+    """Causal self-attention. Its projections' weight gradients are delayable
+    (`experts.delayable_linear`): in an overlapped schedule they fill the next exchange's flight
+    instead of the backward's critical path (the split of backward into input and weight parts
+    that DualPipe makes for attention as for the MLP)."""
+
     def __init__(self, hidden: int, heads: int):
         super().__init__()
         self.heads = heads
@@ -41,9 +46,9 @@ class Attention(nn.Module):
 
     def forward(self, x):                 # [B, S, H]
         b, s, h = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = delayable_linear(x, self.qkv.weight).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, s, h))
+        return delayable_linear(y.transpose(1, 2).reshape(b, s, h), self.out.weight)
 
 
 class Block(nn.Module):
