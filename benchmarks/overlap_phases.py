@@ -1,0 +1,159 @@
+"""Where an overlapped training step spends its time, phase by phase, and the most 1F1B can gain.
+
+Runs `expertrail train`'s model (`train.build_ep_model`) on the ranks of a torchrun launch whose
+ranks all share one host (the emulated cluster: ``expertrail cluster run``), alternating a step
+without and a step with overlap (learning rate 0, so every step does the same work). For the
+overlapped step it splits rank 0's timeline (`schedule.Timeline`) into the phases of the
+combined 1F1B order: F0 alone, each pair (forward of i beside backward of i-1), the last
+backward alone, and the tail (dense gradients summed over ranks, optimizer). A thread samples
+the host's idle CPU time (``/proc/stat``) every 5 ms, so each phase gets its wall time and the
+CPU-seconds the host's cores sat idle in it.
+
+Printed, median over steps (the first left out):
+
+- per phase: wall ms, idle CPU-s, and the CPU floor (busy CPU-s over the cores);
+- the step without and with overlap, their ratio, and the step's CPU floor;
+- the 1F1B bound: F0 + last backward + tail as measured, plus every pair at its CPU floor.
+  Even a perfect interleaving of the pairs cannot beat it, because nothing runs beside F0,
+  the last backward or the tail in this order.
+
+    expertrail cluster run --nodes 2 --ranks-per-node 2 --inter-link 1gbit -- \\
+        benchmarks/overlap_phases.py --hidden 512 --ffn 128 --topk 8 --experts 16 --seq 64 --batch 8
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from expertrail.configs import TrainConfig
+from expertrail.schedule import Timeline
+from expertrail.topology import EPGroups
+from expertrail.train import _train_step, build_ep_model
+
+
+class IdleSampler:
+    """Samples (time, the host's idle CPU-seconds so far) every ``period`` s on a thread."""
+
+    def __init__(self, period: float = 0.005):
+        self.period, self.samples, self._stop = period, [], threading.Event()
+        self._tick = os.sysconf("SC_CLK_TCK")
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _idle(self) -> float:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+        return (int(fields[3]) + int(fields[4])) / self._tick          # idle + iowait
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter(), self._idle()))
+            time.sleep(self.period)
+
+    def __enter__(self) -> "IdleSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((time.perf_counter(), self._idle()))
+
+    def idle_between(self, start: float, end: float) -> float:
+        """Idle CPU-seconds between two perf_counter times, linearly interpolated."""
+        times, idles = zip(*self.samples)
+
+        def at(t):
+            i = next((j for j, u in enumerate(times) if u >= t), len(times) - 1)
+            if i == 0 or times[i] == times[i - 1]:
+                return idles[i]
+            w = (t - times[i - 1]) / (times[i] - times[i - 1])
+            return idles[i - 1] + w * (idles[i] - idles[i - 1])
+        return max(0.0, at(end) - at(start))
+
+
+def phases(spans: list, micro_batches: int, step_end: float) -> list:
+    """``spans`` (a Timeline's, times relative to the step's start) of one overlapped step ->
+    [(name, start, end)]: F0, F1+B0, ..., B{M-1}, tail."""
+    runs = {}
+    for lane, kind, _, a, b in spans:
+        if kind == "run":
+            lo, hi = runs.get(lane, (a, b))
+            runs[lane] = (min(lo, a), max(hi, b))
+    last = micro_batches - 1
+    out = [("F0", *runs["F0"])]
+    for i in range(1, micro_batches):
+        lanes = (runs[f"F{i}"], runs[f"B{i - 1}"])
+        out.append((f"F{i}+B{i - 1}", min(r[0] for r in lanes), max(r[1] for r in lanes)))
+    out.append((f"B{last}", *runs[f"B{last}"]))
+    out.append(("tail", runs[f"B{last}"][1], step_end))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for name, default in (("hidden", 512), ("ffn", 128), ("topk", 8), ("experts", 16), ("seq", 64), ("batch", 8),
+                          ("micro-batches", 4), ("layers", 2), ("steps", 5)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--backend", default="alltoall")
+    args = p.parse_args()
+    if args.micro_batches < 2 or args.steps < 2:
+        p.error("--micro-batches and --steps must be at least 2 (1F1B needs two micro-batches; the first step "
+                "is left out)")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cores = len(os.sched_getaffinity(0))
+    cfg = TrainConfig(hidden=args.hidden, ffn=args.ffn, topk=args.topk, experts=args.experts, seq=args.seq,
+                      batch=args.batch, micro_batches=args.micro_batches, layers=args.layers, lr=0.0)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", max(1, world // 2)))
+    model = build_ep_model(cfg, EPGroups.from_default(domain_size=local), args.backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    steps = {False: [], True: []}
+    for _ in range(args.steps):
+        for overlap in (False, True):
+            dist.barrier()
+            with IdleSampler() as idle, Timeline() as timeline:
+                start = time.perf_counter()
+                _train_step(model, opt, cfg, 0, rank, world, overlap)
+                end = time.perf_counter()
+            rows = []
+            if overlap:
+                spans = [(lane, kind, what, a - start, b - start) for lane, kind, what, a, b in timeline.spans]
+                rows = [(name, b - a, idle.idle_between(start + a, start + b))
+                        for name, a, b in phases(spans, cfg.micro_batches, end - start)]
+            steps[overlap].append((end - start, idle.idle_between(start, end), rows))
+    if rank == 0:
+        report(steps, cores, args)
+    dist.destroy_process_group()
+
+
+def report(steps: dict, cores: int, args) -> None:
+    def med(values):
+        return statistics.median(values)
+    seq, ovl = (steps[o][1:] for o in (False, True))
+    seq_ms, ovl_ms = med(s[0] for s in seq) * 1e3, med(s[0] for s in ovl) * 1e3
+    floor_ms = med(s[0] - s[1] / cores for s in ovl) * 1e3
+    print(f"overlap phases: {args.backend}, hidden {args.hidden}, ffn {args.ffn}, top-{args.topk} of {args.experts}, "
+          f"{args.micro_batches} micro-batches of {args.batch} x {args.seq}; {cores} cores on this host; "
+          f"medians of {len(ovl)} steps")
+    print(f"{'phase':>9} {'wall ms':>8} {'idle CPU-s':>11} {'CPU floor ms':>13}")
+    bound = 0.0
+    for j, name in enumerate(r[0] for r in ovl[0][2]):
+        wall = med(s[2][j][1] for s in ovl) * 1e3
+        idle = med(s[2][j][2] for s in ovl)
+        floor = wall - idle / cores * 1e3
+        bound += floor if "+" in name else wall
+        print(f"{name:>9} {wall:8.0f} {idle:11.2f} {floor:13.0f}")
+    print(f"without overlap {seq_ms:.0f} ms, with {ovl_ms:.0f} ms: {seq_ms / ovl_ms:.2f}x")
+    print(f"CPU floor of the overlapped step {floor_ms:.0f} ms: no schedule beats {seq_ms / floor_ms:.2f}x here")
+    print(f"1F1B bound (F0, the last backward and the tail as measured, every pair at its CPU floor) "
+          f"{bound:.0f} ms: 1F1B cannot beat {seq_ms / bound:.2f}x here")
+
+
+if __name__ == "__main__":
+    main()
