@@ -23,6 +23,7 @@ Printed, median over steps (the first left out):
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import statistics
 import threading
@@ -69,7 +70,7 @@ class IdleSampler:
         times, idles = zip(*self.samples)
 
         def at(t):
-            i = next((j for j, u in enumerate(times) if u >= t), len(times) - 1)
+            i = min(bisect.bisect_left(times, t), len(times) - 1)       # first sample at or after t
             if i == 0 or times[i] == times[i - 1]:
                 return idles[i]
             w = (t - times[i - 1]) / (times[i] - times[i - 1])
