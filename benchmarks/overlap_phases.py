@@ -111,8 +111,7 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     cfg = TrainConfig(hidden=args.hidden, ffn=args.ffn, topk=args.topk, experts=args.experts, seq=args.seq,
                       batch=args.batch, micro_batches=args.micro_batches, layers=args.layers, lr=0.0)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", max(1, world // 2)))
-    model = build_ep_model(cfg, EPGroups.from_default(domain_size=local), args.backend)
+    model = build_ep_model(cfg, EPGroups.from_default(), args.backend)     # a node's ranks form a domain
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     steps = {False: [], True: []}
     for _ in range(args.steps):
