@@ -16,10 +16,10 @@ combine), and gets it back when the other task reaches one. Exchanges of a few n
 code, so every rank switches at the same places and issues its collectives in the same order:
 no collective can cross another.
 
-Delayed weight gradients (``delay_wgrad``): inside a task, `GroupedExperts` and `SwiGLUMLP`
-compute the input gradient at once (the previous layer needs it) and hand the weight gradient
-to `defer`; the task computes it at its next switch point, while its own exchange is in
-flight, and at its end. Gradients are the same bits either way: the same kernels run, and
+Delayed weight gradients (``delay_wgrad``): inside a task, `GroupedExperts`, `SwiGLUMLP` and
+any `experts.delayable_linear` projection (`train`'s attention) compute the input gradient at
+once (the previous layer needs it) and hand the weight gradient to `defer`; the task computes
+it at its next switch point, while its own exchange is in flight, and at its end. Gradients are the same bits either way: the same kernels run, and
 every parameter accumulates the micro-batches' gradients in micro-batch order.
 """
 from __future__ import annotations
@@ -183,8 +183,9 @@ def run_interleaved(tasks: list[Callable[[], Any]], delay_wgrad: bool = False, l
     """Run ``tasks`` taking turns at their switch points (task 0 first); returns their results.
 
     Task 0 runs on the calling thread, the others on worker threads, each under the caller's
-    grad and inference modes; one runs at a time. With ``delay_wgrad`` the expert and shared-expert weight
-    gradients of a task are computed at its switch points and before it ends. If tasks raise,
+    grad and inference modes; one runs at a time. With ``delay_wgrad`` the delayable weight
+    gradients of a task (those its backwards hand to `defer`) are computed at its switch points
+    and before it ends. If tasks raise,
     the first one's (in task order) error is raised once all have ended. Tasks must reach their
     switch points in the same order on every rank of a group (the same code does). lanes: the
     tasks' names on a `Timeline`. Not from inside a task.
@@ -235,8 +236,8 @@ def train_micro_batches(forward: Callable[[Any], torch.Tensor], micro_batches: l
     should accumulate). ``overlap=False``: F0 B0 F1 B1 ..., one at a time. ``overlap=True``,
     Megatron-Core's combined 1F1B order: F0, then the forward of micro-batch i and the backward
     of micro-batch i-1 taking turns at every dispatch and combine (see the module docstring),
-    then the last backward; ``delay_wgrad`` delays the expert weight gradients into the
-    backward's communication. Backwards run in micro-batch order either way, so gradients and
+    then the last backward; ``delay_wgrad`` delays the delayable weight gradients (experts,
+    shared expert, `experts.delayable_linear` projections) into the backward's communication. Backwards run in micro-batch order either way, so gradients and
     losses are bitwise the same with and without overlap. Collective over every EP group the
     model uses: every rank passes the same number of micro-batches and the same ``overlap``.
     """
