@@ -133,7 +133,8 @@ def _train_parser(sub) -> None:
                    help="micro-batches per step, gradients accumulated (default 1; 4 with --overlap)")
     p.add_argument("--overlap", action="store_true",
                    help="also train with two micro-batches in flight (1F1B: one's forward beside the other's "
-                        "backward, taking turns at every dispatch and combine, expert weight gradients delayed; "
+                        "backward, taking turns at every dispatch and combine, the weight gradients of the experts, "
+                        "shared expert and attention delayed; "
                         "docs/overlap.md), step by step beside the run without; the losses must be identical")
     p.add_argument("--timeline", metavar="PATH.png",
                    help="draw rank 0's compute and exchanges over one step of each run (with --overlap)")
