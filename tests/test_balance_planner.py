@@ -4,7 +4,7 @@ import pytest
 
 from expertrail.balance.planner import (balancedness, contiguous_balancedness, plan_placement, rank_loads,
                                         zipf_load)
-from expertrail.errors import ConfigError
+from expertrail.errors import ConfigError, InvalidInputError
 
 
 def check_invariants(p, experts, slots, ranks):
@@ -79,6 +79,55 @@ def test_bad_arguments():
         plan_placement(np.ones(8), 8, 4, policy="random")
     with pytest.raises(ConfigError, match="cannot hold"):
         plan_placement(np.ones(8), 4, 4)
+
+
+@pytest.mark.parametrize("load,message", [
+    ([[4.0, -1.0, 2.0, 3.0]], r"load: 1 negative count\(s\), the first -1 at layer 0, expert 1; token counts must be "
+                              r"finite and >= 0"),
+    ([[4.0, 1.0], [np.nan, 2.0]], r"1 non-finite \(NaN or inf\) count\(s\), the first nan at layer 1, expert 0"),
+    ([[np.inf, 1.0, 1.0, 1.0]], r"the first inf at layer 0, expert 0"),
+    (np.ones((2, 2, 4)), r"expected token counts \[layers, experts\] \(or \[experts\]\) .*got shape \[2, 2, 4\]"),
+    (np.ones((1, 0)), r"with at least one expert, got shape \[1, 0\]"),
+])
+def test_loads_must_be_finite_non_negative_counts(load, message):
+    for call in (lambda: plan_placement(load, 4, 2), lambda: contiguous_balancedness(load, 2),
+                 lambda: rank_loads(load, plan_placement(np.ones(4), 4, 2))):
+        with pytest.raises(InvalidInputError, match=message) as err:
+            call()
+        assert isinstance(err.value, ValueError)
+
+
+def test_a_layer_without_tokens_is_planned_as_equal_loads():
+    """All zeros says nothing about which experts are hot: the extra slots spread evenly (not all
+    onto expert 0), and the other layers plan as they would alone."""
+    skewed = np.array([8.0, 1.0, 1.0, 2.0, 0.0, 3.0, 1.0, 1.0])
+    p = plan_placement(np.stack([np.zeros(8), skewed]), num_slots=12, num_ranks=4)
+    check_invariants(p, 8, 12, 4)
+    assert p.replicas[0].tolist() == [2, 2, 2, 2, 1, 1, 1, 1]
+    assert p.phys_to_log[0].tolist() == plan_placement(np.ones(8), 12, 4).phys_to_log[0].tolist()
+    assert p.phys_to_log[1].tolist() == plan_placement(skewed, 12, 4).phys_to_log[0].tolist()
+    assert rank_loads(np.zeros(8), p)[0].tolist() == [0.0] * 4
+
+
+@pytest.mark.parametrize("name,data,message", [
+    ("zero.npy", np.zeros((2, 8)), "every count is 0, so there is no load to balance; record the loads over at least "
+                                   "one step (LoadRecorder: call step() at the end of each step before load())"),
+    ("nan.csv", "1,2,3,nan\n1,2,3,4\n", "1 non-finite (NaN or inf) count(s), the first nan at layer 0, expert 3"),
+    ("inf.json", "[[1, 2, 3, 4], [1, 2, 1e999, 4]]", "1 non-finite (NaN or inf) count(s), the first inf at layer 1"),
+    ("neg.json", "[[5, -2, 3, 4], [1, 2, 3, -1]]", "2 negative count(s), the first -2 at layer 0, expert 1; token "
+                                                    "counts must be finite and >= 0"),
+    ("layer.npy", np.array([[1.0, 2, 3, 4], [0, 0, 0, 0]]), "layer(s) 1 of 2 have no tokens (every count 0)"),
+    ("text.json", '{"experts": 4}', "expected token counts [layers, experts] (or [experts])"),
+    ("broken.json", "[[1, 2", "cannot read token counts from it"),
+])
+def test_balance_cli_refuses_a_load_that_is_not_token_counts(name, data, message, tmp_path, capsys):
+    from expertrail.cli import main
+    path = tmp_path / name
+    np.save(path, data) if name.endswith(".npy") else path.write_text(data)
+    assert main(["balance", "--load", str(path), "--ranks", "2"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1, out
+    assert out.err.startswith(f"expertrail balance: --load {str(path)!r}: {message}"), out.err
 
 
 def test_balance_cli_text_json_without_torch(tmp_path):

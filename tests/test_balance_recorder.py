@@ -1,8 +1,10 @@
 """LoadRecorder windows and replica routing determinism (single process)."""
 import numpy as np
+import pytest
 import torch
 
 from expertrail.balance import LoadRecorder, ReplicaRouter, plan_placement
+from expertrail.errors import ExpertrailError
 
 
 def test_step_window_keeps_the_last_steps():
@@ -25,6 +27,20 @@ def test_seconds_window_forgets_old_steps():
     assert rec.load().tolist() == [[5, 7]]
     now[0] = 350.0                                       # the first step is now 350 s old
     assert rec.load().tolist() == [[0, 7]]
+
+
+def test_load_before_any_step_says_to_call_step():
+    now = [0.0]
+    rec = LoadRecorder(1, 2, window_seconds=10, clock=lambda: now[0])
+    rec.record(0, torch.tensor([3, 4]))
+    with pytest.raises(ExpertrailError, match=r"LoadRecorder.load\(\) before any step\(\): load\(\) sums closed steps "
+                                              r"only, and 7 recorded token\(s\) are still in the open step; call "
+                                              r"recorder.step\(\) at the end of each training or serving step"):
+        rec.load()
+    rec.step()
+    assert rec.load().tolist() == [[3, 4]]
+    now[0] = 60.0                                        # stepped, but nothing in the window: zeros, no error
+    assert rec.load().tolist() == [[0, 0]]
 
 
 def test_replica_routing_is_deterministic_and_even():

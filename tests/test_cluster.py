@@ -41,7 +41,8 @@ def no_leftovers():
 
 
 @pytest.mark.parametrize("text,expected", [
-    ("1gbit", cl.LinkSpec(1e9)), ("200mbit", cl.LinkSpec(2e8)), ("100mbps", cl.LinkSpec(8e8)),
+    ("1gbit", cl.LinkSpec(1e9)), ("200mbit", cl.LinkSpec(2e8)), ("500kbit", cl.LinkSpec(5e5)),
+    ("1e9bit", cl.LinkSpec(1e9)), ("2.5Gbit", cl.LinkSpec(2.5e9)),
     ("1gbit,delay=100us,loss=0", cl.LinkSpec(1e9, 1e-4, 0.0)), ("10gbit,loss=1%", cl.LinkSpec(1e10, 0.0, 0.01)),
     ("1gbit,queue=5ms", cl.LinkSpec(1e9, queue=0.005)),
 ])
@@ -51,13 +52,58 @@ def test_link_specs_parse(text, expected):
 
 
 @pytest.mark.parametrize("text,message", [
-    ("", "is empty"), ("fast", "write a number and a unit"), ("1gbit,jitter=1ms", "unknown setting 'jitter'"),
+    ("", "is empty"), ("fast", "write a number and a bit unit (bit, kbit, mbit, gbit, tbit), e.g. 1gbit"), ("1gbit,jitter=1ms", "unknown setting 'jitter'"),
     ("1gbit,loss=2", "loss must be in [0, 1)"), ("10kbit", "below 100kbit"), ("1gbit,delay=5", "100us or 1ms"),
     ("1gbit,queue=500us", "queue must be >= 1ms"), ("1gbit,queue=5", "queue '5'"),
+    # tc reads bps, kbps, mbps, gbps as BYTES per second: refused, with both readings spelled out
+    ("1gbps", "tc reads 'gbps' as bytes per second (8gbit); write 1gbit, or 8gbit if you meant bytes"),
+    ("100mbps,loss=1%", "tc reads 'mbps' as bytes per second (800mbit); write 100mbit, or 800mbit if you meant bytes"),
+    ("1000", "write a number and a bit unit"), ("1gb", "write a number and a bit unit"),
+    ("1..2gbit", "write a number and a bit unit"), ("1gbit,loss=x%", "loss 'x' is not a number"),
 ])
 def test_bad_link_specs_say_what_to_write(text, message):
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         cl.LinkSpec.parse(text)
+
+
+@pytest.mark.parametrize("argv", [["bench", "--nodes", "2", "--inter-link", "1gbps"],
+                                  ["train", "--nodes", "2", "--inter-link", "1gbps"],
+                                  ["cluster", "up", "--inter-link", "1gbps"],
+                                  ["cluster", "run", "--inter-link", "1gbps", "--", PROBE]])
+def test_a_byte_rate_stops_the_command_while_its_arguments_are_parsed(argv, monkeypatch, capsys):
+    monkeypatch.setattr(cl, "check_prerequisites", lambda: pytest.fail("a cluster was being brought up"))
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert ("error: argument --inter-link: rate '1gbps': tc reads 'gbps' as bytes per second (8gbit); write 1gbit, "
+            "or 8gbit if you meant bytes") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "--nodes", "2", "--ranks-per-node", "3", "--experts", "16"],
+     "bench: --experts 16 must be a multiple of the 6 ranks (--nodes 2 x --ranks-per-node 3): every rank holds the "
+     "same number of experts; give --experts 18 (or 12)"),
+    (["bench", "--nodes", "2", "--ranks-per-node", "2", "--domain-size", "3"],
+     "bench: --domain-size 3 must divide the 4 ranks (--nodes 2 x --ranks-per-node 2): give one of 1, 2, 4"),
+    (["bench", "--nodes", "2", "--experts", "8", "--topk", "9"], "bench: --topk 9 must be between 1 and --experts 8"),
+    (["bench", "--nodes", "2", "--routing", "zipf:hot"], "bench: --routing 'zipf:hot': write zipf:<alpha>"),
+    (["bench", "--decode", "--nodes", "2", "--experts", "6"], "bench: --experts 6 must be a multiple of the 4 ranks"),
+    (["train", "--nodes", "2", "--ranks-per-node", "3"], "train: --experts 8 must be a multiple of the 6 ranks"),
+    (["train", "--nodes", "2", "--hidden", "30"], "train: --hidden 30 must be a positive multiple of the model's 4"),
+    (["cluster", "run", "--nodes", "2", "--ranks-per-node", "3", "--", "-m", "expertrail", "bench", "--experts", "16"],
+     "cluster: -m expertrail bench: --experts 16 must be a multiple of the 6 ranks (--nodes 2 x --ranks-per-node 3)"),
+    (["cluster", "run", "--nodes", "1", "--ranks-per-node", "3", "--", "-m", "expertrail", "bench"],
+     "cluster: -m expertrail bench: --domain-size 2 must divide the 3 ranks (--nodes 1 x --ranks-per-node 3): give "
+     "one of 1, 3 (bench's default; `bench --nodes` sets it to the ranks per node, here give --domain-size 3)"),
+    (["cluster", "run", "--", "no_such_script.py"], "cluster: no_such_script.py: no such script"),
+    (["cluster", "run", "--", "-m", "no_such_module"], "cluster: -m no_such_module: no module 'no_such_module'"),
+    (["cluster", "run", "--timeout", "0", "--", sys.executable], "cluster: --timeout 0: give the seconds"),
+])
+def test_sizes_that_cannot_run_are_refused_in_one_line_before_anything_starts(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(cl, "check_prerequisites", lambda: pytest.fail("a cluster was being brought up"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"expertrail {message}") and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("nodes", [0, 251])
@@ -137,6 +183,58 @@ def test_a_killed_owner_leaves_nothing_behind(how, no_leftovers):
         assert prefix in cl.remove_stale_clusters()
     assert prefix not in cl.list_clusters()
     assert not [n for n in cl.leftovers() if n.startswith(prefix)]
+
+
+# Each rank says it is running, then waits to be interrupted.
+WAITER = "import os, sys, time\nsys.stdout.write(f\"ready {os.environ['RANK']}\\n\")\nsys.stdout.flush()\ntime.sleep(120)\n"
+
+
+def _interrupt_when_ready(argv: list, ranks: int) -> subprocess.CompletedProcess:
+    """Run ``expertrail ARGV`` as a terminal would (SIGINT handled by Python, in a process group
+    of its own), press Ctrl-C (SIGINT to the group) once ``ranks`` ranks run; its result."""
+    run = subprocess.Popen([sys.executable, "-m", "expertrail", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    ready = 0
+    while ready < ranks:
+        line = run.stdout.readline()
+        assert line, run.communicate(timeout=60)         # it ended before its ranks ran
+        ready += line.startswith("ready")
+    os.killpg(run.pid, signal.SIGINT)
+    out, err = run.communicate(timeout=60)
+    return subprocess.CompletedProcess(run.args, run.returncode, out, err)
+
+
+@needs_root
+@pytest.mark.parametrize("named", [False, True])
+def test_ctrl_c_on_cluster_run_prints_one_line_and_exits_130(named, tmp_path, capsys, no_leftovers):
+    """Ctrl-C: no KeyboardInterrupt traceback, no torchrun SignalException; the run's own cluster
+    is torn down, a named one (`cluster up`) stays up with nothing of the run left in it."""
+    script = tmp_path / "wait.py"
+    script.write_text(WAITER)
+    prefix = None
+    if named:
+        assert main(["cluster", "up", "--nodes", "2"]) == 0
+        prefix = capsys.readouterr().out.split(":")[0]
+    try:
+        where = ["--name", prefix] if named else ["--nodes", "2"]
+        done = _interrupt_when_ready(["cluster", "run", *where, "--ranks-per-node", "1", "--", str(script)], 2)
+        assert done.returncode == 130, done.stderr
+        assert "Traceback" not in done.stderr and "SignalException" not in done.stderr, done.stderr
+        last = done.stderr.strip().splitlines()[-1]
+        if named:
+            assert last == (f"expertrail: interrupted; the command's ranks were stopped; cluster {prefix} is still up "
+                            f"(`expertrail cluster down {prefix}` removes it)")
+            assert prefix in cl.list_clusters()
+            for ns in cl.Cluster.attach(prefix).netns:     # launchers and ranks all ended
+                assert subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout == ""
+        else:
+            own = re.search(r"cluster (er[0-9a-f]{4}): 2 nodes", done.stderr).group(1)
+            assert last == f"expertrail: interrupted; cluster {own} torn down"
+            assert own not in cl.list_clusters()
+    finally:
+        if named:
+            assert main(["cluster", "down", prefix]) == 0
 
 
 @needs_root

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from expertrail.hf import tensor_checksum, why_unsupported
+from expertrail.replicated import device_checksum
 
 transformers = pytest.importorskip("transformers")
 
@@ -79,21 +80,26 @@ def test_qwen2_moe_gated_shared_expert_is_refused():
     assert "['shared_expert', 'shared_expert_gate']" in why_unsupported(block)
 
 
+@pytest.mark.parametrize("checksum", [tensor_checksum, device_checksum])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_checksum_sees_one_bit_and_swapped_rows(dtype):
+def test_checksum_sees_one_bit_and_swapped_rows(checksum, dtype):
+    """The host checksum (CRC-32 + Adler-32) and the device one (word sums, run here on CPU)."""
     w = torch.randn(8, 32, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
-    same = tensor_checksum(w.clone())
-    assert torch.equal(tensor_checksum(w), same)
+    same = checksum(w.clone())
+    assert torch.equal(checksum(w), same)
     one_bit = w.clone()
     one_bit.view(-1).view(torch.int16)[101] ^= 1       # the last bit of one 16-bit word
-    assert not torch.equal(tensor_checksum(one_bit), same)
+    assert not torch.equal(checksum(one_bit), same)
     swapped = w[[1, 0, *range(2, 8)]]
-    assert tensor_checksum(swapped)[0] == same[0] and tensor_checksum(swapped)[1] != same[1]
+    assert not torch.equal(checksum(swapped), same)
+    if checksum is device_checksum:                    # the plain sum cannot see order; the weighted one does
+        assert checksum(swapped)[0] == same[0] and checksum(swapped)[1] != same[1]
     other_init = torch.randn(8, 32, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
-    assert not torch.equal(tensor_checksum(other_init), same)
+    assert not torch.equal(checksum(other_init), same)
 
 
 def test_checksum_of_a_strided_view_is_that_of_its_values():
     w = torch.randn(6, 4)
-    assert torch.equal(tensor_checksum(w.t()), tensor_checksum(w.t().contiguous()))
+    for checksum in (tensor_checksum, device_checksum):
+        assert torch.equal(checksum(w.t()), checksum(w.t().contiguous()))
     assert torch.equal(tensor_checksum(torch.empty(0)), torch.zeros(2, dtype=torch.int64))

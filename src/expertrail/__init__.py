@@ -13,7 +13,7 @@ _EXPORTS = {
     "CollectiveError": "errors", "ConfigError": "errors", "ConfigMismatchError": "errors", "ExpertrailError": "errors",
     "InvalidInputError": "errors",
     "GroupedExperts": "experts", "SwiGLUMLP": "experts",
-    "MoELayer": "layer", "router_loss": "layer",
+    "MoELayer": "layer", "router_loss": "layer", "exclude_experts_from_ddp": "layer",
     "RouterConfig": "router", "RouterOutput": "router", "TopKRouter": "router",
     "TokenLayout": "routing", "apply_capacity": "routing", "compute_layout": "routing",
     "routing_map_to_topk": "routing", "topk_to_routing_map": "routing",

@@ -72,10 +72,21 @@ def _cluster_arguments(parser, ranks_per_node_help: str):
 
 
 def _inter_link_argument(parser) -> None:
-    parser.add_argument("--inter-link", default="1gbit",
+    parser.add_argument("--inter-link", type=_link_spec, default="1gbit",
                         help="each node's link, both directions: RATE[,loss=P][,delay=T][,queue=T], e.g. "
                              "200mbit,loss=1%% (loss needs nftables; a delay needs the kernel's netem; queue: how long "
-                             "a packet may wait in the shaper's FIFO, default 50ms) (default %(default)s)")
+                             "a packet may wait in the shaper's FIFO, default 50ms); RATE in bit units (kbit, mbit, "
+                             "gbit), not tc's byte units (kbps, mbps, gbps) (default %(default)s)")
+
+
+def _link_spec(text: str):
+    """An argparse type: ``--inter-link SPEC`` as a `cluster.LinkSpec`, so a bad spec (``1gbps``,
+    ``fast``) stops the command while its arguments are parsed, before any namespace exists."""
+    from .cluster import LinkSpec
+    try:
+        return LinkSpec.parse(text)
+    except ExpertrailError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--inter-link").lstrip(": ")) from None
 
 
 _CLUSTER_OPTIONS = ("--nodes", "--ranks-per-node", "--inter-link")
@@ -84,8 +95,7 @@ _CLUSTER_OPTIONS = ("--nodes", "--ranks-per-node", "--inter-link")
 def _on_cluster(args, argv: list) -> int:
     """`bench` / `train` with ``--nodes N``: bring an emulated cluster up, run this same
     command on it under torchrun (one launcher per node), tear it down."""
-    from .cluster import Cluster, LinkSpec
-    link = LinkSpec.parse(args.inter_link)
+    from .cluster import Cluster
     inner, skip = [], False
     for arg in argv:                      # the same options, less the cluster's own
         if skip:
@@ -96,12 +106,139 @@ def _on_cluster(args, argv: list) -> int:
             skip = "=" not in arg
             continue
         inner.append(arg)
-    if args.command == "bench" and "--domain-size" not in {a.split("=", 1)[0] for a in inner}:
+    if args.command == "bench" and not _given(args, "--domain-size"):
         inner += ["--domain-size", str(args.ranks_per_node)]
-    with Cluster(args.nodes, link) as c:
-        c.run(["-m", "expertrail", args.command, *inner, *(["--no-progress"] if args.command == "bench" else [])],
-              args.ranks_per_node)
+    cluster = Cluster(args.nodes, args.inter_link)
+    try:
+        with cluster:
+            cluster.run(["-m", "expertrail", args.command, *inner,
+                         *(["--no-progress"] if args.command == "bench" else [])], args.ranks_per_node)
+    except KeyboardInterrupt:
+        raise _after_interrupt(cluster) from None
     return 0
+
+
+def _given(args, option: str) -> bool:
+    """Whether ``option`` was on the command line (not left at its default)."""
+    return option in {a.split("=", 1)[0] for a in args.argv_seen}
+
+
+class _Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a cluster run, saying what became of the cluster; `main` prints it as one
+    line and exits 130."""
+
+
+def _after_interrupt(cluster, kept: bool = False) -> _Interrupted:
+    """What Ctrl-C left of ``cluster``: torn down (checked), or with ``kept`` (a cluster of
+    `cluster up`) still up, its run's processes ended."""
+    from . import cluster as cl
+    if kept:
+        return _Interrupted(f"the command's ranks were stopped; cluster {cluster.prefix} is still up "
+                            f"(`expertrail cluster down {cluster.prefix}` removes it)")
+    if not cluster.prefix:
+        return _Interrupted("no cluster was brought up")
+    if cluster.prefix in cl.list_clusters() or any(n.startswith(cluster.prefix) for n in cl.leftovers()):
+        return _Interrupted(f"cluster {cluster.prefix} was not fully removed: run `expertrail cluster down "
+                            f"{cluster.prefix}`")
+    return _Interrupted(f"cluster {cluster.prefix} torn down")
+
+
+def _check_bench(cfg, world: int, domain: int, ranks: str, decode: bool = False) -> None:
+    """Everything about a `bench` run that can be checked before a rank starts; raises
+    ConfigError naming the option and the fix. ``world`` ranks with ``domain`` per fast-link
+    domain; ``ranks`` says where the rank count came from (``--world 4``, ``--nodes 2 x
+    --ranks-per-node 3``)."""
+    if world < 1:
+        raise ConfigError(f"{ranks}: give at least 1 rank")
+    if domain < 1 or world % domain:
+        sizes = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+        raise ConfigError(f"--domain-size {domain} must divide the {world} ranks ({ranks}): give one of {sizes}")
+    _check_experts(cfg.experts, cfg.topk, world, ranks)
+    for option, value, least in (("--hidden", cfg.hidden, 1), ("--iters", cfg.iters, 1), ("--chunks", cfg.chunks, 1),
+                                 *(() if decode else (("--tokens", cfg.tokens, 1),)),
+                                 *((("--expert-ffn", cfg.expert_ffn, 1),) if cfg.chunks > 1 else ())):
+        if value < least:
+            raise ConfigError(f"{option} {value}: give a whole number >= {least}")
+    if not decode:
+        _check_routing(cfg.routing)
+
+
+def _check_experts(experts: int, topk: int, world: int, ranks: str) -> None:
+    """Experts that split evenly over ``world`` ranks, and a top-k they can serve."""
+    if experts < 1 or experts % world:
+        up, down = -(-max(experts, 1) // world) * world, experts // world * world
+        other = f" (or {down})" if down >= world and down != up else ""
+        raise ConfigError(f"--experts {experts} must be a multiple of the {world} ranks ({ranks}): every rank holds "
+                          f"the same number of experts; give --experts {up}{other}, or a rank count that divides "
+                          f"{experts}")
+    if not 1 <= topk <= experts:
+        raise ConfigError(f"--topk {topk} must be between 1 and --experts {experts}")
+
+
+def _check_routing(spec: str) -> None:
+    """--routing: uniform, balanced, zipf:<alpha> or an existing file (read by the ranks)."""
+    if spec in ("uniform", "balanced"):
+        return
+    if spec.startswith("zipf:"):
+        try:
+            float(spec.split(":", 1)[1])
+            return
+        except ValueError:
+            raise ConfigError(f"--routing {spec!r}: write zipf:<alpha>, e.g. zipf:1.2") from None
+    if not os.path.isfile(spec):
+        raise ConfigError(f"--routing {spec!r}: not uniform, zipf:<alpha>, balanced, nor an existing file")
+
+
+def _check_train(cfg, world: int, ranks: str) -> None:
+    """Everything about a `train` run that can be checked before a rank starts (as `_check_bench`)."""
+    _check_experts(cfg.experts, cfg.topk, world, ranks)
+    if cfg.hidden < cfg.heads or cfg.hidden % cfg.heads:
+        raise ConfigError(f"--hidden {cfg.hidden} must be a positive multiple of the model's {cfg.heads} attention "
+                          f"heads, e.g. --hidden {max(cfg.heads, cfg.hidden // cfg.heads * cfg.heads)}")
+    for option, value in (("--steps", cfg.steps), ("--layers", cfg.layers), ("--ffn", cfg.ffn), ("--seq", cfg.seq),
+                          ("--batch", cfg.batch)):
+        if value < 1:
+            raise ConfigError(f"{option} {value}: give a whole number >= 1")
+    if not cfg.tolerance >= 0:
+        raise ConfigError(f"--tolerance {cfg.tolerance}: give a number >= 0, e.g. 1e-4")
+
+
+def _check_cluster_command(command: list, nodes: int, ranks_per_node: int) -> None:
+    """`cluster run`'s command, before the cluster comes up: the script, module or program
+    exists here (every node runs it from this directory, with this Python), and ``expertrail
+    bench`` / ``train`` get the checks they would get with ``--nodes``."""
+    import importlib.util
+    import shutil
+    head = command[0]
+    if head == "-m":
+        if len(command) < 2:
+            raise ConfigError("-m needs a module, e.g. expertrail cluster run -- -m expertrail bench")
+        if importlib.util.find_spec(command[1].split(".")[0]) is None:
+            raise ConfigError(f"-m {command[1]}: no module {command[1].split('.')[0]!r} in {sys.executable}")
+        inner = command[2:] if command[1] == "expertrail" else None
+    elif head.endswith(".py"):
+        if not os.path.isfile(head):
+            raise ConfigError(f"{head}: no such script (each node runs it from {os.getcwd()})")
+        inner = None
+    elif shutil.which(head) is None:
+        raise ConfigError(f"{head!r}: not a program on PATH nor a .py script; give a script, -m module or program "
+                          "after --")
+    else:
+        inner = command[1:] if os.path.basename(head) == "expertrail" else None
+    if inner and inner[0] in ("bench", "train"):
+        sub = _parser().parse_args(inner)
+        world, ranks = nodes * ranks_per_node, f"--nodes {nodes} x --ranks-per-node {ranks_per_node}"
+        try:
+            if sub.command == "bench":
+                _check_bench(_bench_config(sub), world, sub.domain_size, ranks, decode=sub.decode)
+            else:
+                _check_train(_train_config(sub), world, ranks)
+        except ConfigError as err:
+            note = ""
+            if str(err).startswith("--domain-size") and "--domain-size" not in {a.split("=", 1)[0] for a in inner}:
+                note = (f" (bench's default; `bench --nodes` sets it to the ranks per node, here give "
+                        f"--domain-size {ranks_per_node})")
+            raise ConfigError(f"{' '.join(command[:3])}: {err}{note}") from None
 
 
 def _train_parser(sub) -> None:
@@ -416,12 +553,12 @@ def _balance_parser(sub) -> None:
                                    "each policy. Torch-free.")
     p.add_argument("--load", help="token counts [layers, experts] in .npy, .csv or .json")
     p.add_argument("--zipf", type=float, help="Zipf exponent of synthetic loads")
-    p.add_argument("--experts", type=int)
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--ranks", type=int, required=True)
+    p.add_argument("--experts", type=_positive_int(64))
+    p.add_argument("--layers", type=_positive_int(1), default=1)
+    p.add_argument("--ranks", type=_positive_int(8), required=True)
     p.add_argument("--redundant", type=int, default=0, help="extra physical slots for replicas")
-    p.add_argument("--domains", type=int, default=1)
-    p.add_argument("--groups", type=int, default=None, help="expert groups for the hierarchical policy")
+    p.add_argument("--domains", type=_positive_int(2), default=1)
+    p.add_argument("--groups", type=_positive_int(8), default=None, help="expert groups for the hierarchical policy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="PATH.png")
@@ -469,19 +606,27 @@ def _backend_list(text: str) -> list:
     return backends
 
 
-def _run_train(args) -> int:
+def _train_config(args):
+    """`train`'s TrainConfig from its arguments (--backends and --micro-batches checked)."""
     from .configs import TrainConfig
-    backends = _backend_list(args.backends)
+    _backend_list(args.backends)
     micro_batches = args.micro_batches or (4 if args.overlap else 1)
     if args.overlap and micro_batches < 2:
         raise ConfigError(f"--overlap needs at least 2 micro-batches per step (got --micro-batches {micro_batches}): "
                           "overlap runs one micro-batch's forward beside another's backward")
-    cfg = TrainConfig(steps=args.steps, layers=args.layers, experts=args.experts, topk=args.topk, hidden=args.hidden,
-                      ffn=args.ffn, seq=args.seq, batch=args.batch, micro_batches=micro_batches, overlap=args.overlap,
-                      lr=args.lr, seed=args.seed, tolerance=args.tolerance)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:     # launched by torchrun (e.g. on a cluster)
+    return TrainConfig(steps=args.steps, layers=args.layers, experts=args.experts, topk=args.topk, hidden=args.hidden,
+                       ffn=args.ffn, seq=args.seq, batch=args.batch, micro_batches=micro_batches, overlap=args.overlap,
+                       lr=args.lr, seed=args.seed, tolerance=args.tolerance)
+
+
+def _run_train(args) -> int:
+    backends = _backend_list(args.backends)
+    cfg = _train_config(args)
+    if _under_torchrun():                                       # launched by torchrun (e.g. on a cluster)
         return _train_under_torchrun(args, cfg, backends)
-    if args.nodes:
+    if args.nodes:                     # checked before the cluster comes up (local runs report per backend)
+        _check_train(cfg, args.nodes * args.ranks_per_node,
+                     f"--nodes {args.nodes} x --ranks-per-node {args.ranks_per_node}")
         return _on_cluster(args, list(args.argv_seen))
     from .launch import LocalRanks, RankError
     from .train import timeline_spans, train_rank, train_reference
@@ -572,19 +717,36 @@ def _train_report(cfg, reference: list, runs: dict, crashed: dict, spans, args, 
     return 1 if failures else 0
 
 
-def _run_bench(args) -> int:
-    from .bench import bench_rank
+def _bench_config(args):
+    """`bench`'s BenchConfig from its arguments (--backends checked)."""
     from .configs import BenchConfig
-    backends = _backend_list(args.backends)
-    cfg = BenchConfig(world=args.world, domain_size=args.domain_size, hidden=args.hidden, tokens=args.tokens,
-                      experts=args.experts, topk=args.topk, backends=backends, dtype=args.dtype,
-                      routing=args.routing, iters=args.iters or (DECODE_ITERS if args.decode else BenchConfig.iters),
-                      warmup=args.warmup, seed=args.seed,
-                      chunks=args.chunks, expert_ffn=args.expert_ffn, payload=args.payload,
-                      malloc_heap=args.malloc_heap, progress=not args.no_progress and sys.stderr.isatty())
+    return BenchConfig(world=args.world, domain_size=args.domain_size, hidden=args.hidden, tokens=args.tokens,
+                       experts=args.experts, topk=args.topk, backends=_backend_list(args.backends), dtype=args.dtype,
+                       routing=args.routing,
+                       iters=args.iters or (DECODE_ITERS if args.decode else BenchConfig.iters),
+                       warmup=args.warmup, seed=args.seed,
+                       chunks=args.chunks, expert_ffn=args.expert_ffn, payload=args.payload,
+                       malloc_heap=args.malloc_heap, progress=not args.no_progress and sys.stderr.isatty())
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _run_bench(args) -> int:
+    cfg = _bench_config(args)
+    if not _under_torchrun():          # check what can be checked before a rank (or a cluster) starts
+        if args.nodes:
+            world = args.nodes * args.ranks_per_node
+            ranks = f"--nodes {args.nodes} x --ranks-per-node {args.ranks_per_node}"
+            domain = args.domain_size if _given(args, "--domain-size") else args.ranks_per_node
+        else:
+            world, domain, ranks = args.world, args.domain_size, f"--world {args.world}"
+        _check_bench(cfg, world, domain, ranks, decode=args.decode)
     if args.decode:
         return _run_decode(args, cfg)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:     # launched by torchrun
+    from .bench import bench_rank
+    if _under_torchrun():                                       # launched by torchrun
         import torch
         import torch.distributed as dist
         use_nccl = torch.cuda.is_available()
@@ -617,7 +779,7 @@ def _run_bench(args) -> int:
 def _run_decode(args, cfg) -> int:
     """`bench --decode` on local ranks, under torchrun, or (``--nodes``) on an emulated cluster."""
     from .bench_decode import decode_rank, format_decode
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if _under_torchrun():
         import torch.distributed as dist
         dist.init_process_group("gloo")
         cfg.world = dist.get_world_size()
@@ -745,7 +907,7 @@ def _run_cluster(args) -> int:
             removed = cl.teardown(name)
             print(f"{name}: removed {len(removed)} namespaces, links and records" if removed else f"{name}: nothing left")
         return 0
-    link = cl.LinkSpec.parse(args.inter_link)
+    link = args.inter_link                # a LinkSpec: parsed (and checked) with the arguments
     if args.verb == "up":
         c = cl.Cluster(args.nodes, link).up(keep=True)
         print(f"{c.prefix}: {c.nodes} nodes ({', '.join(c.address)}), inter-link {link}; "
@@ -754,13 +916,22 @@ def _run_cluster(args) -> int:
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not command:
         raise ConfigError("give the command after --, e.g. expertrail cluster run -- my_script.py --steps 10")
-    if args.name:
-        cl.Cluster.attach(args.name).run(command, args.ranks_per_node, args.timeout, args.port)
-        return 0
-    with cl.Cluster(args.nodes, link) as c:
-        print(f"cluster {c.prefix}: {c.nodes} nodes x {args.ranks_per_node} ranks, inter-link {link} (emulated)",
-              file=sys.stderr)
-        c.run(command, args.ranks_per_node, args.timeout, args.port)
+    if args.timeout is not None and not args.timeout > 0:
+        raise ConfigError(f"--timeout {args.timeout:g}: give the seconds the run may take, > 0 (or leave it out)")
+    if args.port > 65535:
+        raise ConfigError(f"--port {args.port}: give a TCP port, 1..65535")
+    cluster = cl.Cluster.attach(args.name) if args.name else cl.Cluster(args.nodes, link)
+    _check_cluster_command(command, cluster.nodes, args.ranks_per_node)     # before anything starts
+    try:
+        if args.name:
+            cluster.run(command, args.ranks_per_node, args.timeout, args.port)
+            return 0
+        with cluster as c:
+            print(f"cluster {c.prefix}: {c.nodes} nodes x {args.ranks_per_node} ranks, inter-link {link} (emulated)",
+                  file=sys.stderr)
+            c.run(command, args.ranks_per_node, args.timeout, args.port)
+    except KeyboardInterrupt:
+        raise _after_interrupt(cluster, kept=bool(args.name)) from None
     return 0
 
 
@@ -773,6 +944,9 @@ def main(argv=None) -> int:
         rc = _main(argv)
         sys.stdout.flush()                  # a closed pipe shows here, not at interpreter exit
         return rc
+    except KeyboardInterrupt as err:        # Ctrl-C: one line (what became of a cluster), no traceback
+        print(f"expertrail: interrupted{f'; {err}' if str(err) else ''}", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         try:                                # later writes (the interpreter's final flush) go nowhere
             devnull = os.open(os.devnull, os.O_WRONLY)
@@ -782,7 +956,7 @@ def main(argv=None) -> int:
         return rc
 
 
-def _main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="expertrail", description="Expert-parallel dispatch and combine for MoE.")
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)
@@ -795,7 +969,11 @@ def _main(argv=None) -> int:
     from .serve_sim import add_parser as _serve_sim_parser
     _serve_sim_parser(sub)
     _cluster_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     args.argv_seen = list(sys.argv[1:] if argv is None else argv)[1:]     # after the command's name
     try:
         if args.command == "bench":

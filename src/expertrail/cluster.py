@@ -45,8 +45,9 @@ from .errors import ConfigError, ExpertrailError
 STATE_DIR = Path(os.environ.get("EXPERTRAIL_CLUSTER_DIR", "/run/expertrail-clusters"))
 ANY_PREFIX = r"er[0-9a-f]{4}"
 PREFIX_PATTERN = re.compile(rf"^{ANY_PREFIX}$")
-_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-          "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+# tc reads these as BYTES per second (1gbps = 8 gbit/s); refused, with the bit form to write instead.
+_BYTE_UNITS = {"bps": "bit", "kbps": "kbit", "mbps": "mbit", "gbps": "gbit", "tbps": "tbit"}
 _TIME_UNITS = {"s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9}      # divisors: 100us -> 100 / 1e6 exactly
 
 
@@ -89,7 +90,7 @@ class LinkSpec:
                     raise ConfigError(f"--inter-link {text!r}: queue must be >= 1ms (the shaper needs room for a "
                                       "64 KiB segment)")
             elif key == "loss":
-                loss = float(value[:-1]) / 100 if value.endswith("%") else _float(value, "loss")
+                loss = _float(value[:-1], "loss") / 100 if value.endswith("%") else _float(value, "loss")
             else:
                 raise ConfigError(f"--inter-link {text!r}: unknown setting {key!r}; use rate,delay=T,loss=P,queue=T")
         if not 0 <= loss < 1:
@@ -115,12 +116,27 @@ def _float(value: str, what: str) -> float:
 
 
 def _parse_rate(text: str) -> float:
-    match = re.fullmatch(r"([0-9.]+)\s*([a-z]+)", text.lower())
-    if not match or match.group(2) not in _UNITS:
-        raise ConfigError(f"--inter-link rate {text!r}: write a number and a unit, e.g. 1gbit, 200mbit, 100mbps")
-    rate = _float(match.group(1), "rate") * _UNITS[match.group(2)]
+    """Bits per second of ``1gbit``, ``200mbit``, ``500kbit``, ``1e6bit``... Only bit units:
+    tc reads ``bps``, ``kbps``, ``mbps``, ``gbps`` as bytes per second, which a reader of
+    "1gbps" takes for 1 Gbit/s; those are refused with the two forms one may have meant."""
+    match = re.fullmatch(r"([0-9][0-9.e+-]*)\s*([a-z]+)", text.strip().lower())
+    try:
+        number, unit = match.group(1), match.group(2)
+        value = float(number)
+    except (AttributeError, ValueError):
+        number, unit, value = None, None, None
+    if unit in _BYTE_UNITS:
+        bits, eight = _BYTE_UNITS[unit], f"{value * 8:g}{_BYTE_UNITS[unit]}"
+        raise ConfigError(f"--inter-link rate {text!r}: tc reads {unit!r} as bytes per second ({eight}); "
+                          f"write {number}{bits}, or {eight} if you meant bytes")
+    if unit not in _UNITS:
+        raise ConfigError(f"--inter-link rate {text!r}: write a number and a bit unit ({', '.join(_UNITS)}), "
+                          "e.g. 1gbit or 200mbit")
+    rate = value * _UNITS[unit]
     if rate < 1e5:
         raise ConfigError(f"--inter-link rate {text!r} is below 100kbit: too slow for a collective to finish")
+    if rate == float("inf"):
+        raise ConfigError(f"--inter-link rate {text!r}: give a finite rate, e.g. 1gbit")
     return rate
 
 
@@ -316,7 +332,10 @@ class Cluster:
             capture: bool = False) -> list:
         """Run ``command`` on every node under torchrun; wait for all; return each node's
         CompletedProcess (stdout/stderr captured when ``capture``). A node that fails, or a
-        timeout, stops the others; raises ClusterError naming the node and its exit status."""
+        timeout, stops the others; raises ClusterError naming the node and its exit status.
+        Ctrl-C (KeyboardInterrupt) ends every launcher and its ranks at once with SIGKILL, so
+        that none prints a traceback on the way out (torchrun answers SIGTERM with one), and
+        is raised again."""
         if not self.prefix:
             raise ClusterError("the cluster is not up: call up() or use it as a context manager")
         if int(ranks_per_node) < 1:
@@ -326,7 +345,7 @@ class Cluster:
                                   start_new_session=True)
                  for i, argv in enumerate(self.torchrun_commands(list(command), ranks_per_node, port))]
         deadline = None if timeout is None else time.monotonic() + timeout
-        failed, timed_out = None, False
+        failed, timed_out, interrupted = None, False, False
         try:
             while failed is None and any(p.poll() is None for p in procs):
                 failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
@@ -334,10 +353,13 @@ class Cluster:
                     timed_out = True
                     break
                 time.sleep(0.05)
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
         finally:
             for p in procs:                   # a failed node: the others would wait for it
                 if p.poll() is None:
-                    _kill_session(p)
+                    (_kill_tree if interrupted else _kill_session)(p)
             results = [subprocess.CompletedProcess(p.args, p.returncode, *p.communicate()) for p in procs]
         if timed_out:
             raise ClusterError(f"cluster {self.prefix}: the command did not finish within {timeout:g} s")
@@ -411,6 +433,44 @@ def _kill_session(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def _children() -> dict:
+    """parent pid -> [child pids] of every process on the machine (from /proc)."""
+    out: dict = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rpartition(")")[2].split()[1])    # after "pid (comm) state"
+            except (OSError, ValueError, IndexError):
+                continue                      # gone meanwhile
+            out.setdefault(parent, []).append(int(entry))
+    return out
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """End a launcher we started and every process under it with SIGKILL, by id: torchrun
+    starts each rank in a session of its own, so its process group does not hold them. Each
+    process found is stopped first (SIGSTOP), so none starts another behind the search; then
+    all are killed, with no chance to print (Ctrl-C's way out; `_kill_session` lets torchrun
+    stop its ranks itself, and report it)."""
+    found, new = set(), {proc.pid}
+    while new:
+        for pid in new:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        found |= new
+        children = _children()
+        new = {c for pid in found for c in children.get(pid, ())} - found
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
 
 
 def _new_prefix() -> str:

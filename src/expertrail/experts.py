@@ -57,9 +57,9 @@ class _GroupedLinear(torch.autograd.Function):
     schedule with delayed weight gradients, later (`schedule.defer`), into ``weight.grad``."""
 
     @staticmethod
-    def forward(ctx, x, weight, offsets, counts):
+    def forward(ctx, x, weight, offsets, counts, scale=1.0):
         ctx.save_for_backward(x, weight, offsets)
-        ctx.counts = counts
+        ctx.counts, ctx.scale = counts, scale
         return grouped_linear(x, weight, offsets, counts)
 
     @staticmethod
@@ -68,8 +68,11 @@ class _GroupedLinear(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_x = grouped_linear(grad_out, weight.transpose(1, 2), offsets, ctx.counts) \
             if ctx.needs_input_grad[0] else None
-        return grad_x, _weight_grad(ctx, weight, lambda: grouped_weight_grad(grad_out, x, offsets, ctx.counts)), \
-            None, None
+
+        def weight_grad():
+            grad = grouped_weight_grad(grad_out, x, offsets, ctx.counts)
+            return grad if ctx.scale == 1.0 else grad.mul_(ctx.scale)
+        return grad_x, _weight_grad(ctx, weight, weight_grad), None, None, None
 
 
 class _Linear(torch.autograd.Function):
@@ -113,17 +116,59 @@ class GroupedExperts(nn.Module):
     Rows are expert-major as a dispatcher returns them; padding rows (``expert_alignment``)
     belong to their expert's block and are computed like the others (the dispatcher never
     combines them).
+
+    Initialisation is by global expert index: expert g's weights are drawn from a generator
+    seeded with (a seed drawn once from torch's global generator, g), so ranks seeded alike
+    build the same model at any EP size, and each rank its own experts. ``first_expert``: the
+    global index of row 0 (rows hold experts ``first_expert + i``). Left None, `MoELayer`
+    places the rows when it learns them from its dispatcher (`place`).
+    ``weight_grad_scale`` multiplies the weight gradients (`MoELayer` sets it under DDP).
     """
 
     def __init__(self, num_local_experts: int, hidden: int, ffn_hidden: int, dtype=None, device=None,
-                 activation=F.silu):
+                 activation=F.silu, first_expert: int | None = None):
         super().__init__()
         self.num_local_experts, self.hidden, self.ffn_hidden = num_local_experts, hidden, ffn_hidden
         self.activation = activation
         self.gate_up_proj = nn.Parameter(torch.empty(num_local_experts, 2 * ffn_hidden, hidden, dtype=dtype, device=device))
         self.down_proj = nn.Parameter(torch.empty(num_local_experts, hidden, ffn_hidden, dtype=dtype, device=device))
-        nn.init.normal_(self.gate_up_proj, std=hidden ** -0.5)
-        nn.init.normal_(self.down_proj, std=ffn_hidden ** -0.5)
+        self.init_seed = int(torch.randint(2 ** 62, ()).item())      # the same on ranks seeded alike
+        self.weight_grad_scale = 1.0
+        self.global_experts = None if first_expert is None else \
+            torch.arange(first_expert, first_expert + num_local_experts)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draw row i's weights for global expert ``global_experts[i]`` (``i`` while unplaced):
+        normal with std hidden^-1/2 (gate_up_proj) and ffn_hidden^-1/2 (down_proj)."""
+        ids = range(self.num_local_experts) if self.global_experts is None else self.global_experts.tolist()
+        weights = (self.gate_up_proj, self.down_proj)
+        if self.gate_up_proj.device.type != "meta":
+            with torch.no_grad():
+                for row, expert in enumerate(ids):
+                    g = torch.Generator(self.gate_up_proj.device).manual_seed((self.init_seed + 1_000_003 * expert) % 2 ** 63)
+                    for w, fan_in in zip(weights, (self.hidden, self.ffn_hidden)):
+                        w[row].normal_(0.0, fan_in ** -0.5, generator=g)
+        self._untouched = tuple(w._version for w in weights)
+
+    def place(self, global_experts: torch.Tensor) -> str | None:
+        """Learn the global expert of each row (int64 [E_local]; replicas of one expert may
+        repeat it). Weights still as this module drew them are drawn again for those experts;
+        weights set since (loaded, copied, trained) are kept. Returns why the rows cannot be
+        these experts (built with another ``first_expert``), or None; the caller raises, on
+        every rank alike."""
+        global_experts = torch.as_tensor(global_experts, dtype=torch.int64).cpu()
+        if self.global_experts is not None and torch.equal(self.global_experts, global_experts):
+            return None
+        untouched = tuple(w._version for w in (self.gate_up_proj, self.down_proj)) == self._untouched
+        if self.global_experts is not None and untouched:
+            return (f"GroupedExperts was built with first_expert={int(self.global_experts[0])} (experts "
+                    f"{self.global_experts.tolist()}), but this rank holds experts {global_experts.tolist()}: pass "
+                    "first_expert=groups.ep_rank * num_local_experts, or leave it None")
+        self.global_experts = global_experts
+        if untouched:
+            self.reset_parameters()
+        return None
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         if tokens_per_expert.numel() != self.num_local_experts:
@@ -134,9 +179,10 @@ class GroupedExperts(nn.Module):
             raise InvalidInputError(f"tokens_per_expert sums to {sum(counts)} but tokens has {tokens.shape[0]} rows")
         offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
         x = tokens.to(self.gate_up_proj.dtype)
-        gate_up = _GroupedLinear.apply(x, self.gate_up_proj, offsets, counts)
+        scale = self.weight_grad_scale
+        gate_up = _GroupedLinear.apply(x, self.gate_up_proj, offsets, counts, scale)
         gate, up = gate_up.split(self.ffn_hidden, dim=-1)
-        return _GroupedLinear.apply(self.activation(gate) * up, self.down_proj, offsets, counts).to(tokens.dtype)
+        return _GroupedLinear.apply(self.activation(gate) * up, self.down_proj, offsets, counts, scale).to(tokens.dtype)
 
 
 class SwiGLUMLP(nn.Module):

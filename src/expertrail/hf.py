@@ -30,8 +30,9 @@ from torch import nn
 from .dispatch import make_dispatcher
 from .errors import ConfigError, ConfigMismatchError
 from .experts import GroupedExperts
-from .layer import expert_parallel_moe
-from .topology import EPGroups, all_gather_ints, all_gather_single, check_same_on_all_ranks, guarded
+from .layer import exclude_experts_from_ddp, expert_parallel_moe
+from .replicated import SEED_ADVICE, differing, listed, tensor_checksum  # noqa: F401  (tensor_checksum: public here too)
+from .topology import EPGroups, all_gather_single, guarded
 
 # What ExpertParallelMoE reproduces. A block or experts module holding anything else may
 # compute something the adapter does not (a gated shared expert, a routed scaling factor,
@@ -53,7 +54,8 @@ def is_sparse_moe_block(module: nn.Module) -> bool:
     """A transformers-5 style MoE block: a ``gate`` and ``experts`` with fused 3D weights."""
     experts = getattr(module, "experts", None)
     weight = getattr(experts, "gate_up_proj", None)
-    return hasattr(module, "gate") and isinstance(weight, torch.Tensor) and weight.dim() == 3
+    return hasattr(module, "gate") and isinstance(weight, torch.Tensor) and weight.dim() == 3 \
+        and not isinstance(module, ExpertParallelMoE)
 
 
 def _public_attributes(module: nn.Module) -> dict:
@@ -108,33 +110,7 @@ def why_unsupported(block: nn.Module) -> str | None:
     return "; ".join(reasons) + ", which ExpertParallelMoE does not reproduce"
 
 
-# --- cross-rank checksum of the replicated weights ---------------------------------------
-
-_CHUNK = 1 << 22       # words per step: bounds the int64 temporaries to 32 MiB each
-_PRIME = 65521         # position weights 1..65521 keep every product below 2**31
-
-
-def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
-    """int64 [2]: the sum of ``t``'s bytes read as 16-bit words, and that sum weighted by
-    each word's position (mod 65521, plus 1).
-
-    Integer sums are exact, so ranks holding the same bytes agree bitwise whatever the
-    reduction order, device or thread count; one changed bit changes the first sum, swapped
-    rows change the second. Runs on ``t``'s device (one pass, no copy to the host).
-    Meta and empty tensors give zeros.
-    """
-    if t.device.type == "meta" or t.numel() == 0:
-        return torch.zeros(2, dtype=torch.int64)
-    flat = t.detach().contiguous().view(-1)
-    words = flat.view(torch.int16) if flat.element_size() % 2 == 0 else flat.view(torch.int8)
-    out = torch.zeros(2, dtype=torch.int64, device=t.device)
-    for start in range(0, words.numel(), _CHUNK):
-        chunk = words[start:start + _CHUNK].to(torch.int64)
-        pos = torch.arange(start, start + chunk.numel(), device=t.device) % _PRIME + 1
-        out[0] += chunk.sum()
-        out[1] += (chunk * pos).sum()
-    return out.cpu()
-
+# --- cross-rank check of the replicated weights -------------------------------------------
 
 def _replicated_tensors(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of what every EP rank must hold identically: the router, the shared
@@ -157,33 +133,9 @@ def _agree_on_structure(named_blocks: list[tuple[str, nn.Module]], groups: EPGro
     that may raise on one rank only, so that such a check raises on all ranks alike."""
     text = ";".join(f"{path}:{type(b).__name__}:" + ",".join(f"{n}{tuple(t.shape)}{t.dtype}" for n, t in _replicated_tensors(b))
                     for path, b in named_blocks)
-    check_same_on_all_ranks({"MoE blocks found": len(named_blocks),
-                             "their paths, classes and weight shapes (crc32)": zlib.crc32(text.encode())},
-                            groups.ep_group, groups.device, "the model being made expert parallel")
-
-
-def _differing(named: list[tuple[object, torch.Tensor]], groups: EPGroups) -> list[tuple[object, list[list[int]]]]:
-    """(key, global ranks grouped by the copy they hold) of every tensor whose `tensor_checksum`
-    differs across the EP group. Collective: one all-gather of two ints per tensor."""
-    if not named:
-        return []
-    mine = torch.stack([tensor_checksum(t) for _, t in named]).view(-1).tolist()
-    with guarded("the weight check's all_gather", groups.label, groups.timeout):
-        table = all_gather_ints(mine, groups.ep_group, groups.device)
-    out = []
-    for i, (key, _) in enumerate(named):
-        copies: dict[tuple, list[int]] = {}
-        for ep_rank, row in enumerate(table):
-            copies.setdefault(tuple(row[2 * i:2 * i + 2]), []).append(groups.ep_ranks[ep_rank])
-        if len(copies) > 1:
-            out.append((key, sorted(copies.values())))
-    return out
-
-
-def _listed(lines: list, what: str, most: int = 8) -> str:
-    """The first ``most`` lines of an error's list, and how many ``what`` were left out."""
-    extra = [f"  ... and {len(lines) - most} more {what}"] if len(lines) > most else []
-    return "\n".join(lines[:most] + extra)
+    groups.check_same({"MoE blocks found": len(named_blocks),
+                       "their paths, classes and weight shapes (crc32)": zlib.crc32(text.encode())},
+                      "the model being made expert parallel")
 
 
 def _compare_checksums(named_blocks: list[tuple[str, nn.Module]], groups: EPGroups) -> None:
@@ -192,20 +144,19 @@ def _compare_checksums(named_blocks: list[tuple[str, nn.Module]], groups: EPGrou
     pairs, in the same order on every rank, as `_agree_on_structure` checked), compared by
     `tensor_checksum`. Collective: one small all-gather."""
     entries = [((path, name), t) for path, b in named_blocks for name, t in _replicated_tensors(b)]
-    differing: dict[str, list[str]] = {}
+    names_of: dict[str, list[str]] = {}
     holders: dict[str, set] = {}
-    for (path, name), copies in _differing(entries, groups):
-        differing.setdefault(path, []).append(name)
+    for (path, name), copies in differing(entries, groups):
+        names_of.setdefault(path, []).append(name)
         holders.setdefault(path, set()).update(tuple(r) for r in copies)
-    if not differing:
+    if not names_of:
         return
     lines = [f"  {path}: {', '.join(names)} differ (ranks holding the same copy: "
-             f"{', '.join(str(list(r)) for r in sorted(holders[path]))})" for path, names in differing.items()]
+             f"{', '.join(str(list(r)) for r in sorted(holders[path]))})" for path, names in names_of.items()]
     raise ConfigMismatchError(
         f"the MoE weights differ between ranks of {groups.label}; each rank keeps only its slice of the experts "
         "and its own router, so the expert-parallel model would compute a different function from every rank's "
-        "original:\n" + _listed(lines, "blocks") + "\nEvery rank must hold the same model before patching: seed every rank "
-        "the same (torch.manual_seed(seed) before building the model) or load the same checkpoint on every rank.")
+        "original:\n" + listed(lines, "blocks") + f"\nEvery rank must hold the same model before patching: {SEED_ADVICE}.")
 
 
 # --- the adapter ------------------------------------------------------------------------
@@ -224,6 +175,8 @@ class ExpertParallelMoE(nn.Module):
     gather the full experts back. ``num_chunks > 1`` runs the routed part in chunks whose
     transfers overlap the expert compute, as `MoELayer` does (`layer.expert_parallel_moe`).
     """
+
+    holds_expert_shard = True          # for layer.exclude_experts_from_ddp
 
     def __init__(self, block: nn.Module, groups: EPGroups, backend: str = "alltoall", check_weights: bool = True,
                  num_chunks: int = 1, replicas=None, **dispatcher_options):
@@ -384,7 +337,7 @@ class ExpertParallelMoE(nn.Module):
         g = self.groups
         src = local.detach().to(g.device).contiguous()
         out = torch.empty((g.ep_size * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=g.device)
-        with guarded("the expert all_gather", g.label, g.timeout):
+        with guarded("the expert all_gather", g):
             all_gather_single(out, src, group=g.ep_group)
         if self.replicas is not None:
             out = out.index_select(0, self.replicas.log_to_phys[:, 0].to(out.device))
@@ -427,6 +380,12 @@ def patch_model(model: nn.Module, groups: EPGroups, backend: str = "alltoall", c
         raise ConfigError(f"model is itself a sparse MoE block ({type(model).__name__}), which patch_model cannot "
                           "replace in place: use ExpertParallelMoE(block, groups) instead")
     targets = [(name, m) for name, m in model.named_modules() if is_sparse_moe_block(m)]
+    patched = _patched_blocks(model)
+    groups.check_same({"expert-parallel blocks already there": len(patched)}, "the model being made expert parallel")
+    if patched:
+        raise ConfigError(f"{type(model).__name__} is already expert parallel ({len(patched)} blocks patched, e.g. "
+                          f"{patched[0][0] or 'the model itself'}): call patch_model once per model; to change the "
+                          "backend or EP size, unpatch_model(model) first, then patch it again")
     _agree_on_structure(targets, groups)       # collective: from here on every rank raises alike
     if not targets:
         legacy = [name for name, m in model.named_modules()
@@ -451,7 +410,17 @@ def patch_model(model: nn.Module, groups: EPGroups, backend: str = "alltoall", c
     for (name, block), placement in zip(targets, per_block):
         _replace(model, name, ExpertParallelMoE(block, groups, backend, check_weights=False, num_chunks=num_chunks,
                                                 replicas=placement, **dispatcher_options))
+    exclude_experts_from_ddp(model)
+    if callable(getattr(model, "save_pretrained", None)):
+        model.save_pretrained = _refuse_save_pretrained          # until unpatch_model (an instance attribute)
     return len(targets)
+
+
+def _refuse_save_pretrained(*args, **kwargs):
+    raise ConfigError("save_pretrained on a patched model would write this rank's experts only, a checkpoint that "
+                      "fails when loaded: gather the unpatched model's state with expertrail.hf.full_state_dict(model) "
+                      "(collective) and save that from one rank, or unpatch_model(model) (collective) and then call "
+                      "save_pretrained on one rank")
 
 
 def _patched_blocks(model: nn.Module) -> list[tuple[str, ExpertParallelMoE]]:
@@ -462,8 +431,8 @@ def _agree_on_patched(blocks: list[tuple[str, ExpertParallelMoE]], what: str) ->
     if blocks:
         shapes = ";".join(f"{n}:{tuple(m.experts.gate_up_proj.shape)}:{m.num_experts}" for n, m in blocks)
         g = blocks[0][1].groups
-        check_same_on_all_ranks({"patched MoE blocks": len(blocks), "their paths and shapes (crc32)": zlib.crc32(shapes.encode())},
-                                g.ep_group, g.device, what)
+        g.check_same({"patched MoE blocks": len(blocks), "their paths and shapes (crc32)": zlib.crc32(shapes.encode())},
+                     what)
 
 
 def full_state_dict(model: nn.Module, check_replicas: bool = True) -> dict[str, torch.Tensor]:
@@ -490,12 +459,12 @@ def full_state_dict(model: nn.Module, check_replicas: bool = True) -> dict[str, 
                for key in ("experts.gate_up_proj", "experts.down_proj", "_extra_state")}
     if check_replicas:
         groups = blocks[0][1].groups
-        drift = _differing([(k, t) for k, t in state.items() if k not in sharded and type(t) is torch.Tensor], groups)
+        drift = differing([(k, t) for k, t in state.items() if k not in sharded and type(t) is torch.Tensor], groups)
         if drift:
             lines = [f"  {key} (ranks holding the same copy: {', '.join(map(str, copies))})" for key, copies in drift]
             raise ConfigMismatchError(
                 f"full_state_dict: the replicated weights differ between ranks of {groups.label}, so this rank's "
-                "checkpoint would not hold the model the other ranks run:\n" + _listed(lines, "tensors") + "\nSum the "
+                "checkpoint would not hold the model the other ranks run:\n" + listed(lines, "tensors") + "\nSum the "
                 "gradients of every parameter but the experts' over the ranks before each step (DDP, or "
                 "torch.distributed.all_reduce), or pass check_replicas=False to save this rank's copy anyway.")
     for name, block in blocks:
@@ -519,4 +488,8 @@ def unpatch_model(model: nn.Module) -> int:
         raise ConfigError("model is itself an ExpertParallelMoE: call model.unpatch() to get the original block")
     for name, block in blocks:
         _replace(model, name, block.unpatch())
+    if vars(model).get("save_pretrained") is _refuse_save_pretrained:
+        del model.save_pretrained
+    if blocks:
+        exclude_experts_from_ddp(model)        # the experts are plain parameters again: DDP may sync them
     return len(blocks)

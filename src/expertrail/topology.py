@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import time
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -60,17 +61,41 @@ def all_gather_ints(values: list[int], group, device: torch.device) -> list[list
 
 
 @contextmanager
-def guarded(op: str, group_label: str, timeout: float | None = None):
+def guarded(op: str, groups: "EPGroups | str", timeout: float | None = None):
     """Turn a backend failure inside a collective into a CollectiveError naming the
-    operation, the group and the likely cause."""
+    operation, the group, how long it waited and the likely cause.
+
+    ``groups``: the `EPGroups` the collective runs on, or a label for a group that is not one
+    (``timeout`` then bounds it). A failed gloo / NCCL group stays broken, so `EPGroups`
+    remembers its first failure: every later collective on it raises at once, saying so and
+    what to do, instead of failing with gloo's own error or waiting for another timeout.
+    """
+    health = groups if isinstance(groups, EPGroups) else None
+    label = groups.label if health else groups
+    timeout = groups.timeout if health else timeout
+    if health is not None and health.failure is not None:
+        raise CollectiveError(f"{op} on {label} cannot run: an earlier collective on these groups failed "
+                              f"({health.failure}). {_REBUILD}")
+    start = time.monotonic()
     try:
         yield
     except ExpertrailError:
         raise
     except RuntimeError as err:           # gloo / NCCL: peer closed, timed out, group aborted
-        limit = f" within the {timeout:g} s timeout" if timeout else ""
-        raise CollectiveError(f"{op} on {group_label} failed{limit}: a rank of the group probably exited or "
-                              f"stopped calling {op} ({type(err).__name__}: {str(err).splitlines()[0][:300]})") from err
+        waited = time.monotonic() - start
+        limit = f" (the groups' timeout is {timeout:g} s)" if timeout else ""
+        cause = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}" if str(err) else type(err).__name__
+        what = f"{op} on {label} failed after {waited:.1f} s{limit}"
+        if health is not None:
+            health.failure = what
+        raise CollectiveError(f"{what}: a rank of the group probably exited or stopped calling {op} ({cause})."
+                              + (f" {_REBUILD}" if health is not None else "")) from err
+
+
+# What to do once a group has failed: the same words wherever it is said.
+_REBUILD = ("A failed process group cannot be used again: on every rank, destroy it "
+            "(torch.distributed.destroy_process_group()), initialise it again, then build new EPGroups and "
+            "dispatchers (or restart the job).")
 
 
 def _field_code(value) -> int:
@@ -81,19 +106,23 @@ def _field_code(value) -> int:
     return zlib.crc32(repr(value).encode())
 
 
-def check_same_on_all_ranks(fields: dict, group, device: torch.device, what: str) -> None:
+def check_same_on_all_ranks(fields: dict, group, device: torch.device, what: str,
+                            groups: "EPGroups | str" = "the process group") -> None:
     """Raise ConfigMismatchError on every rank if any field differs between ranks of ``group``.
 
     fields: name -> value (int, bool, float, str, None or anything with a stable repr). One
     all-gather of int codes compares them; only when they differ does a second all-gather
     bring every rank's value, so the message names each rank's setting, not a code.
+    ``groups``: the EPGroups ``group`` belongs to (or a label), for `guarded`'s errors.
     """
     names = list(fields)
-    table = all_gather_ints([_field_code(fields[n]) for n in names], group, device)
+    with guarded(f"the agreement on {what}'s settings", groups):
+        table = all_gather_ints([_field_code(fields[n]) for n in names], group, device)
     differing = [n for i, n in enumerate(names) if len({row[i] for row in table}) > 1]
     if differing:
         shown = [None] * dist.get_world_size(group)      # every rank saw the same table: all gather here
-        dist.all_gather_object(shown, [repr(fields[n]) for n in differing], group=group)
+        with guarded(f"the agreement on {what}'s settings", groups):
+            dist.all_gather_object(shown, [repr(fields[n]) for n in differing], group=group)
         lines = [f"  {n}: " + ", ".join(f"rank {r}={values[i]}" for r, values in enumerate(shown))
                  for i, n in enumerate(differing)]
         raise ConfigMismatchError(
@@ -115,7 +144,9 @@ class EPGroups:
         device: the device tensors must be on for these groups (cpu for gloo, cuda for nccl).
 
     `channel` gives the one `transport.Channel` of each process group (the EP, domain and rail
-    groups may be the same group, which must then share its tag counter).
+    groups may be the same group, which must then share its tag counter). ``failure`` is
+    the first collective on these groups that failed (`guarded`), or None: after one, the
+    groups are broken for good and every later call raises at once.
     """
 
     ep_group: object
@@ -130,6 +161,11 @@ class EPGroups:
 
     def __post_init__(self):
         self._channels = {}
+        self.failure: str | None = None
+
+    def check_same(self, fields: dict, what: str) -> None:
+        """`check_same_on_all_ranks` over the EP group (collective)."""
+        check_same_on_all_ranks(fields, self.ep_group, self.device, what, self)
 
     def channel(self, group) -> Channel:
         """The `Channel` of ``group`` (one of this object's groups, or None for the default)."""
@@ -227,9 +263,10 @@ class EPGroups:
                         for ranks in ep_lists for d in range(ep_size // domain_size)]
         rail_lists = [ranks[l::domain_size] for ranks in ep_lists for l in range(domain_size)]
         limit = None if seconds is None else datetime.timedelta(seconds=seconds)
-        ep_group = group if len(ep_lists) == 1 and limit is None else _subgroup(ep_lists, limit)
-        domain_group = ep_group if domain_size == ep_size else _subgroup(domain_lists, limit)
-        rail_group = ep_group if domain_size == 1 else _subgroup(rail_lists, limit)
+        with guarded("creating the EP, domain and rail groups", "the process group"):
+            ep_group = group if len(ep_lists) == 1 and limit is None else _subgroup(ep_lists, limit)
+            domain_group = ep_group if domain_size == ep_size else _subgroup(domain_lists, limit)
+            rail_group = ep_group if domain_size == 1 else _subgroup(rail_lists, limit)
         ep_ranks = tuple(ep_lists[rank // ep_size])
         return cls(ep_group=ep_group, ep_size=ep_size, ep_rank=rank % ep_size, ep_ranks=ep_ranks,
                    domain_group=domain_group, domain_size=domain_size, rail_group=rail_group,

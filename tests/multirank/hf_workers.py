@@ -278,3 +278,58 @@ def patched_model_overlapped(rank, world, backend):
     assert grads.keys() == o_grads.keys() and len(grads) > 5
     assert all(torch.equal(grads[n], o_grads[n]) for n in grads)
     return len(grads)
+
+
+def ddp_over_patched_model(rank, world):
+    """DistributedDataParallel(patch_model-ed model) just works: DDP leaves the experts alone
+    (each rank keeps its own), the logits are the unpatched model's, and after backward the
+    dense gradients (averaged by DDP) and the expert gradients (scaled by 1/world) are those
+    of the mean loss over every rank's batch on one process."""
+    from torch.nn.parallel import DistributedDataParallel
+    original = tiny_qwen3()
+    model = copy.deepcopy(original)
+    patch_model(model, groups_for(None, 2))
+    ddp = DistributedDataParallel(model.train())
+    ids = _ids(rank)
+    loss = ddp(ids, labels=ids).loss
+    loss.backward()
+    with torch.no_grad():
+        torch.testing.assert_close(ddp(ids).logits, original(ids).logits, rtol=1e-5, atol=1e-5)
+    original.train()
+    sum(original(_ids(r), labels=_ids(r)).loss for r in range(world)).div(world).backward()
+    got = dict(model.named_parameters())
+    dense = 0
+    for name, p in original.named_parameters():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            first = 2 * rank
+            want = p.grad[first:first + 2]
+        else:
+            want, dense = p.grad, dense + 1
+        torch.testing.assert_close(got[name].grad, want, rtol=1e-4, atol=1e-6, msg=name)
+    return dense
+
+
+def patched_model_misuse(rank, world, tmp):
+    """patch_model twice, save_pretrained on a patched model: clear errors on every rank;
+    after unpatch_model save_pretrained works again."""
+    model = tiny_qwen3()
+    groups = groups_for(None, 2)
+    patch_model(model, groups)
+    texts = {}
+    try:
+        patch_model(model, groups, backend="dedup")
+    except er.ConfigError as err:
+        texts["twice"] = str(err)
+    try:
+        model.save_pretrained(tmp)
+    except er.ConfigError as err:
+        texts["save"] = str(err)
+    unpatch_model(model)
+    if rank == 0:
+        model.save_pretrained(tmp)               # a plain model again
+    dist.barrier()
+    from transformers import AutoModelForCausalLM
+    loaded = AutoModelForCausalLM.from_pretrained(tmp).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(_ids(rank)).logits, model(_ids(rank)).logits)
+    return texts

@@ -26,6 +26,14 @@ def test_other_ranks_raise_within_twice_the_timeout(mode):
         assert "a rank of the group probably exited or stopped calling" in text
         elapsed = float(re.search(r"after ([0-9.]+) s", text).group(1))
         assert elapsed <= 2 * TIMEOUT, text
+        # Later calls on the broken groups (a dispatch, a new dispatcher) raise at once and say why.
+        first, *later = text.split(" || ")
+        assert "destroy it (torch.distributed.destroy_process_group())" in first
+        assert len(later) == 2, text
+        for message in later:
+            assert "cannot run: an earlier collective on these groups failed (hierarchical dispatch" in message
+            assert "build new EPGroups" in message
+            assert float(re.search(r"\[after ([0-9.]+) s\]", message).group(1)) < 0.5, message
     if mode == "die":
         assert isinstance(errors[3][2], RankDied) and "exited with code 17" in str(errors[3][2])
     else:

@@ -116,3 +116,14 @@ def test_patch_model_with_a_placement_per_block(world4):
 @pytest.mark.parametrize("backend", ["alltoall", "hierarchical"])
 def test_patched_model_overlaps_micro_batches_with_the_same_bits(world4, backend):
     assert all(n > 5 for n in world4.run(hf_workers.patched_model_overlapped, backend))
+
+
+def test_ddp_over_a_patched_model_keeps_each_ranks_experts_and_the_gradients_right(world4):
+    assert all(n > 5 for n in world4.run(hf_workers.ddp_over_patched_model))
+
+
+def test_patching_twice_and_save_pretrained_of_a_patched_model_are_refused(world4, tmp_path):
+    for texts in world4.run(hf_workers.patched_model_misuse, str(tmp_path)):
+        assert "already expert parallel (2 blocks patched, e.g. model.layers.0.mlp)" in texts["twice"]
+        assert "unpatch_model(model) first" in texts["twice"]
+        assert "would write this rank's experts only" in texts["save"] and "full_state_dict" in texts["save"]

@@ -30,5 +30,19 @@ def test_lowlatency_bad_input_on_one_rank_raises_on_every_rank(world4):
     assert all(r[4] == (4, 16) for r in results)
 
 
+def test_lowlatency_refuses_gradients_and_stale_results_on_every_rank(world4):
+    results = world4.run(workers.lowlatency_misuse)
+    assert "x.requires_grad=True" in results[1]["grad x"] and "torch.no_grad()" in results[1]["grad x"]
+    assert "expert_out.requires_grad=True" in results[0]["grad out"]
+    assert "res.tokens: this LowLatencyResult is from dispatch call" in results[2]["stale tokens"]
+    assert "overwritten" in results[3]["stale combine"] and "res.tokens.clone()" in results[3]["stale combine"]
+    for rank, r in enumerate(results):
+        assert r["no_grad"] is None and r["after"] is None
+        assert r["stale tokens"] is not None                                 # every rank read a stale result
+        for step, culprit in (("grad x", 1), ("stale combine", 3), ("grad out", 0)):
+            if rank != culprit:
+                assert f"invalid input on EP rank(s) {culprit}" in r[step], (rank, step, r[step])
+
+
 def test_lowlatency_carries_bf16_fp64_and_fp16_routing_weights_exactly(world4):
     assert world4.run(workers.lowlatency_weight_dtypes) == [[True] * 6] * 4

@@ -694,8 +694,19 @@ def fault_during_dispatch(rank, world, mode, timeout):
     try:
         d.dispatch(xs[rank], idxs[rank], ws[rank])
     except er.ExpertrailError as err:
-        raise type(err)(f"{err} [after {time.monotonic() - start:.2f} s]") from None
-    return "no error"
+        first = f"{err} [after {time.monotonic() - start:.2f} s]"
+    else:
+        return "no error"
+    # The groups are broken now: a later call and a new dispatcher on them raise at once.
+    later = []
+    for call in (lambda: d.dispatch(xs[rank], idxs[rank], ws[rank]),
+                 lambda: er.make_dispatcher("dedup", groups, num_experts=8)):
+        start = time.monotonic()
+        try:
+            call()
+        except er.CollectiveError as err:
+            later.append(f"{err} [after {time.monotonic() - start:.2f} s]")
+    raise er.CollectiveError(" || ".join([first, *later]))
 
 
 def placement_mismatch(rank, world):
@@ -1058,6 +1069,38 @@ def lowlatency_bad_input(rank, world):
     return raised, tuple(y.shape), mixed, values, tuple(ll.combine(res.tokens, res).shape)
 
 
+def lowlatency_misuse(rank, world):
+    """What the lowlatency mode cannot honour raises on every rank: inputs that need gradients
+    (its output would be cut from the graph) and a result read or combined after the next
+    dispatch overwrote its rows. Returns each step's error text (None: no error)."""
+    groups = groups_for(None, 2)
+    ll = er.make_dispatcher("lowlatency", groups, num_experts=8, max_tokens_per_rank=4, hidden=16, dtype=torch.float32)
+    x = torch.randn(4, 16)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(4)])
+
+    def attempt(call):
+        try:
+            call()
+        except er.InvalidInputError as err:
+            return str(err)
+        return None
+
+    texts = {"grad x": attempt(lambda: ll.dispatch(x.requires_grad_(rank == 1), idx, torch.rand(4, 2)))}
+    x = x.detach()
+    with torch.no_grad():                                  # the same tensor is fine where nothing records
+        texts["no_grad"] = attempt(lambda: ll.dispatch(x.clone().requires_grad_(), idx, torch.rand(4, 2)))
+    old = ll.dispatch(x, idx, torch.rand(4, 2))
+    new = ll.dispatch(x, idx, torch.rand(4, 2))
+    texts["stale tokens"] = attempt(lambda: old.tokens)
+    texts["stale combine"] = attempt(lambda: ll.combine(new.tokens, old if rank == 3 else new))
+    fresh = ll.dispatch(x, idx, torch.rand(4, 2))
+    out = fresh.tokens.clone().requires_grad_(rank == 0)
+    texts["grad out"] = attempt(lambda: ll.combine(out * 1, fresh))
+    fresh = ll.dispatch(x, idx, torch.rand(4, 2))
+    texts["after"] = attempt(lambda: ll.combine(fresh.tokens, fresh))   # and the mode works again
+    return texts
+
+
 def lowlatency_weight_dtypes(rank, world):
     """bf16, fp64 and fp16 routing weights (carried exactly, summed as dedup sums them): the same
     bits as dedup's normal mode, with the host plan and with the device plan."""
@@ -1076,3 +1119,51 @@ def lowlatency_weight_dtypes(rank, world):
             res, ref = ll.dispatch(x, idx, w), normal.dispatch(x, idx, w)
             same.append(torch.equal(ll.combine(res.tokens, res), normal.combine(ref.tokens, ref)))
     return same
+
+
+def moe_layer_seeded_alike(rank, world):
+    """GroupedExperts are initialised by global expert index: every rank seeded alike builds
+    the same model whatever the EP size (and each rank its own experts), the same as one
+    process building all experts."""
+    from expertrail.experts import GroupedExperts
+    from expertrail.layer import MoELayer
+    from expertrail.router import RouterConfig, TopKRouter
+    hidden, ffn, num_experts = 16, 8, 8
+    full = {}
+    for ep_size in (2, 4):
+        torch.manual_seed(0)
+        router = TopKRouter(RouterConfig(hidden=hidden, num_experts=num_experts, topk=2))
+        experts = GroupedExperts(num_experts // ep_size, hidden, ffn)
+        groups = groups_for(ep_size, 1)
+        MoELayer(router, er.make_dispatcher("alltoall", groups, num_experts=num_experts), experts)
+        gathered = [torch.empty_like(experts.down_proj) for _ in range(world)]
+        dist.all_gather(gathered, experts.down_proj.detach().contiguous())
+        full[ep_size] = torch.cat(_ep_slice(groups, gathered))
+    torch.manual_seed(0)
+    TopKRouter(RouterConfig(hidden=hidden, num_experts=num_experts, topk=2))
+    alone = GroupedExperts(num_experts, hidden, ffn, first_expert=0)
+    assert torch.equal(full[2], full[4]) and torch.equal(full[4], alone.down_proj.detach())
+    distinct = {tuple(full[4][e].flatten()[:4].tolist()) for e in range(num_experts)}
+    return len(distinct)
+
+
+def moe_layer_misuse(rank, world, kind):
+    """MoELayer with what must raise on every rank: a router or shared expert that differs on
+    one rank (unseeded), experts built for other experts, DDP syncing the experts."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from expertrail.experts import GroupedExperts, SwiGLUMLP
+    from expertrail.layer import MoELayer, exclude_experts_from_ddp
+    from expertrail.router import RouterConfig, TopKRouter
+    torch.manual_seed(1 if (rank == 2 and kind == "router") else 0)
+    router = TopKRouter(RouterConfig(hidden=16, num_experts=8, topk=2))
+    torch.manual_seed(1 if (rank == 1 and kind == "shared") else 0)
+    shared = SwiGLUMLP(16, 8)
+    experts = GroupedExperts(2, 16, 8, first_expert=0 if kind == "first_expert" else 2 * rank)
+    layer = MoELayer(router, er.make_dispatcher("alltoall", groups_for(None, 2), num_experts=8), experts, shared)
+    model = torch.nn.Sequential(layer)
+    if kind == "ddp_excluded":
+        assert exclude_experts_from_ddp(model) == ["0.experts.gate_up_proj", "0.experts.down_proj"]
+    ddp = DistributedDataParallel(model)
+    ddp(torch.randn(3, 16)).sum().backward()
+    return experts.weight_grad_scale

@@ -15,6 +15,12 @@ plan keeps replicas apart (that plan is the first candidate; see docs/balance.md
 
 Given the current placement, the planner keeps every slot whose expert stays on the same rank
 in its place, so only changed slots move weights.
+
+Loads are token counts: finite and >= 0, else `check_load` raises InvalidInputError naming the
+first bad entry. A layer with no tokens at all (every count 0: nothing recorded yet) says
+nothing about which experts are hot; it is planned as if every expert had the same load (the
+extra slots spread evenly over the experts), not refused, so a rebalance that runs before a
+layer has seen traffic still gets a usable placement.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InvalidInputError
 
 
 @dataclass
@@ -39,6 +45,38 @@ class Placement:
     @property
     def slots_per_rank(self) -> int:
         return self.phys_to_log.shape[1] // self.num_ranks
+
+
+def check_load(load, name: str = "load") -> np.ndarray:
+    """``load`` [L, E] (or [E]) as float64 [L, E], checked: a 1- or 2-D array (NumPy, a CPU
+    tensor, nested lists) with at least one expert and one layer, every count finite and >= 0.
+    Raises InvalidInputError naming ``name``, what is wrong and the first bad entry."""
+    try:
+        arr = np.asarray(load, dtype=np.float64)
+    except (TypeError, ValueError) as err:
+        raise InvalidInputError(f"{name}: expected token counts [layers, experts] (or [experts]), got "
+                                f"{type(load).__name__} ({err})") from None
+    if arr.ndim == 1:
+        arr = arr[None]
+    if arr.ndim != 2 or 0 in arr.shape:
+        raise InvalidInputError(f"{name}: expected token counts [layers, experts] (or [experts]) with at least one "
+                                f"expert, got shape {list(np.shape(load))}")
+    for bad, what in ((~np.isfinite(arr), "non-finite (NaN or inf)"), (arr < 0, "negative")):
+        if bad.any():
+            layer, expert = np.argwhere(bad)[0]
+            raise InvalidInputError(f"{name}: {int(bad.sum())} {what} count(s), the first {arr[layer, expert]:g} at "
+                                    f"layer {layer}, expert {expert}; token counts must be finite and >= 0")
+    return arr
+
+
+def _even_where_empty(load: np.ndarray) -> np.ndarray:
+    """``load`` with each layer that has no tokens (all 0) replaced by equal loads: nothing
+    says which experts are hot there, so the extra slots spread evenly."""
+    empty = ~load.any(1)
+    if empty.any():
+        load = load.copy()
+        load[empty] = 1.0
+    return load
 
 
 def replicate(load: np.ndarray, slots: int, max_replicas: int, start: np.ndarray | None = None,
@@ -220,7 +258,10 @@ def place_replicas(load: np.ndarray, num_slots: int, num_ranks: int, search_step
     counts the greedy packing is EPLB's own placement whenever EPLB keeps replicas of an expert
     on distinct ranks, and the swaps only lower the busiest rank. Then, where the busiest rank
     is still above the mean and the largest share, a bisection on the level it could reach
-    tries counts shaped for that level (``counts_for_level``), keeping each layer's best."""
+    tries counts shaped for that level (``counts_for_level``), keeping each layer's best.
+    ``load`` is checked as in `check_load` (a layer with no tokens gets a valid placement, but
+    not an even one: `plan_placement` plans such layers as equal loads)."""
+    load = check_load(load)
     per_rank = num_slots // num_ranks
     counts, extra = replicate(load, num_slots, num_ranks, with_order=True)
     phys, top = _place(load, counts, num_ranks, per_rank, extra)
@@ -267,8 +308,10 @@ def plan_placement(load: np.ndarray, num_slots: int, num_ranks: int, policy: str
 
     policy "global" or "hierarchical" (needs ``num_groups`` expert groups, a multiple of
     ``num_domains``). ``current`` (phys_to_log [L, S]) keeps unchanged slots where they are.
+    ``load``: token counts, finite and >= 0 (else InvalidInputError, see `check_load`); a layer
+    whose counts are all 0 is planned as if every expert had the same load.
     """
-    load = np.atleast_2d(np.asarray(load, dtype=np.float64))
+    load = _even_where_empty(check_load(load))
     layers, experts = load.shape
     if num_slots % num_ranks:
         raise ConfigError(f"num_slots={num_slots} must be a multiple of num_ranks={num_ranks}")
@@ -363,8 +406,9 @@ def _finish(phys: np.ndarray, experts: int, num_ranks: int) -> Placement:
 
 
 def rank_loads(load: np.ndarray, placement: Placement) -> np.ndarray:
-    """Tokens per rank [L, R] when each expert's load splits evenly over its replicas."""
-    load = np.atleast_2d(load)
+    """Tokens per rank [L, R] when each expert's load splits evenly over its replicas. ``load``
+    is checked as in `check_load`."""
+    load = check_load(load)
     share = np.take_along_axis(load / placement.replicas, placement.phys_to_log, axis=1)
     return share.reshape(share.shape[0], placement.num_ranks, -1).sum(2)
 
@@ -376,8 +420,11 @@ def balancedness(per_rank: np.ndarray) -> np.ndarray:
 
 
 def contiguous_balancedness(load: np.ndarray, num_ranks: int) -> np.ndarray:
-    """Balancedness of the default placement: expert e on rank e // (E / R), no replicas."""
-    load = np.atleast_2d(load)
+    """Balancedness of the default placement: expert e on rank e // (E / R), no replicas.
+    ``load`` is checked as in `check_load`."""
+    load = check_load(load)
+    if load.shape[1] % num_ranks:
+        raise ConfigError(f"{load.shape[1]} experts do not split evenly over num_ranks={num_ranks}")
     return balancedness(load.reshape(load.shape[0], num_ranks, -1).sum(2))
 
 

@@ -106,9 +106,7 @@ class ReplicaRouter:
     def agree(self, groups, what: str) -> None:
         """Raise ConfigMismatchError on every rank of ``groups``' EP group unless every rank
         holds this same map (collective)."""
-        from ..topology import check_same_on_all_ranks
-        check_same_on_all_ranks({"placement_crc32": self.digest(), "slots": self.num_slots}, groups.ep_group,
-                                groups.device, what)
+        groups.check_same({"placement_crc32": self.digest(), "slots": self.num_slots}, what)
 
     def __call__(self, topk_idx: torch.Tensor, first_position: int = 0) -> torch.Tensor:
         """int64 [N, K] logical ids (-1 kept) -> physical slot ids. Token i's position is

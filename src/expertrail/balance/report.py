@@ -5,25 +5,48 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError
-from .planner import balancedness, contiguous_balancedness, plan_placement, rank_loads, zipf_load
+from ..errors import ConfigError, ExpertrailError
+from .planner import balancedness, check_load, contiguous_balancedness, plan_placement, rank_loads, zipf_load
 
 
 def load_loads(path: str) -> np.ndarray:
-    """Expert loads [layers, experts] (or [experts]) from a .npy, .csv or .json file."""
+    """Expert loads [layers, experts] (or [experts]) from a .npy, .csv or .json file, checked:
+    token counts, finite and >= 0, and every layer with at least one token (a layer of zeros
+    has no balancedness: nothing was recorded for it). Raises ConfigError naming ``--load``."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"--load {path!r}: file not found")
-    if p.suffix == ".npy":
-        data = np.load(p)
-    elif p.suffix == ".csv":
-        data = np.loadtxt(p, delimiter=",", ndmin=2)
-    elif p.suffix == ".json":
-        import json
-        data = np.asarray(json.loads(p.read_text()), dtype=np.float64)
-    else:
+    if p.suffix not in (".npy", ".csv", ".json"):
         raise ConfigError(f"--load {path!r}: use .npy, .csv or .json holding [layers, experts] token counts")
-    return np.atleast_2d(np.asarray(data, dtype=np.float64))
+    try:
+        if p.suffix == ".npy":
+            data = np.load(p)
+        elif p.suffix == ".csv":
+            data = np.loadtxt(p, delimiter=",", ndmin=2)
+        else:
+            import json
+            data = json.loads(p.read_text())
+    except (OSError, ValueError) as err:         # json.JSONDecodeError is a ValueError
+        raise ConfigError(f"--load {path!r}: cannot read token counts from it: {err}") from None
+    return check_loads(data, f"--load {path!r}")
+
+
+def check_loads(load, name: str) -> np.ndarray:
+    """``load`` as float64 [layers, experts] for the report: `check_load`'s checks, then no
+    layer all zero. Raises ConfigError starting with ``name`` (the option and its value)."""
+    try:
+        load = check_load(load, name)
+    except ExpertrailError as err:
+        raise ConfigError(str(err)) from None
+    empty = np.nonzero(~load.any(1))[0]
+    if len(empty) == len(load):
+        raise ConfigError(f"{name}: every count is 0, so there is no load to balance; record the loads over at "
+                          "least one step (LoadRecorder: call step() at the end of each step before load())")
+    if len(empty):
+        raise ConfigError(f"{name}: layer(s) {', '.join(map(str, empty[:8]))}{' ...' if len(empty) > 8 else ''} of "
+                          f"{len(load)} have no tokens (every count 0), so their balancedness means nothing; "
+                          "drop those rows or record more steps")
+    return load
 
 
 def compare(load: np.ndarray, num_ranks: int, redundant: int, num_domains: int = 1,
@@ -45,9 +68,13 @@ def run(args) -> int:
     elif args.zipf is not None:
         if not args.experts:
             raise ConfigError("--zipf needs --experts")
+        if not np.isfinite(args.zipf) or args.zipf < 0:
+            raise ConfigError(f"--zipf {args.zipf}: give a finite exponent >= 0, e.g. --zipf 1.0")
         load = zipf_load(args.layers, args.experts, args.zipf, seed=args.seed)
     else:
         raise ConfigError("give --load FILE or --zipf ALPHA --experts E")
+    if args.redundant < 0:
+        raise ConfigError(f"--redundant {args.redundant}: give the number of extra slots, 0 or more")
     if load.shape[1] % args.ranks:
         raise ConfigError(f"{load.shape[1]} experts do not split over --ranks {args.ranks}")
     result = compare(load, args.ranks, args.redundant, args.domains, args.groups)

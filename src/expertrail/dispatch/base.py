@@ -16,7 +16,7 @@ from ..errors import InvalidInputError
 from ..kernels.torch_ops import cast, gather_rows, stable_argsort
 from ..routing import TokenLayout, apply_capacity, compute_layout, expert_capacity
 from ..schedule import wait_exchange
-from ..topology import EPGroups, check_same_on_all_ranks, guarded
+from ..topology import EPGroups, guarded
 from ..transport import Transfer, TransferStats
 from ..workspace import Workspace
 from .config import DispatchConfig
@@ -130,9 +130,8 @@ class Dispatcher:
 
     def __init__(self, groups: EPGroups, num_experts: int, **options):
         config = self.Config.of(self.name, num_experts, options)
-        check_same_on_all_ranks({"backend": self.name, **config.shared_fields(), "domain_size": groups.domain_size,
-                                 "backend options": config.own_options()},
-                                groups.ep_group, groups.device, f"{type(self).__name__}")
+        groups.check_same({"backend": self.name, **config.shared_fields(), "domain_size": groups.domain_size,
+                           "backend options": config.own_options()}, f"{type(self).__name__}")
         config.check()
         self.config, self.groups = config, groups
         self.num_experts = int(num_experts)
@@ -151,7 +150,7 @@ class Dispatcher:
         DispatchResult, or with ``async_op`` a handle whose ``wait()`` returns it: the routing
         metadata is exchanged before returning, the rows travel in the background.
         """
-        with guarded(f"{self.name} dispatch", self.groups.label, self.groups.timeout), self.workspace.active():
+        with guarded(f"{self.name} dispatch", self.groups), self.workspace.active():
             return self._dispatch(x, topk_idx, topk_weights, async_op)
 
     def _dispatch(self, x, topk_idx, topk_weights, async_op):
@@ -172,7 +171,7 @@ class Dispatcher:
                                              give_turn=False)
         with torch.no_grad():
             route = self._route(topk_weights.detach(), plan, recv_counts, headers)
-            route.label, route.timeout, route.workspace = self.groups.label, self.groups.timeout, self.workspace
+            route.groups, route.workspace = self.groups, self.workspace
             transfer = route.forward(wire, async_op=True, sent=sent)
         control_bytes = recv_counts.numel() * 8 + headers.nbytes
         wire_bytes = wire.shape[1] * wire.element_size()
@@ -221,7 +220,7 @@ class Dispatcher:
         `_start_combine_flags`).
         """
         with res.route.running(f"{self.name} combine") if isinstance(res, DispatchResult) else \
-                guarded(f"{self.name} combine", self.groups.label, self.groups.timeout):
+                guarded(f"{self.name} combine", self.groups):
             return self._combine(expert_out, res, weighted, async_op)
 
     def _combine(self, expert_out, res, weighted, async_op):

@@ -33,7 +33,10 @@ Shapes: N <= T tokens per rank and call (N may change between calls); rows move 
 dispatcher's ``dtype`` (or as fp8 bytes with ``payload="fp8"``).
 
 `res.tokens` is a view of a buffer the next dispatch overwrites (as DeepEP's): use it, or copy
-it, before the next call. Inference only: nothing here records autograd.
+it, before the next call. Reading ``res.tokens`` (or ``count``, ``scales``) or combining ``res``
+after the next dispatch raises `InvalidInputError` (a view taken before that call cannot be
+guarded). Inference only: nothing here records autograd, so inputs that require gradients
+are refused (on every rank) rather than silently cut from the graph.
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ from .. import fp8, kernels
 from ..errors import ConfigError, InvalidInputError
 from ..kernels.torch_ops import CopyPositions, cast
 from ..schedule import wait_exchange
-from ..topology import EPGroups, check_same_on_all_ranks, guarded
+from ..topology import EPGroups, guarded
 from .lowlatency_plan import HEADER_WORDS, WEIGHT_DTYPES, DevicePlan, HostPlan
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -54,7 +57,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @dataclass
 class LowLatencyResult:
-    """Rows for this rank's local experts, in fixed shapes.
+    """Rows for this rank's local experts, in fixed shapes, valid until the dispatcher's next
+    dispatch (which overwrites them: reading them after it raises `InvalidInputError`).
 
     tokens: [E_local, P * T, H] in the dispatcher's dtype (float8_e4m3fn with ``payload="fp8"``
         and ``dequantize=False``); expert e's real rows are ``tokens[e, :count[e]]``
@@ -62,13 +66,42 @@ class LowLatencyResult:
     scales: fp32 [E_local, P * T, ceil(H / 128)] with fp8 rows left quantized, else None
     """
 
-    tokens: torch.Tensor
-    count: torch.Tensor
-    scales: torch.Tensor | None
+    _tokens: torch.Tensor
+    _count: torch.Tensor
+    _scales: torch.Tensor | None
     _expert_copies: CopyPositions   # each received slot's rows in tokens (flattened), by local expert
     _row_weights: torch.Tensor      # [E_local * P * T + 1] routing weight of each row of tokens (0 elsewhere)
     _token_copies: CopyPositions    # each sent token's rows in the combine exchange, by rank
     _dtype: torch.dtype
+    _owner: "LowLatencyDispatcher"  # whose buffers hold the rows
+    _call: int                      # which of its dispatches made them
+
+    def stale(self) -> str | None:
+        """Why this result's rows are no longer there (a later dispatch overwrote them), or None."""
+        calls = self._owner._calls
+        if calls == self._call:
+            return None
+        return (f"this LowLatencyResult is from dispatch call {self._call} of {self._owner!r}, whose buffers call "
+                f"{calls} has overwritten: use res.tokens (or copy it, res.tokens.clone()) and combine before the "
+                "next dispatch")
+
+    def _fresh(self, value, name: str):
+        why = self.stale()
+        if why is not None:
+            raise InvalidInputError(f"res.{name}: {why}")
+        return value
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self._fresh(self._tokens, "tokens")
+
+    @property
+    def count(self) -> torch.Tensor:
+        return self._fresh(self._count, "count")
+
+    @property
+    def scales(self) -> torch.Tensor | None:
+        return self._fresh(self._scales, "scales")
 
 
 class LowLatencyDispatcher:
@@ -104,10 +137,9 @@ class LowLatencyDispatcher:
             raise ConfigError(f"dtype={dtype} must be one of {', '.join(map(str, _DTYPES))}")
         if payload not in ("native", "fp8"):
             raise ConfigError(f"payload={payload!r} must be 'native' or 'fp8'")
-        check_same_on_all_ranks({"backend": self.name, "num_experts": num_experts,
-                                 "max_tokens_per_rank": max_tokens_per_rank, "hidden": hidden, "dtype": str(dtype),
-                                 "payload": payload, "dequantize": dequantize},
-                                groups.ep_group, groups.device, type(self).__name__)
+        groups.check_same({"backend": self.name, "num_experts": num_experts,
+                           "max_tokens_per_rank": max_tokens_per_rank, "hidden": hidden, "dtype": str(dtype),
+                           "payload": payload, "dequantize": dequantize}, type(self).__name__)
         self.groups, self.num_experts = groups, int(num_experts)
         self.num_local_experts = groups.num_local_experts(self.num_experts)
         self.max_tokens, self.hidden, self.dtype = int(max_tokens_per_rank), int(hidden), dtype
@@ -152,6 +184,7 @@ class LowLatencyDispatcher:
                                         + torch.arange(t, device=dev).unsqueeze(1))
         self._back_dense, self._back_bags = back.dense(), (back.pos, back.slot, back.source, back.offsets)
         self._token_copies_of = {}                                            # n -> its CopyPositions
+        self._calls = 0                                                       # dispatches made (LowLatencyResult.stale)
         self._where = f"lowlatency dispatch on EP rank {groups.ep_rank}"      # what its errors begin with
         # The metadata planners, on the byte views of every buffer's tail.
         tails = (self._tail(self._send, self._words), self._tail(self._recv, self._words),
@@ -165,11 +198,13 @@ class LowLatencyDispatcher:
         """x [N, H] in ``dtype``, N <= T; topk_idx [N, K] int (-1: no expert); topk_weights
         [N, K] float. Collective over the EP group: a rank with invalid input makes every rank
         raise InvalidInputError once the exchange lands (it sends empty blocks meanwhile)."""
-        with guarded("lowlatency dispatch", self.groups.label, self.groups.timeout), torch.no_grad():
+        recording = torch.is_grad_enabled()
+        with guarded("lowlatency dispatch", self.groups), torch.no_grad():
             plan = self._plan()
+            self._calls += 1                                  # earlier results' rows are overwritten from here on
             # Slot s of every peer's block holds token s; the metadata says which of the peer's
             # experts it is for (none: the peer skips it). An invalid rank sends no rows.
-            message = plan.write(topk_idx, topk_weights, self._check(x, topk_idx, topk_weights), self._where)
+            message = plan.write(topk_idx, topk_weights, self._check(x, topk_idx, topk_weights, recording), self._where)
             if message is None:
                 self._send_slots[:, :x.shape[0]] = fp8.quantize(x) if self.payload == "fp8" else x
             got = self._exchange(self._send, self._recv)
@@ -210,7 +245,7 @@ class LowLatencyDispatcher:
             rows, scales = fp8.unpack(rows, self.hidden)
             scales = scales.view(local, pt, -1)
         return LowLatencyResult(rows.view(local, pt, self.hidden), count, scales, copies, row_weights,
-                                token_copies, self.dtype)
+                                token_copies, self.dtype, self, self._calls)
 
     # ------------------------------------------------------------------ combine
     def combine(self, expert_out: torch.Tensor, res: LowLatencyResult) -> torch.Tensor:
@@ -218,16 +253,24 @@ class LowLatencyDispatcher:
         in x's dtype: each received row's experts summed on this side, w * out in fp32 in local
         expert order and rounded to ``dtype``, then a token's rows from its ranks summed in rank
         order in fp32 (`dedup`'s combine: the same bits)."""
-        with guarded("lowlatency combine", self.groups.label, self.groups.timeout), torch.no_grad():
+        recording = torch.is_grad_enabled()
+        with guarded("lowlatency combine", self.groups), torch.no_grad():
             if not isinstance(res, LowLatencyResult):
                 raise InvalidInputError(f"lowlatency combine: res must be the LowLatencyResult dispatch returned, "
                                         f"got {type(res).__name__}")
             p, local, t = self.groups.ep_size, self.num_local_experts, self.max_tokens
             message = None
-            if tuple(expert_out.shape) != (local, p * t, self.hidden) or not expert_out.is_floating_point():
+            stale = res.stale() if res._owner is self else f"res is from another dispatcher, {res._owner!r}"
+            if stale is not None:
+                message = f"lowlatency combine on EP rank {self.groups.ep_rank}: {stale}"
+            elif tuple(expert_out.shape) != (local, p * t, self.hidden) or not expert_out.is_floating_point():
                 message = (f"lowlatency combine on EP rank {self.groups.ep_rank}: expert_out must be float "
                            f"[{local}, {p * t}, {self.hidden}] like res.tokens, got {tuple(expert_out.shape)} "
                            f"{expert_out.dtype}")
+            elif expert_out.requires_grad and recording:
+                message = (f"lowlatency combine on EP rank {self.groups.ep_rank}: expert_out.requires_grad=True, but "
+                           "the lowlatency mode records no autograd (y would be cut from the graph): run the experts "
+                           "under torch.no_grad() or torch.inference_mode(), or train through a normal-mode dispatcher")
             else:
                 summed = kernels.reduce_copies(cast(expert_out.reshape(local * p * t, -1), self.dtype), res._expert_copies,
                                                res._row_weights, self.dtype)                    # [P*T, H]
@@ -252,7 +295,7 @@ class LowLatencyDispatcher:
         collective of equal blocks."""
         return dist.all_to_all_single(out, rows, group=self.groups.ep_group, async_op=True)
 
-    def _check(self, x, topk_idx, topk_weights) -> str | None:
+    def _check(self, x, topk_idx, topk_weights, recording: bool) -> str | None:
         where = self._where
         if x.dim() != 2 or x.shape[1] != self.hidden or x.shape[0] > self.max_tokens:
             return (f"{where}: x must be [N <= max_tokens_per_rank={self.max_tokens}, hidden={self.hidden}], got "
@@ -268,6 +311,11 @@ class LowLatencyDispatcher:
         if x.device != self.groups.device or topk_idx.device != x.device or topk_weights.device != x.device:
             return (f"{where}: x, topk_idx and topk_weights must be on {self.groups.device} (the EP group's device), "
                     f"got {x.device}, {topk_idx.device}, {topk_weights.device}")
+        if recording and (x.requires_grad or topk_weights.requires_grad):
+            return (f"{where}: x.requires_grad={x.requires_grad}, topk_weights.requires_grad="
+                    f"{topk_weights.requires_grad}, but the lowlatency mode records no autograd (its output would be "
+                    "cut from the graph): run decode under torch.no_grad() or torch.inference_mode(), or train "
+                    "through a normal-mode dispatcher (make_dispatcher('dedup', ...))")
         return None
 
     def _raise_if_any_failed(self, message: str | None, failed: torch.Tensor, verb: str) -> None:

@@ -457,8 +457,7 @@ class Route:
     real_tokens_per_expert: torch.Tensor | None = None
     source_weights: torch.Tensor | None = None
     dispatched_weights: object = None     # weakref to res.weights and its version, see combine
-    label: str = "the EP group"           # for error messages
-    timeout: float | None = None
+    groups: object = "the EP group"       # the EPGroups it runs on (or a label): see `running`
     workspace: Workspace | None = None    # the dispatcher's buffers (see `running`)
 
     @contextlib.contextmanager
@@ -466,7 +465,7 @@ class Route:
         """The context every step of this route runs in: errors and timeouts named after
         ``what`` on this route's group (`topology.guarded`), row buffers from the dispatcher's
         `Workspace`."""
-        with guarded(what, self.label, self.timeout), \
+        with guarded(what, self.groups), \
                 (self.workspace.active() if self.workspace is not None else contextlib.nullcontext()):
             yield
 
