@@ -3,9 +3,12 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from expertrail import BACKENDS
+
+pytestmark = pytest.mark.multirank
 
 TINY = ["--world", "4", "--hidden", "64", "--tokens", "48", "--experts", "8", "--topk", "2",
         "--iters", "2", "--warmup", "1", "--no-progress"]

@@ -27,8 +27,10 @@ def _can_make_namespaces() -> str | None:
     return None
 
 
-needs_root = pytest.mark.skipif(_can_make_namespaces() is not None,
-                                reason=f"no emulated cluster here: {_can_make_namespaces()}")
+def needs_root(test):
+    """A test that brings up an emulated cluster: the ``cluster`` tier, skipped where none can be made."""
+    why = _can_make_namespaces()
+    return pytest.mark.cluster(pytest.mark.skipif(why is not None, reason=f"no emulated cluster here: {why}")(test))
 
 
 @pytest.fixture

@@ -27,6 +27,8 @@ import pytest
 
 from expertrail.cli import main
 
+pytestmark = pytest.mark.docs
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 COMMAND = re.compile(r"^([A-Z_]+=\S* )*(\./run\.sh [a-z]|\.venv/bin/[a-z]|torchrun |python3? |expertrail [a-z-]+ )")

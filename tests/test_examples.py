@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.docs
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 

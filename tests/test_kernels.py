@@ -58,6 +58,7 @@ def test_layout_counts_match_reference(tokens, experts, ep, domain):
         assert torch.equal(a, b)
 
 
+@pytest.mark.docs
 def test_gpu_benchmark_script_runs_its_checks_on_the_cpu():
     import subprocess
     import sys

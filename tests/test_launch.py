@@ -5,6 +5,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+pytestmark = pytest.mark.multirank
+
 OWNER = """
 import operator, time
 from expertrail.launch import LocalRanks

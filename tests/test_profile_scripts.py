@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.docs
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "benchmarks"
 TINY = ["--tokens", "64", "--hidden", "8", "--iters", "2", "--warmup", "1"]
 

@@ -3,7 +3,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from expertrail import BACKENDS
+
+pytestmark = pytest.mark.multirank
 
 
 def test_train_matches_single_process_for_every_backend(tmp_path):
