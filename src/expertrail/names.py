@@ -1,4 +1,6 @@
-"""Names shared by the torch-free command line and the torch parts.
+"""Facts shared by the torch-free planner and command line and the torch engine: the
+backends' names, and the metadata bytes each sends beside a row (`metadata_bytes`), so that
+neither side imports the other.
 
 The library and the planner name a dispatch by its traffic pattern (`alltoall`, `dedup`,
 `hierarchical`, `allgather`); Megatron-Core and the field name the kernels that implement
@@ -7,6 +9,15 @@ planner can print both names (``hierarchical (hybridep)``) and say what it means
 """
 
 BACKEND_NAMES = ("allgather", "alltoall", "dedup", "hierarchical")
+
+
+def metadata_bytes(algorithm: str, topk: int) -> int:
+    """Bytes of int64 metadata expertrail's engine sends beside each dispatched row: alltoall a
+    row's k and weight; dedup and allgather the token's K expert ids and K weights;
+    hierarchical (both hops) its source rank and token, K ids and K weights. The backends take
+    their ``AllToAllHop.meta_bytes`` from here and the planner counts with it, so both agree."""
+    per_row = {"alltoall": 2, "dedup": 2 * topk, "allgather": 2 * topk, "hierarchical": 2 + 2 * topk}
+    return 8 * per_row.get(algorithm, 0)
 
 # Algorithm (library / planner name) -> what implements the same traffic in the field.
 FIELD_NAMES = {

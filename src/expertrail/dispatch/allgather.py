@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..plan.cost import metadata_bytes
+from ..names import metadata_bytes
 from .base import Dispatcher, SourcePlan, weight_bits
 from .dedup import local_ids_for
 from .route import AllGatherHop, Stage

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.torch_ops import CopyPositions, stable_argsort
-from ..plan.cost import metadata_bytes
+from ..names import metadata_bytes
 from ..transport import LandingRuns
 from .base import Dispatcher, SourcePlan, bits_weight, padded_positions, weight_bits
 from .config import AllToAllConfig

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..plan.cost import metadata_bytes
+from ..names import metadata_bytes
 from ..routing import token_membership
 from .base import Dispatcher, SourcePlan, weight_bits
 from .dedup import local_ids_for

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
+from ..names import metadata_bytes  # noqa: F401  (the planner's name for it too)
 from .catalog import Hardware, MoEModel
 
 ALGORITHMS = ("allgather", "alltoall", "dedup", "hierarchical", "deepep-ll")
@@ -167,15 +168,6 @@ def count_traffic(topk_idx: np.ndarray, model: MoEModel, layout: Layout, algorit
     else:
         raise ConfigError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
     return tr
-
-
-def metadata_bytes(algorithm: str, topk: int) -> int:
-    """Bytes of int64 metadata expertrail's engine sends beside each dispatched row: alltoall a
-    row's k and weight; dedup and allgather the token's K expert ids and K weights;
-    hierarchical (both hops) its source rank and token, K ids and K weights. The backends take
-    their ``AllToAllHop.meta_bytes`` from here, so the planner and the engine count alike."""
-    per_row = {"alltoall": 2, "dedup": 2 * topk, "allgather": 2 * topk, "hierarchical": 2 + 2 * topk}
-    return 8 * per_row.get(algorithm, 0)
 
 
 def rows_by_link(topk_idx_per_rank: list, num_experts: int, layout: Layout, algorithm: str) -> dict:

@@ -1,0 +1,78 @@
+"""The package's layers and which may import which (docs/architecture.md draws them)."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "expertrail"
+
+# Each module's layer, by its path under src/expertrail (a folder stands for all it holds).
+LAYERS = {
+    "facts": ["errors", "names", "configs"],
+    "plan": ["plan"],
+    "engine": ["topology", "transport", "routing", "workspace", "fp8", "kernels", "dispatch", "schedule",
+               "reference", "replicated"],
+    "model": ["router", "experts", "layer", "hf", "balance"],
+    "tools": ["bench", "bench_decode", "train", "serving", "serve_sim", "workload", "cli", "cluster", "links",
+              "launch", "__main__", "__init__"],
+}
+# What each layer may import, besides itself.
+ALLOWED = {
+    "facts": set(),
+    "plan": {"facts"},
+    "engine": {"facts"},
+    "model": {"facts", "engine"},
+    "tools": {"facts", "plan", "engine", "model"},
+}
+
+
+def layer_of(module: str) -> str:
+    """``dispatch.route`` -> ``engine``."""
+    parts = module.split(".")
+    for layer, names in LAYERS.items():
+        if parts[0] in names or module in names:
+            return layer
+    raise AssertionError(f"expertrail.{module} is in no layer: add it to LAYERS (and docs/architecture.md)")
+
+
+def package_imports(path: Path) -> set:
+    """The expertrail modules ``path`` imports (module level or inside functions), as dotted
+    names relative to the package."""
+    here = path.relative_to(PACKAGE).with_suffix("").parts
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(here[:len(here) - node.level])
+                target = base + (node.module.split(".") if node.module else [])
+                names = [".".join(target + [a.name]) for a in node.names] if not node.module else [".".join(target)]
+                found.update(n for n in names if n)
+            elif node.module and node.module.startswith("expertrail."):
+                found.add(node.module.removeprefix("expertrail."))
+        elif isinstance(node, ast.Import):
+            found.update(a.name.removeprefix("expertrail.") for a in node.names if a.name.startswith("expertrail."))
+    return found
+
+
+def _modules():
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_follow_the_layers(path):
+    module = ".".join(path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__") or "__init__"
+    mine = layer_of(module)
+    for target in sorted(package_imports(path)):
+        theirs = layer_of(target)
+        assert theirs == mine or theirs in ALLOWED[mine], \
+            f"expertrail.{module} ({mine}) imports expertrail.{target} ({theirs}): {mine} may import " \
+            f"{sorted(ALLOWED[mine]) or 'nothing else'}"
+
+
+def test_the_engine_loads_without_the_planner():
+    code = "import sys, expertrail.dispatch; print(sorted(m for m in sys.modules if m.startswith('expertrail.plan')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
