@@ -1,7 +1,7 @@
 """Command-line options the CPU probes share: the bench's bar configuration by default."""
 import argparse
 
-from expertrail.bench import DTYPES
+from expertrail.tools.bench import DTYPES
 
 
 def bar_configuration(description: str) -> argparse.ArgumentParser:

@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 import expertrail as er
 from bar_options import bar_configuration
-from expertrail.bench import DTYPES
-from expertrail.transport import Transfer
-from expertrail.launch import LocalRanks
-from expertrail.workload import make_routing, make_tokens
+from expertrail.tools.bench import DTYPES
+from expertrail.comm.transport import Transfer
+from expertrail.emulation.launch import LocalRanks
+from expertrail.tools.workload import make_routing, make_tokens
 
 
 def alternate(rank, world, args):

@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 import expertrail as er
 from bar_options import bar_configuration
-from expertrail.bench import DTYPES, bare_collectives
-from expertrail.launch import LocalRanks
-from expertrail.workload import make_routing, make_tokens
+from expertrail.tools.bench import DTYPES, bare_collectives
+from expertrail.emulation.launch import LocalRanks
+from expertrail.tools.workload import make_routing, make_tokens
 
 
 def _timed(step, iters: int, warmup: int) -> list:

@@ -114,7 +114,7 @@ def main():
         table.append((name, checks[name], t_t, t_r, nbytes / t_t / 1e9, nbytes / t_t / copy_bw, t_r / t_t))
 
     # Grouped GEMM vs one dense GEMM of the same FLOPs.
-    from expertrail.experts import grouped_linear, grouped_mm_supported
+    from expertrail.moe.experts import grouped_linear, grouped_mm_supported
     counts = torch.bincount(topk_idx.reshape(-1), minlength=e)
     tokens = torch.randn(int(counts.sum()), h, device=dev).to(torch.bfloat16)
     w = torch.randn(e, args.ffn, h, device=dev).to(torch.bfloat16) / h ** 0.5

@@ -16,10 +16,10 @@ import time
 import torch.distributed as dist
 
 import expertrail as er
-from expertrail.bench import DTYPES
+from expertrail.tools.bench import DTYPES
 from expertrail.dispatch.alltoall import LANDING_MIN_RUN_BYTES
-from expertrail.launch import LocalRanks
-from expertrail.workload import make_routing, make_tokens
+from expertrail.emulation.launch import LocalRanks
+from expertrail.tools.workload import make_routing, make_tokens
 
 # (experts, hidden, top-k, tokens per rank): mean runs from 1 MiB down to 64 KiB in bf16.
 SHAPES = [(16, 1024, 2, 4096), (64, 1024, 2, 4096), (128, 2048, 8, 1024), (64, 256, 4, 4096), (256, 1024, 8, 1024)]

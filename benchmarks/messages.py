@@ -17,8 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from expertrail.transport import Channel
-from expertrail.launch import LocalRanks
+from expertrail.comm.transport import Channel
+from expertrail.emulation.launch import LocalRanks
 
 MODES = ("pieces", "blocks", "blocks+copy")
 

@@ -32,10 +32,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from expertrail.configs import TrainConfig
-from expertrail.schedule import Timeline
-from expertrail.topology import EPGroups
-from expertrail.train import _train_step, build_ep_model
+from expertrail.tools.configs import TrainConfig
+from expertrail.comm.schedule import Timeline
+from expertrail.comm.topology import EPGroups
+from expertrail.tools.train import _train_step, build_ep_model
 
 
 class IdleSampler:

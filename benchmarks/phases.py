@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 import expertrail as er
 from bar_options import bar_configuration
-from expertrail.bench import DTYPES
+from expertrail.tools.bench import DTYPES
 from expertrail.dispatch.header import Header
-from expertrail.launch import LocalRanks
-from expertrail.workload import make_routing, make_tokens
+from expertrail.emulation.launch import LocalRanks
+from expertrail.tools.workload import make_routing, make_tokens
 
 PHASES = ["barrier", "check+plan", "gather rows", "control exchange", "route planning", "post rows",
           "rows arrive (+ later hops)", "combine: expert side + post", "combine: arrive + reduce"]

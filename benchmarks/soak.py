@@ -13,7 +13,7 @@ import random
 import torch
 
 import expertrail as er
-from expertrail.launch import LocalRanks
+from expertrail.emulation.launch import LocalRanks
 
 
 def rss_mb() -> float:

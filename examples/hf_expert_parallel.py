@@ -70,7 +70,7 @@ def run(rank: int, world: int) -> float:
 
 
 if __name__ == "__main__":
-    from expertrail.launch import LocalRanks
+    from expertrail.emulation.launch import LocalRanks
     with LocalRanks(4) as ranks:
         errors = ranks.run(run)
     assert max(errors) < 1e-4, errors

@@ -53,7 +53,7 @@ if __name__ == "__main__":
         if os.environ["RANK"] == "0":
             print("ok")
     else:
-        from expertrail.launch import LocalRanks
+        from expertrail.emulation.launch import LocalRanks
         with LocalRanks(4) as ranks:
             errors = ranks.run(moe_step)
         assert max(errors) < 1e-5, errors

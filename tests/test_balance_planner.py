@@ -121,7 +121,7 @@ def test_a_layer_without_tokens_is_planned_as_equal_loads():
     ("broken.json", "[[1, 2", "cannot read token counts from it"),
 ])
 def test_balance_cli_refuses_a_load_that_is_not_token_counts(name, data, message, tmp_path, capsys):
-    from expertrail.cli import main
+    from expertrail.tools.cli import main
     path = tmp_path / name
     np.save(path, data) if name.endswith(".npy") else path.write_text(data)
     assert main(["balance", "--load", str(path), "--ranks", "2"]) == 2
@@ -135,7 +135,7 @@ def test_balance_cli_text_json_without_torch(tmp_path):
     import subprocess
     import sys
     np.save(tmp_path / "load.npy", zipf_load(2, 64, 1.2))
-    code = ("import sys; from expertrail.cli import main; "
+    code = ("import sys; from expertrail.tools.cli import main; "
             f"rc = main(['balance', '--load', r'{tmp_path / 'load.npy'}', '--ranks', '8', '--redundant', '8', "
             f"'--domains', '2', '--groups', '4', '--plot', r'{tmp_path / 'b.png'}']); "
             "assert 'torch' not in sys.modules; sys.exit(rc)")

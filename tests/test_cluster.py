@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from expertrail import cluster as cl
-from expertrail.cli import main
+from expertrail.tools.cli import main
 from expertrail.errors import ConfigError
 
 PROBE = str(Path(__file__).parent / "cluster_scripts" / "probe.py")

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from expertrail.cli import main
+from expertrail.tools.cli import main
 from expertrail.errors import ConfigError
 from expertrail.plan.catalog import HARDWARE, MODELS, MoEModel, from_hf_config, load_hardware, load_model
 from expertrail.plan.cost import Layout, Routing, count_traffic, link_bandwidth, predict, row_bytes
@@ -175,7 +175,7 @@ def test_parse_ints_and_usable_eps():
 
 def test_simulate_cli_text_plot_and_no_torch(tmp_path):
     np.save(tmp_path / "route.npy", Routing("uniform").sample(MODELS["qwen3-30b-a3b"], 256))
-    code = ("import sys; from expertrail.cli import main; "
+    code = ("import sys; from expertrail.tools.cli import main; "
             f"rc = main(['simulate', '--hardware', 'h100', '--model', 'qwen3-30b-a3b', '--ep', '8,16', "
             f"'--sms', '8..24', '--routing', r'{tmp_path / 'route.npy'}', '--tokens', '256', "
             f"'--plot', r'{tmp_path / 'sim.png'}']); "

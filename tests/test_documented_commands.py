@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from expertrail.cli import main
+from expertrail.tools.cli import main
 
 pytestmark = pytest.mark.docs
 
@@ -219,7 +219,7 @@ def test_commands_differing_only_in_their_outputs_run_as_one():
 @pytest.mark.parametrize("command,status", distinct_runs([e for e in ALL if e[0] not in NOT_RUN]), ids=lambda v: str(v))
 def test_documented_command_runs(command, status, tmp_path, monkeypatch, capsys):
     if NEEDS_NAMESPACES.search(command):
-        from expertrail.cluster import ClusterError, check_prerequisites
+        from expertrail.emulation.cluster import ClusterError, check_prerequisites
         try:
             check_prerequisites()
         except ClusterError as err:

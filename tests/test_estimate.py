@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from expertrail.cli import main
+from expertrail.tools.cli import main
 from expertrail.plan.architecture import ARCHITECTURES, from_fields
 from expertrail.plan.catalog import HARDWARE
 from expertrail.plan.cost import Routing
@@ -99,7 +99,7 @@ def test_pipeline_layout_string_and_dense_layers_place_the_work():
 
 def test_estimate_cli_is_torch_free_and_writes_json(tmp_path):
     path = tmp_path / "e.json"
-    code = ("import sys; from expertrail.cli import main; "
+    code = ("import sys; from expertrail.tools.cli import main; "
             "rc = main(['estimate', '--hardware', 'gb200-nvl72', '--gpus', '256', '--model', 'qwen3-235b-a22b', "
             "'--pipeline-model-parallel-size', '8', '--expert-model-parallel-size', '32', '--global-batch-size', "
             f"'1024', 'model.moe_token_dispatcher_type=flex', '--json', r'{path}']); "

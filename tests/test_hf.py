@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from expertrail.hf import tensor_checksum, why_unsupported
-from expertrail.replicated import device_checksum
+from expertrail.moe.replicated import device_checksum
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.multirank
 
 OWNER = """
 import operator, time
-from expertrail.launch import LocalRanks
+from expertrail.emulation.launch import LocalRanks
 ranks = LocalRanks(2).__enter__()
 assert ranks.run(operator.add) == [2, 3]
 print(" ".join(str(p.pid) for p in ranks._procs), flush=True)

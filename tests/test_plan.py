@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from expertrail.cli import main
+from expertrail.tools.cli import main
 from expertrail.names import both_names
 from expertrail.plan.advisor import DOMAIN_ENV, emit, expert_gemm_seconds, format_plan, megatron_dispatcher, plan
 from expertrail.plan.catalog import HARDWARE, MODELS
@@ -191,7 +191,7 @@ def test_emitted_megatron_flags_validate_on_the_command_line(capsys):
 
 
 def test_plan_cli_text_json_emit_without_torch():
-    code = ("import sys; from expertrail.cli import main; "
+    code = ("import sys; from expertrail.tools.cli import main; "
             "rc = main(['plan', '--hardware', 'h100', '--model', 'qwen3-235b-a22b', '--stage', 'tune']); "
             "assert 'torch' not in sys.modules; sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from expertrail import cli
-from expertrail.cli import main
+from expertrail.tools.cli import main
 from expertrail.plan.catalog import HARDWARE, MODELS
 
 def run(capsys, *argv):

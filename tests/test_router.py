@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from expertrail.errors import ConfigError
-from expertrail.router import RouterConfig, TopKRouter, balanced_topk, switch_loss
+from expertrail.moe.router import RouterConfig, TopKRouter, balanced_topk, switch_loss
 
 
 def router(**kw):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import expertrail as er
-from expertrail.routing import expert_capacity
+from expertrail.dispatch.routing import expert_capacity
 
 
 def random_routing(n=40, num_experts=12, topk=3, seed=0, drop=0.25):

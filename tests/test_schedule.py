@@ -1,8 +1,8 @@
-"""`expertrail.schedule` on one process: turn taking, errors, delayed work."""
+"""`expertrail.comm.schedule` on one process: turn taking, errors, delayed work."""
 import pytest
 import torch
 
-from expertrail import schedule
+from expertrail.comm import schedule
 
 
 def test_tasks_take_turns_at_switch_points_and_return_their_results():
@@ -67,7 +67,7 @@ def test_work_is_deferred_only_inside_a_task_with_delayed_weight_gradients():
 
 
 def test_delayed_weight_gradients_are_the_same_bits():
-    from expertrail.experts import GroupedExperts, SwiGLUMLP
+    from expertrail.moe.experts import GroupedExperts, SwiGLUMLP
     torch.manual_seed(0)
     experts, shared = GroupedExperts(3, 16, 8), SwiGLUMLP(16, 8)
     x = torch.randn(10, 16, requires_grad=True)
@@ -90,7 +90,7 @@ def test_delayed_weight_gradients_are_the_same_bits():
 
 
 def test_attention_projections_delay_their_weight_gradients_to_the_same_bits():
-    from expertrail.train import Attention
+    from expertrail.tools.train import Attention
     torch.manual_seed(0)
     attn = Attention(16, 2)
     x = torch.randn(2, 5, 16, requires_grad=True)

@@ -6,8 +6,8 @@ import torch
 from expertrail.balance import ReplicaRouter, plan_placement
 from expertrail.balance.replicas import balanced_shares
 from expertrail.errors import ConfigError
-from expertrail.serve_sim import ServeConfig
-from expertrail.serving import DriftingZipf
+from expertrail.tools.serve_sim import ServeConfig
+from expertrail.tools.serving import DriftingZipf
 
 
 def test_drifting_zipf_is_seeded_and_moves_its_hot_experts_every_period():

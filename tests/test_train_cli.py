@@ -23,8 +23,8 @@ def test_train_matches_single_process_for_every_backend(tmp_path):
 
 
 def test_summary_names_the_first_step_beyond_the_tolerance():
-    from expertrail.configs import TrainConfig
-    from expertrail.train import summarize
+    from expertrail.tools.configs import TrainConfig
+    from expertrail.tools.train import summarize
     runs = {name: {"sequential": {"losses": losses, "step_times": [1.0] * 4, "cpu_floors": [0.5] * 4}}
             for name, losses in (("ok", [4.0, 3.0, 2.0, 1.0 + 5e-5]), ("off", [4.0, 3.0, 2.1, 1.0]),
                                  ("nan", [4.0, float("nan"), 2.0, 1.0]))}
@@ -69,7 +69,7 @@ def test_train_overlap_reports_both_runs_with_identical_losses(tmp_path):
 
 
 def test_cpu_floor_is_the_busiest_hosts_cpu_time_over_its_cores():
-    from expertrail.train import floor_per_step
+    from expertrail.tools.train import floor_per_step
     ranks = [("a", 2, [1.0, 2.0]), ("a", 2, [3.0, 4.0]), ("b", 4, [6.0, 1.0]), ("b", 4, [2.0, 3.0])]
     assert floor_per_step(ranks) == [2.0, 3.0]          # host a: [4, 6] / 2; host b: [8, 4] / 4
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from expertrail.cli import main
+from expertrail.tools.cli import main
 from expertrail.errors import ConfigError
 from expertrail.plan.validate import RULES, load_config, split_arguments, unknown_fields, validate
 
@@ -252,7 +252,7 @@ def test_cli_reads_megatron_flags(capsys):
 
 
 def test_planner_never_imports_torch():
-    code = ("import sys; from expertrail.cli import main; import expertrail.plan; "
+    code = ("import sys; from expertrail.tools.cli import main; import expertrail.plan; "
             "rc = main(['validate', 'expert_model_parallel_size=8', 'hardware=h100']); "
             "assert 'torch' not in sys.modules, 'torch was imported'; print(rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

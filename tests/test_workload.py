@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from expertrail.errors import ConfigError
-from expertrail.workload import make_routing
+from expertrail.tools.workload import make_routing
 
 
 def test_uniform_routing_picks_distinct_experts_with_normalised_weights():

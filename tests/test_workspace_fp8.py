@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from expertrail import fp8
-from expertrail.workspace import MIN_POOLED_BYTES, Workspace, allocate
+from expertrail.kernels import fp8
+from expertrail.kernels.workspace import MIN_POOLED_BYTES, Workspace, allocate
 
 
 def test_a_buffer_is_reused_only_once_nothing_views_it():

@@ -1,7 +1,7 @@
 """One pool of real gloo ranks per test module (spawning costs seconds on 2 cores)."""
 import pytest
 
-from expertrail.launch import LocalRanks
+from expertrail.emulation.launch import LocalRanks
 
 
 @pytest.fixture(scope="module")

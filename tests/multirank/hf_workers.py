@@ -259,7 +259,7 @@ def patched_model_with_replicas(rank, world):
 def patched_model_overlapped(rank, world, backend):
     """A patch_model-ed tiny Qwen3-MoE: two-batch overlapped forwards and 1F1B overlapped
     training give the same bits as one micro-batch after another."""
-    from expertrail import schedule
+    from expertrail.comm import schedule
     batches = [torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(10 * rank + m)) for m in range(3)]
     results = {}
     for overlap in (False, True):

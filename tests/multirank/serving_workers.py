@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from expertrail.experts import GroupedExperts
-from expertrail.serving import DriftingZipf, ServedLayer
+from expertrail.moe.experts import GroupedExperts
+from expertrail.tools.serving import DriftingZipf, ServedLayer
 
 from workers import groups_for
 

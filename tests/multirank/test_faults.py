@@ -5,7 +5,7 @@ import re
 import pytest
 
 import expertrail as er
-from expertrail.launch import LocalRanks, RankDied, RankError
+from expertrail.emulation.launch import LocalRanks, RankDied, RankError
 
 import workers
 

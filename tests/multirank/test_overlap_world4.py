@@ -1,4 +1,4 @@
-"""Two micro-batches in flight (`expertrail.schedule`) on 4 real gloo ranks: the same bits as
+"""Two micro-batches in flight (`expertrail.comm.schedule`) on 4 real gloo ranks: the same bits as
 one micro-batch after another."""
 import pytest
 import torch

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import expertrail as er  # noqa: E402
-from expertrail.launch import LocalRanks  # noqa: E402
+from expertrail.emulation.launch import LocalRanks  # noqa: E402
 
 import workers  # noqa: E402
 

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 import expertrail as er
-from expertrail.reference import reference_dispatch, reference_moe
-from expertrail.routing import token_membership
+from expertrail.dispatch.reference import reference_dispatch, reference_moe
+from expertrail.dispatch.routing import token_membership
 
 from scenarios import SCENARIOS, expert_fn, make_inputs, row_experts
 
@@ -328,9 +328,9 @@ def replaced_weights_are_used(rank, world, backend):
 
 def moe_layer_matches_reference(rank, world, backend, num_chunks, shared, alignment=1, dtype=torch.float32):
     """MoELayer on EP=world against the same MoE computed on one rank with all experts."""
-    from expertrail.experts import GroupedExperts, SwiGLUMLP
-    from expertrail.layer import MoELayer, router_loss
-    from expertrail.router import RouterConfig, TopKRouter
+    from expertrail.moe.experts import GroupedExperts, SwiGLUMLP
+    from expertrail.moe.layer import MoELayer, router_loss
+    from expertrail.moe.router import RouterConfig, TopKRouter
     hidden, ffn, num_experts = 16, 8, 8
     local = num_experts // world
     torch.manual_seed(0)                                    # the same full model on every rank
@@ -453,7 +453,7 @@ def patched_model_counts(rank, world):
 
 def expert_bias_update_sums_loads(rank, world):
     """update_expert_bias adds rate * sign(mean - load) with loads summed over the group."""
-    from expertrail.router import RouterConfig, TopKRouter
+    from expertrail.moe.router import RouterConfig, TopKRouter
     torch.manual_seed(0)
     r = TopKRouter(RouterConfig(hidden=8, num_experts=8, topk=2, expert_bias=True, bias_update_rate=0.5),
                    load_group=dist.group.WORLD)
@@ -474,9 +474,9 @@ def replicated_layer(rank, world, backend):
     import numpy as np
 
     from expertrail.balance import ReplicaRouter, plan_placement, rank_loads
-    from expertrail.experts import GroupedExperts
-    from expertrail.layer import MoELayer
-    from expertrail.router import RouterConfig, TopKRouter
+    from expertrail.moe.experts import GroupedExperts
+    from expertrail.moe.layer import MoELayer
+    from expertrail.moe.router import RouterConfig, TopKRouter
     hidden, ffn, experts, slots = 16, 8, 16, 24
     torch.manual_seed(0)
     router = TopKRouter(RouterConfig(hidden=hidden, num_experts=experts, topk=2, expert_bias=True))
@@ -552,9 +552,9 @@ def rebalance_keeps_outputs(rank, world):
     import numpy as np
 
     from expertrail.balance import LoadRecorder, ReplicaRouter, migrate, plan_placement
-    from expertrail.experts import GroupedExperts
-    from expertrail.layer import MoELayer
-    from expertrail.router import RouterConfig, TopKRouter
+    from expertrail.moe.experts import GroupedExperts
+    from expertrail.moe.layer import MoELayer
+    from expertrail.moe.router import RouterConfig, TopKRouter
     hidden, ffn, experts, slots = 16, 8, 8, 12
     torch.manual_seed(0)
     router = TopKRouter(RouterConfig(hidden=hidden, num_experts=experts, topk=2, expert_bias=True))
@@ -714,9 +714,9 @@ def placement_mismatch(rank, world):
     import numpy as np
 
     from expertrail.balance import ReplicaRouter, plan_placement
-    from expertrail.experts import GroupedExperts
-    from expertrail.layer import MoELayer
-    from expertrail.router import RouterConfig, TopKRouter
+    from expertrail.moe.experts import GroupedExperts
+    from expertrail.moe.layer import MoELayer
+    from expertrail.moe.router import RouterConfig, TopKRouter
     router = TopKRouter(RouterConfig(hidden=8, num_experts=8, topk=2))
     d = er.make_dispatcher("alltoall", groups_for(None, 2), num_experts=12)
     load = np.arange(1, 9, dtype=np.float64) if rank != 2 else np.arange(8, 0, -1, dtype=np.float64)
@@ -866,7 +866,7 @@ def fp8_payload(rank, world, backend, domain_size, scenario, dtype):
     every backend), within e4m3's step of the unquantized ones; fp8 output mode gives the same
     values with their scales; combine travels in x's dtype; gradients pass straight through to
     x; dispatch bytes as the planner counts fp8 rows. Returns (tokens, fp8 bytes, native bytes)."""
-    from expertrail import fp8
+    from expertrail.kernels import fp8
     hidden, experts, topk = 200, 16, 4                 # two scale blocks, the last one short
     groups = groups_for(None, domain_size)
     d = er.make_dispatcher(backend, groups, num_experts=experts, payload="fp8")
@@ -963,10 +963,10 @@ def overlap_matches_sequential(rank, world, backend, dtype, micro_batches=3):
     """The tiny LM trained one step on ``micro_batches`` micro-batches: sequentially, with
     1F1B overlap and delayed weight gradients, and with overlap alone. Returns, per variant,
     the losses and every parameter's gradient (to be compared bitwise)."""
-    from expertrail import schedule
-    from expertrail.configs import TrainConfig
-    from expertrail.layer import router_loss
-    from expertrail.train import build_ep_model, lm_loss, make_batch
+    from expertrail.comm import schedule
+    from expertrail.tools.configs import TrainConfig
+    from expertrail.moe.layer import router_loss
+    from expertrail.tools.train import build_ep_model, lm_loss, make_batch
     cfg = TrainConfig(hidden=16, ffn=16, experts=8, topk=2, layers=2, seq=8, batch=2)
     groups = groups_for(None, 2)
     batches = [make_batch(cfg, m, rank) for m in range(micro_batches)]
@@ -1125,9 +1125,9 @@ def moe_layer_seeded_alike(rank, world):
     """GroupedExperts are initialised by global expert index: every rank seeded alike builds
     the same model whatever the EP size (and each rank its own experts), the same as one
     process building all experts."""
-    from expertrail.experts import GroupedExperts
-    from expertrail.layer import MoELayer
-    from expertrail.router import RouterConfig, TopKRouter
+    from expertrail.moe.experts import GroupedExperts
+    from expertrail.moe.layer import MoELayer
+    from expertrail.moe.router import RouterConfig, TopKRouter
     hidden, ffn, num_experts = 16, 8, 8
     full = {}
     for ep_size in (2, 4):
@@ -1152,9 +1152,9 @@ def moe_layer_misuse(rank, world, kind):
     one rank (unseeded), experts built for other experts, DDP syncing the experts."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from expertrail.experts import GroupedExperts, SwiGLUMLP
-    from expertrail.layer import MoELayer, exclude_experts_from_ddp
-    from expertrail.router import RouterConfig, TopKRouter
+    from expertrail.moe.experts import GroupedExperts, SwiGLUMLP
+    from expertrail.moe.layer import MoELayer, exclude_experts_from_ddp
+    from expertrail.moe.router import RouterConfig, TopKRouter
     torch.manual_seed(1 if (rank == 2 and kind == "router") else 0)
     router = TopKRouter(RouterConfig(hidden=16, num_experts=8, topk=2))
     torch.manual_seed(1 if (rank == 1 and kind == "shared") else 0)

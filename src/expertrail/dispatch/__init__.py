@@ -1,4 +1,8 @@
-"""Dispatch/combine backends behind one API (see `base.Dispatcher`)."""
+"""The dispatch engine and its backends behind one API (`base.Dispatcher`, `make_dispatcher`):
+the route every backend plans (`route`), its settings (`config`, `header`), the backends
+(`alltoall`, `dedup`, `hierarchical`, `allgather`), the low-latency decode mode
+(`lowlatency`), routing tables and capacity (`routing`), and the single-process reference
+they are tested against (`reference`)."""
 from __future__ import annotations
 
 from ..errors import ConfigError
@@ -8,7 +12,7 @@ from .base import DispatchResult, Dispatcher
 from .dedup import DedupDispatcher
 from .hierarchical import HierarchicalDispatcher
 from .lowlatency import LowLatencyDispatcher, LowLatencyResult
-from ..transport import TransferStats
+from ..comm.transport import TransferStats
 
 BACKENDS = {cls.name: cls for cls in (AllGatherDispatcher, AllToAllDispatcher, DedupDispatcher,
                                       HierarchicalDispatcher)}

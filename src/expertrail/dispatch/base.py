@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import fp8
+from ..kernels import fp8
 from ..errors import InvalidInputError
 from ..kernels.torch_ops import cast, gather_rows, stable_argsort
-from ..routing import TokenLayout, apply_capacity, compute_layout, expert_capacity
-from ..schedule import wait_exchange
-from ..topology import EPGroups, guarded
-from ..transport import Transfer, TransferStats
-from ..workspace import Workspace
+from .routing import TokenLayout, apply_capacity, compute_layout, expert_capacity
+from ..comm.schedule import wait_exchange
+from ..comm.topology import EPGroups, guarded
+from ..comm.transport import Transfer, TransferStats
+from ..kernels.workspace import Workspace
 from .config import DispatchConfig
 from .header import DTYPE_CODES, ERROR_KINDS, FIELDS, Header, Headers
 from .route import ExpandHop, ExpertRows, Route, Stage, own_block

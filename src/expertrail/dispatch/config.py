@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ..errors import ConfigError
-from ..routing import DROP_POLICIES
+from .routing import DROP_POLICIES
 
 PAYLOADS = ("native", "fp8")
 
@@ -28,7 +28,7 @@ class DispatchConfig:
     pad_to_capacity: pad every local expert to the sum of the senders' capacities, so the
         output shape depends only on the token counts (static shapes).
     payload: "native" (rows travel in x's dtype) or "fp8" (float8 e4m3 with one fp32 scale per
-        128 values, `expertrail.fp8`; combine still travels in x's dtype).
+        128 values, `expertrail.kernels.fp8`; combine still travels in x's dtype).
     dequantize: with fp8, whether ``res.tokens`` are the rows dequantized to x's dtype (True)
         or the fp8 values, with their scales in ``res.scales``, for FP8 experts (False).
     """

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..names import metadata_bytes
-from ..routing import token_membership
+from .routing import token_membership
 from .base import Dispatcher, SourcePlan, weight_bits
 from .dedup import local_ids_for
 from .route import AllToAllHop, SplitHop, Stage

@@ -45,11 +45,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import fp8, kernels
+from ..kernels import fp8
+from .. import kernels
 from ..errors import ConfigError, InvalidInputError
 from ..kernels.torch_ops import CopyPositions, cast
-from ..schedule import wait_exchange
-from ..topology import EPGroups, guarded
+from ..comm.schedule import wait_exchange
+from ..comm.topology import EPGroups, guarded
 from .lowlatency_plan import HEADER_WORDS, WEIGHT_DTYPES, DevicePlan, HostPlan
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -21,9 +21,9 @@ import torch
 
 from .. import kernels
 from ..kernels.torch_ops import CopyPositions, stable_argsort
-from ..topology import guarded
-from ..transport import AllWorks, Channel, LandingRuns, Later, Transfer, TransferStats, concat_transfers, link_class
-from ..workspace import Workspace, allocate, allocate_zeros
+from ..comm.topology import guarded
+from ..comm.transport import AllWorks, Channel, LandingRuns, Later, Transfer, TransferStats, concat_transfers, link_class
+from ..kernels.workspace import Workspace, allocate, allocate_zeros
 
 
 def number_copies(index: torch.Tensor, num_src: int, num_slots: int) -> tuple[torch.Tensor, CopyPositions]:

@@ -1,4 +1,5 @@
-"""Local data movement of dispatch and combine: the torch kernels (`torch_ops`) and the Triton fast path.
+"""Local data movement of dispatch and combine: the torch kernels (`torch_ops`) and the Triton
+fast path, the row buffers a dispatcher owns (`workspace`) and the FP8 row format (`fp8`).
 
 ``copy_rows`` (one read of each row, written to each of its copies), ``reduce_copies`` (the
 weighted sum of each row's copies in fp32, fixed order, written once) and ``layout_counts``,

@@ -94,7 +94,7 @@ def overlap_advice(stage: str, comm: float, compute: float) -> tuple:
     1F1B schedule runs one micro-batch's dispatch / combine beside another's compute), so the
     claim follows the ratio: all of it below 100% of the expert GEMMs, only part above. The
     predicted gain per layer is (comm + compute) / max(comm, compute): what the schedule of
-    `expertrail.schedule` reaches when neither side waits for the other (docs/overlap.md)."""
+    `expertrail.comm.schedule` reaches when neither side waits for the other (docs/overlap.md)."""
     ratio = comm / compute
     gain = (comm + compute) / max(comm, compute)     # a layer's time, one micro-batch alone vs two in flight
     share = (f"dispatch + combine ({comm * 1e6:.0f} us) is {ratio:.0%} of the expert GEMMs "

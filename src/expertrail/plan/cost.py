@@ -233,7 +233,7 @@ def row_bytes(model: MoEModel, precision: str, direction: str) -> int:
     """Bytes of one token row: BF16, or FP8 with one fp32 scale per 128 values (dispatch only;
     combine is BF16 as in DeepEP and Hybrid-EP), or FP32 (the CPU bench's other dtype)."""
     if precision == "fp8" and direction == "dispatch":
-        return model.hidden + 4 * -(-model.hidden // 128)        # as expertrail.fp8.row_bytes
+        return model.hidden + 4 * -(-model.hidden // 128)        # as expertrail.kernels.fp8.row_bytes
     return 4 * model.hidden if precision == "fp32" else 2 * model.hidden
 
 

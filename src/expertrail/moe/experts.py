@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import schedule
-from .errors import InvalidInputError
+from ..comm import schedule
+from ..errors import InvalidInputError
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import ConfigError, InvalidInputError
-from .schedule import wait_exchange
+from ..errors import ConfigError, InvalidInputError
+from ..comm.schedule import wait_exchange
 
 
 @dataclass

@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .dispatch import Dispatcher
-from .errors import ConfigError
+from ..dispatch import Dispatcher
+from ..errors import ConfigError
 from .experts import GroupedExperts
 from .replicated import check_replicated
 from .router import TopKRouter
-from .topology import all_gather_ints, guarded
+from ..comm.topology import all_gather_ints, guarded
 
 
 def expert_parallel_moe(dispatcher: Dispatcher, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

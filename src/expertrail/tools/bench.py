@@ -18,13 +18,13 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from . import fp8
+from ..kernels import fp8
 from .configs import BenchConfig
-from .dispatch import make_dispatcher
-from .transport import LINK_CLASSES
-from .errors import ExpertrailError
-from .reference import reference_dispatch, reference_moe
-from .topology import EPGroups, all_gather_single
+from ..dispatch import make_dispatcher
+from ..comm.transport import LINK_CLASSES
+from ..errors import ExpertrailError
+from ..dispatch.reference import reference_dispatch, reference_moe
+from ..comm.topology import EPGroups, all_gather_single
 from .workload import make_routing, make_tokens
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -305,9 +305,9 @@ def predict_backends(report: dict, links: dict, local: dict | None = None) -> No
     (`plan.cost.rows_by_link`), to set beside what the engine sent: ``predicted_dispatch_s``,
     ``predicted_combine_s``, ``predicted_total_s``, ``planner_rows``, ``planner_bytes``,
     ``planner_bytes_match``."""
-    from .links import measured_hardware
-    from .plan.catalog import MoEModel
-    from .plan.cost import Layout, metadata_bytes, predict, row_bytes, rows_by_link
+    from ..emulation.links import measured_hardware
+    from ..plan.catalog import MoEModel
+    from ..plan.cost import Layout, metadata_bytes, predict, row_bytes, rows_by_link
     cfg = report["config"]
     idx = [make_routing(cfg["routing"], cfg["tokens"], cfg["experts"], cfg["topk"], r, cfg["world"],
                         cfg["seed"])[0].numpy() for r in range(cfg["world"])]

@@ -27,12 +27,12 @@ import zlib
 import torch
 from torch import nn
 
-from .dispatch import make_dispatcher
-from .errors import ConfigError, ConfigMismatchError
+from ..dispatch import make_dispatcher
+from ..errors import ConfigError, ConfigMismatchError
 from .experts import GroupedExperts
 from .layer import exclude_experts_from_ddp, expert_parallel_moe
 from .replicated import SEED_ADVICE, differing, listed, tensor_checksum  # noqa: F401  (tensor_checksum: public here too)
-from .topology import EPGroups, all_gather_single, guarded
+from ..comm.topology import EPGroups, all_gather_single, guarded
 
 # What ExpertParallelMoE reproduces. A block or experts module holding anything else may
 # compute something the adapter does not (a gated shared expert, a routed scaling factor,
@@ -261,7 +261,7 @@ class ExpertParallelMoE(nn.Module):
         from a rank that holds them (`balance.migrate`), and with ``optimizer`` the expert
         parameters' per-slot state (momenta...) moves with them. Collective over the EP group;
         the block's outputs are unchanged."""
-        from .balance import migrate
+        from ..balance import migrate
         replicas.agree(self.groups, "ExpertParallelMoE expert placement")
         if replicas.num_slots != self.dispatcher.num_experts or replicas.log_to_phys.shape[0] != self.num_experts:
             raise ConfigError(f"replicas has {replicas.num_slots} slots for {replicas.log_to_phys.shape[0]} experts, "

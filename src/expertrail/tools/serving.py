@@ -38,13 +38,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .balance.migration import migrate, transfers
-from .balance.planner import balancedness, plan_placement
-from .balance.recorder import LoadRecorder
-from .balance.replicas import ReplicaRouter
-from .errors import ConfigError
-from .experts import GroupedExperts
-from .layer import expert_parallel_moe
+from ..balance.migration import migrate, transfers
+from ..balance.planner import balancedness, plan_placement
+from ..balance.recorder import LoadRecorder
+from ..balance.replicas import ReplicaRouter
+from ..errors import ConfigError
+from ..moe.experts import GroupedExperts
+from ..moe.layer import expert_parallel_moe
 
 
 class DriftingZipf:
@@ -105,7 +105,7 @@ class ServedLayer:
     def __init__(self, groups, full: GroupedExperts, slots: int | None = None, rebalance_every: int | None = None,
                  window: int = 10, window_seconds: float | None = None, backend: str = "alltoall",
                  migration_group=None, min_gain: float = 0.02):
-        from .dispatch import make_dispatcher
+        from ..dispatch import make_dispatcher
         num_experts = full.num_local_experts
         self.groups, self.num_experts = groups, num_experts
         self.num_slots = num_experts if slots is None else slots
@@ -200,7 +200,7 @@ def serve_rank(rank: int, world: int, cfg) -> dict:
     rebalancing one on the same drifting traffic, step by step (their order alternating), each
     step timed between barriers. ``cfg``: a `serve_sim.ServeConfig`. Returns the report, the
     same on every rank."""
-    from .topology import EPGroups
+    from ..comm.topology import EPGroups
     groups = EPGroups.from_default()
     torch.manual_seed(cfg.seed)
     full = GroupedExperts(cfg.experts, cfg.hidden, cfg.ffn)

@@ -24,12 +24,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from .configs import TrainConfig
-from .dispatch import make_dispatcher
-from .experts import GroupedExperts, SwiGLUMLP, delayable_linear
-from .layer import MoELayer, router_loss
-from .router import RouterConfig, TopKRouter
-from .schedule import Timeline, train_micro_batches
-from .topology import EPGroups
+from ..dispatch import make_dispatcher
+from ..moe.experts import GroupedExperts, SwiGLUMLP, delayable_linear
+from ..moe.layer import MoELayer, router_loss
+from ..moe.router import RouterConfig, TopKRouter
+from ..comm.schedule import Timeline, train_micro_batches
+from ..comm.topology import EPGroups
 
 
 class Attention(nn.Module):

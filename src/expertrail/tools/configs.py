@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .names import BACKEND_NAMES
+from ..names import BACKEND_NAMES
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 

@@ -40,7 +40,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError, ExpertrailError
+from ..errors import ConfigError, ExpertrailError
 
 STATE_DIR = Path(os.environ.get("EXPERTRAIL_CLUSTER_DIR", "/run/expertrail-clusters"))
 ANY_PREFIX = r"er[0-9a-f]{4}"

@@ -13,8 +13,8 @@ import zlib
 import torch
 from torch import nn
 
-from .errors import ConfigMismatchError
-from .topology import EPGroups, all_gather_ints, guarded
+from ..errors import ConfigMismatchError
+from ..comm.topology import EPGroups, all_gather_ints, guarded
 
 _CHUNK = 1 << 22       # words per step of the device checksum: int64 temporaries of 32 MiB
 _PRIME = 65521         # position weights 1..65521 keep every product below 2**31

@@ -5,8 +5,8 @@ import argparse
 import os
 import sys
 
-from .errors import ConfigError, ExpertrailError
-from .names import BACKEND_NAMES as BACKENDS
+from ..errors import ConfigError, ExpertrailError
+from ..names import BACKEND_NAMES as BACKENDS
 
 
 ROUTING_HELP = "uniform | zipf:<alpha> | balanced | <file with topk_idx [world, N, K] (.pt or .npy)>"
@@ -82,7 +82,7 @@ def _inter_link_argument(parser) -> None:
 def _link_spec(text: str):
     """An argparse type: ``--inter-link SPEC`` as a `cluster.LinkSpec`, so a bad spec (``1gbps``,
     ``fast``) stops the command while its arguments are parsed, before any namespace exists."""
-    from .cluster import LinkSpec
+    from ..emulation.cluster import LinkSpec
     try:
         return LinkSpec.parse(text)
     except ExpertrailError as err:
@@ -95,7 +95,7 @@ _CLUSTER_OPTIONS = ("--nodes", "--ranks-per-node", "--inter-link")
 def _on_cluster(args, argv: list) -> int:
     """`bench` / `train` with ``--nodes N``: bring an emulated cluster up, run this same
     command on it under torchrun (one launcher per node), tear it down."""
-    from .cluster import Cluster
+    from ..emulation.cluster import Cluster
     inner, skip = [], False
     for arg in argv:                      # the same options, less the cluster's own
         if skip:
@@ -131,7 +131,7 @@ class _Interrupted(KeyboardInterrupt):
 def _after_interrupt(cluster, kept: bool = False) -> _Interrupted:
     """What Ctrl-C left of ``cluster``: torn down (checked), or with ``kept`` (a cluster of
     `cluster up`) still up, its run's processes ended."""
-    from . import cluster as cl
+    from ..emulation import cluster as cl
     if kept:
         return _Interrupted(f"the command's ranks were stopped; cluster {cluster.prefix} is still up "
                             f"(`expertrail cluster down {cluster.prefix}` removes it)")
@@ -292,7 +292,7 @@ class _ConfigArguments(argparse.ArgumentParser):
 
 
 def _validate_parser(sub) -> None:
-    from .names import NAMES_HELP
+    from ..names import NAMES_HELP
     p = sub.add_parser(
         "validate", help="check a Megatron-Core / Megatron-Bridge MoE config before launch",
         usage="%(prog)s [-h] [--json] [--strict] [CONFIG.yaml] [key=value | --megatron-flag [VALUE]] ...",
@@ -336,7 +336,7 @@ def _positive_int(example: int):
 def _int_list(option: str):
     """An argparse type: ``8,16,32`` or ``8..64:8`` (see `plan.simulate.parse_ints`)."""
     def parse(text: str) -> list:
-        from .plan.simulate import parse_ints
+        from ..plan.simulate import parse_ints
         try:
             return parse_ints(text, option)
         except ExpertrailError as err:
@@ -346,7 +346,7 @@ def _int_list(option: str):
 
 def _workload_args(p) -> None:
     """The hardware / model / traffic options shared by `simulate` and `plan`."""
-    from .plan.catalog import HARDWARE, MODELS
+    from ..plan.catalog import HARDWARE, MODELS
     p.add_argument("--hardware", required=True, metavar="NAME|FILE",
                    help=f"GPU system: one of {', '.join(HARDWARE)}, or a YAML/JSON file with the Hardware fields "
                         "(required)")
@@ -363,7 +363,7 @@ def _workload_args(p) -> None:
 
 
 def _simulate_parser(sub) -> None:
-    from .names import FIELD_NAMES, NAMES_HELP
+    from ..names import FIELD_NAMES, NAMES_HELP
     p = sub.add_parser("simulate", help="predict dispatch / combine of every algorithm at cluster scale",
                        description="Cost model (docs/cost-model.md): bytes per link class counted from a sampled "
                                    "routing, time from the links' SM-dependent bandwidth. No GPU, no torch. "
@@ -386,10 +386,10 @@ def _simulate_parser(sub) -> None:
 
 
 def _run_simulate(args) -> int:
-    from .plan.catalog import load_hardware, load_model
-    from .plan.cost import ALGORITHMS
-    from .plan.output import dumps
-    from .plan.simulate import format_rows, plot_rows, simulate, usable_eps
+    from ..plan.catalog import load_hardware, load_model
+    from ..plan.cost import ALGORITHMS
+    from ..plan.output import dumps
+    from ..plan.simulate import format_rows, plot_rows, simulate, usable_eps
     hw, model = load_hardware(args.hardware), load_model(args.model)
     algorithms = tuple(a.strip() for a in args.backends.split(",") if a.strip()) if args.backends else ALGORITHMS
     eps, skipped = usable_eps(model, args.ep, args.domain_size)
@@ -414,7 +414,7 @@ def _run_simulate(args) -> int:
 
 
 def _plan_parser(sub) -> None:
-    from .names import NAMES_HELP
+    from ..names import NAMES_HELP
     p = sub.add_parser("plan", help="recommend a dispatcher, EP size, SM counts and settings, with reasons",
                        description="Recommends the dispatcher (with predicted times of all alternatives), SM counts, "
                                    "the NVLink domain setting, EP size, EP-overlap / CUDA-graph / FP8 advice and "
@@ -448,10 +448,10 @@ def _plan_parser(sub) -> None:
 
 def _run_fit(args) -> int:
     """`plan --fit`: the fastest layouts that fit, or (--emit) the first one's flags."""
-    from .plan.architecture import load_architecture
-    from .plan.catalog import load_hardware
-    from .plan.output import dumps
-    from .plan.search import emit_layout, format_search, layout_fields, search
+    from ..plan.architecture import load_architecture
+    from ..plan.catalog import load_hardware
+    from ..plan.output import dumps
+    from ..plan.search import emit_layout, format_search, layout_fields, search
     if not args.gpus:
         raise ExpertrailError("--fit needs --gpus N, the GPUs of the run, e.g. --gpus 256")
     hw, arch = load_hardware(args.hardware), load_architecture(args.model)
@@ -468,9 +468,9 @@ def _run_fit(args) -> int:
 
 
 def _run_plan(args) -> int:
-    from .plan.advisor import emit, format_plan, plan
-    from .plan.catalog import load_hardware, load_model
-    from .plan.output import dumps
+    from ..plan.advisor import emit, format_plan, plan
+    from ..plan.catalog import load_hardware, load_model
+    from ..plan.output import dumps
     if args.fit:
         return _run_fit(args)
     hw, model = load_hardware(args.hardware), load_model(args.model)
@@ -485,7 +485,7 @@ def _run_plan(args) -> int:
 
 
 def _estimate_parser(sub) -> None:
-    from .plan.architecture import ARCHITECTURES
+    from ..plan.architecture import ARCHITECTURES
     p = sub.add_parser(
         "estimate", help="does a training configuration fit; step time, TFLOPS per GPU and the wall it hits",
         usage="%(prog)s [-h] --hardware NAME --gpus N [--model NAME] [--json PATH] [CONFIG.yaml] "
@@ -512,9 +512,9 @@ def _fit_arguments(p, architectures) -> None:
 
 def _estimate_inputs(args, config: list) -> tuple:
     """(architecture, hardware, layout fields, validate violations) from --model and config entries."""
-    from .plan.architecture import from_fields, load_architecture
-    from .plan.catalog import load_hardware
-    from .plan.validate import read_file, split_arguments, validate
+    from ..plan.architecture import from_fields, load_architecture
+    from ..plan.catalog import load_hardware
+    from ..plan.validate import read_file, split_arguments, validate
     files, pairs = split_arguments(config)
     if len(files) > 1:
         raise ExpertrailError(f"give at most one config file, got {files}")
@@ -530,9 +530,9 @@ def _estimate_inputs(args, config: list) -> tuple:
 
 
 def _run_estimate(args) -> int:
-    from .plan.estimate import estimate, format_estimate
-    from .plan.layout import TrainingLayout
-    from .plan.output import dumps
+    from ..plan.estimate import estimate, format_estimate
+    from ..plan.layout import TrainingLayout
+    from ..plan.output import dumps
     arch, hw, values, violations = _estimate_inputs(args, args.config)
     result = estimate(arch, hw, TrainingLayout.from_fields(values, args.gpus))
     result["violations"] = [v.__dict__ for v in violations]
@@ -565,8 +565,8 @@ def _balance_parser(sub) -> None:
 
 
 def _run_validate(args) -> int:
-    from .plan.output import dumps
-    from .plan.validate import RULES, read_file, split_arguments, unknown_fields, validate
+    from ..plan.output import dumps
+    from ..plan.validate import RULES, read_file, split_arguments, unknown_fields, validate
     if not args.config:
         raise ExpertrailError("nothing to validate: give a YAML/JSON file, key=value overrides or Megatron flags, "
                               "e.g. expertrail validate --expert-model-parallel-size 8 --num-experts 64")
@@ -628,7 +628,7 @@ def _run_train(args) -> int:
         _check_train(cfg, args.nodes * args.ranks_per_node,
                      f"--nodes {args.nodes} x --ranks-per-node {args.ranks_per_node}")
         return _on_cluster(args, list(args.argv_seen))
-    from .launch import LocalRanks, RankError
+    from ..emulation.launch import LocalRanks, RankError
     from .train import timeline_spans, train_rank, train_reference
     reference = train_reference(cfg, args.world)
     runs, crashed, spans = {}, {}, None
@@ -754,7 +754,7 @@ def _run_bench(args) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if use_nccl else "gloo")
         if args.malloc_heap:
-            from .launch import use_heap_for_large_buffers
+            from ..emulation.launch import use_heap_for_large_buffers
             use_heap_for_large_buffers()
         cfg.world = dist.get_world_size()
         report = bench_rank(dist.get_rank(), cfg.world, cfg)
@@ -768,7 +768,7 @@ def _run_bench(args) -> int:
     if args.nodes:
         return _on_cluster(args, list(args.argv_seen))
     import torch
-    from .launch import LocalRanks
+    from ..emulation.launch import LocalRanks
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= cfg.world else "gloo"
     with LocalRanks(cfg.world, backend=backend, malloc_heap=args.malloc_heap) as ranks:
         report = ranks.run(bench_rank, cfg)[0]
@@ -791,7 +791,7 @@ def _run_decode(args, cfg) -> int:
         return 0
     if args.nodes:
         return _on_cluster(args, list(args.argv_seen))
-    from .launch import LocalRanks
+    from ..emulation.launch import LocalRanks
     with LocalRanks(cfg.world) as ranks:
         report = ranks.run(decode_rank, cfg)[0]
     _decode_report(report, args, format_decode)
@@ -816,8 +816,8 @@ def _measure_and_predict(report: dict, cfg, args) -> None:
     import torch.distributed as dist
 
     from .bench import DTYPES, predict_backends
-    from .links import measure_links, measure_local_passes, measured_hardware, write_hardware
-    from .topology import EPGroups
+    from ..emulation.links import measure_links, measure_local_passes, measured_hardware, write_hardware
+    from ..comm.topology import EPGroups
     groups = EPGroups.from_default(domain_size=cfg.domain_size)
     links = measure_links(groups)
     report["links"] = links
@@ -884,7 +884,7 @@ def _cluster_parser(sub) -> None:
 
 
 def _run_cluster(args) -> int:
-    from . import cluster as cl
+    from ..emulation import cluster as cl
     if args.verb == "status":
         records = cl.list_clusters()
         for name, r in sorted(records.items()):
@@ -989,7 +989,7 @@ def _main(argv=None) -> int:
         if args.command == "estimate":
             return _run_estimate(args)
         if args.command == "balance":
-            from .balance.report import run
+            from ..balance.report import run
             return run(args)
         if args.command == "serve-sim":
             from .serve_sim import run

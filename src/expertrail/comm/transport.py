@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .kernels.torch_ops import take_rows
-from .workspace import allocate, allocate_zeros
+from ..kernels.torch_ops import take_rows
+from ..kernels.workspace import allocate, allocate_zeros
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

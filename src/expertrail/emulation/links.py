@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .topology import EPGroups
+from ..comm.topology import EPGroups
 
 SIZES_BYTES = (4 * 1024, 1024 * 1024, 8 * 1024 * 1024)      # per peer
 
@@ -80,8 +80,8 @@ def measure_local_passes(device, dtype=torch.bfloat16, rows: int = 8192, hidden:
     a gather of ``rows`` rows in random order (`take_rows`: the copies before each exchange and
     the expansion after it) and a weighted sum of rows in pairs into ``rows / 2`` rows in fp32
     (`reduce_copies`: combine's sums). Collective over the default group."""
-    from .kernels import reduce_copies
-    from .kernels.torch_ops import CopyPositions, take_rows
+    from ..kernels import reduce_copies
+    from ..kernels.torch_ops import CopyPositions, take_rows
     g = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(rows, hidden, generator=g).to(dtype).to(device)
     order = torch.randperm(rows, generator=g).to(device)
@@ -99,7 +99,7 @@ def measured_hardware(links: dict, domain_size: int, name: str = "emulated", loc
     """A planner `Hardware` for this machine: the measured link figures, the local pass figures
     (``local``, from `measure_local_passes`) when given, and for the parts the communication
     model does not read, figures that say so (compute and memory of one core)."""
-    from .plan.catalog import Hardware
+    from ..plan.catalog import Hardware
     intra, inter = links.get("intra"), links.get("inter")
     return Hardware(name=name, domain_size=domain_size,
                     nvlink_GBps=round(float(intra["GBps"]), 4) if intra else 1.0,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveError, ConfigError, ConfigMismatchError, ExpertrailError
+from ..errors import CollectiveError, ConfigError, ConfigMismatchError, ExpertrailError
 from .transport import Channel, all_gather_single
 
 DOMAIN_SIZE_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
@@ -237,7 +237,7 @@ class EPGroups:
         """
         if not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialized: call "
-                              "torch.distributed.init_process_group(...) first, or use expertrail.launch")
+                              "torch.distributed.init_process_group(...) first, or use expertrail.emulation.launch")
         group = group if group is not None else dist.group.WORLD
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)

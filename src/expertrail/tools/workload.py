@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 def make_routing(spec: str, num_tokens: int, num_experts: int, topk: int, rank: int, world: int,
                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

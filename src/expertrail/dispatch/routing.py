@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidInputError
+from ..errors import InvalidInputError
 
 
 def topk_to_routing_map(topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -83,7 +83,7 @@ def compute_layout(topk_idx: torch.Tensor, num_experts: int, ep_size: int,
     unless ``rank_of_expert [E]`` is given)."""
     domain_size = ep_size if domain_size is None else domain_size
     if topk_idx.is_cuda and rank_of_expert is None:       # the Triton kernel (contiguous placement)
-        from . import kernels
+        from .. import kernels
         if kernels.use_triton(topk_idx):
             per_expert, per_rank, per_domain, member = kernels.layout_counts(topk_idx, num_experts, ep_size,
                                                                              domain_size)

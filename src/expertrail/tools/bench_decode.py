@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from .bench import DTYPES, _clock, _slowest_rank
 from .configs import BenchConfig
-from .dispatch import make_dispatcher
-from .topology import EPGroups
+from ..dispatch import make_dispatcher
+from ..comm.topology import EPGroups
 
 DECODE_TOKENS = (1, 8, 32, 128)
 MODES = ("normal", "lowlatency", "bare")
