@@ -12,7 +12,19 @@ environment, output files (`--json`, `--plot`, `--emit-hardware`, `--timeline`) 
 of `SMALL` appended (argparse keeps the last value of an option); commands that then run alike
 (`same_run`) run once, as do commands that differ only in the output files they ask for
 (`distinct_runs`), so the whole list takes a few minutes on 2 cores. The planner's commands (torch-free, milliseconds each) run in this process.
-A command that cannot run here says why in `NOT_RUN`.
+
+A command that cannot or need not run here is marked where it is shown, with the reason, in an
+HTML comment (GitHub does not render it):
+
+- a fenced block: ``<!-- not run: REASON -->`` on the line right before its opening fence marks
+  every command in the block (so a block holds only commands that run, or only ones that don't);
+- an inline command: the same comment written right after the code span's closing backtick,
+  as in "`./run.sh test`<!-- not run: the suite itself -->". REASON may go on over the next
+  lines, and must not contain ``--`` (Markdown would then print the comment).
+
+A command marked in one place is marked wherever it is shown. `NOT_RUN` collects the markers
+(command -> reason); `test_the_docs_show_commands_and_every_exclusion_is_still_shown` checks
+that every marker names a reason and marks a command.
 """
 from __future__ import annotations
 
@@ -22,6 +34,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -59,48 +72,30 @@ SMALL = [
 OUTPUTS = ("--json", "--plot", "--emit-hardware", "--timeline")
 # Commands that build an emulated cluster (network namespaces): they need root, as in CI.
 NEEDS_NAMESPACES = re.compile(r"expertrail (cluster |(bench|train) .*--nodes)")
-# Commands shown in the docs that this test does not run, and why.
-NOT_RUN = {
-    "./run.sh test": "the suite itself",
-    ".venv/bin/python benchmarks/gpu_kernels.py": "needs a CUDA device",
-    ".venv/bin/python -m pytest tests/multirank/test_hf_world4.py tests/test_hf.py -q": "part of the suite itself",
-    ".venv/bin/python examples/quickstart.py": "run by tests/test_examples.py, which also checks its output",
-    ".venv/bin/expertrail bench --nodes 4 --ranks-per-node 2 --tokens 64 --hidden 64 --iters 2":
-        "run (smaller) by tests/test_cluster.py::test_bench_on_four_nodes_of_two_is_correct, which also checks "
-        "that every backend passed",
-    ".venv/bin/python examples/hf_expert_parallel.py": "run by tests/test_examples.py, which also checks its output",
-    ".venv/bin/python benchmarks/cpu_time.py": "run as documented by tests/test_profile_scripts.py, which also checks "
-                                                "its table",
-    ".venv/bin/python benchmarks/layouts.py": "run with the same sizes by tests/test_profile_scripts.py, which also "
-                                              "checks its table",
-    ".venv/bin/python benchmarks/messages.py": "run with the same sizes by tests/test_profile_scripts.py, which also "
-                                               "checks its table",
-    ".venv/bin/expertrail train": "run as documented (every backend, 4 ranks, 20 steps) by tests/test_train_cli.py::"
-                                  "test_train_matches_single_process_for_every_backend, which also checks the losses",
-    "expertrail train --overlap --steps 3 --hidden 256 --ffn 8 --topk 8 --experts 16 --seq 64 --batch 8":
-        "shrunk for the test it is the `expertrail train --overlap --json` run (which runs) with top-8 of 16 experts, "
-        "which the emulated-cluster train command (which runs) passes too",
-    "expertrail bench --iters 30 --backends alltoall,dedup":
-        "shrunk for the test it is `./run.sh bench` (which runs every backend) with two of the backends",
-    "expertrail bench --decode":
-        "run (smaller, the same default dtype) by tests/test_bench_cli.py::test_bench_decode_writes_p50_and_p99_per_"
-        "mode_and_size, which also checks its JSON; the documented bf16 decode commands run",
-    "expertrail train --overlap --steps 4 --hidden 256 --ffn 8 --topk 8 --experts 16 --seq 64 --batch 8 --nodes 2 "
-    "--ranks-per-node 2 --inter-link 1gbit,queue=5ms":
-        "the `--inter-link 1gbit` train run (which runs) with a shallower shaper queue; that a queue setting "
-        "reaches tc is checked by tests/test_cluster.py::test_two_nodes_launch_like_a_multinode_job_and_shape_"
-        "the_inter_node_link, and parsing it by test_cluster.py's LinkSpec cases",
-}
+# A not-run marker (see the module docstring) and, to find misspelt ones, any HTML comment.
+NOT_RUN_MARK = re.compile(r"<!--\s*not run:\s*(.*?)\s*-->", re.S)
+COMMENT_OR_SPAN = re.compile(r"<!--.*?-->|(?<!`)`([^`]+)`(?!`)")
 
 
-def documented_commands(path: Path) -> list[tuple[str, int]]:
-    """(command, expected exit status) for every command a reader of ``path`` would copy, in
-    order of appearance, each once."""
-    lines, found, fenced, i = path.read_text().splitlines(), [], False, 0
+class Shown(NamedTuple):
+    """A command as a document shows it: ``not_run`` is its marker's reason, None if it runs."""
+    command: str
+    status: int
+    not_run: str | None
+
+
+def read_document(path: Path) -> tuple[list[Shown], list[str]]:
+    """Every command a reader of ``path`` would copy, in order of appearance, each once, and what
+    is wrong with its not-run markers (one line each: a marker that names no reason or marks no
+    command, an inline reason with ``--``, a misspelt marker)."""
+    lines, found, problems, markers = path.read_text().splitlines(), [], [], {}
+    fenced, pending, block, i = False, None, None, 0      # pending: a marker line before a fence
     while i < len(lines):
-        line = lines[i].strip()
+        line, at = lines[i].strip(), f"{path.name}:{i + 1}"
         i += 1
         if line.startswith("```"):
+            if not fenced:
+                block, pending = pending, None
             fenced = not fenced
             continue
         if fenced:
@@ -108,18 +103,56 @@ def documented_commands(path: Path) -> list[tuple[str, int]]:
             while line.endswith("\\") and i < len(lines):
                 line = line[:-1].rstrip() + " " + lines[i].strip()
                 i += 1
-            found.append(line)
-        else:
-            found += re.findall(r"(?<!`)`([^`]+)`(?!`)", line)
-    commands = []
-    for line in found:
+            found.append((line, block))
+            continue
+        while "<!--" in COMMENT_OR_SPAN.sub("", line) and i < len(lines):     # a comment goes on
+            line += " " + lines[i].strip()
+            i += 1
+        if pending is not None:
+            problems.append(f"{pending}: a not-run marker on a line of its own must be right before a fenced block")
+            pending = None
+        if NOT_RUN_MARK.fullmatch(line):
+            pending = at
+            markers[at] = NOT_RUN_MARK.fullmatch(line).group(1)
+            continue
+        span_end = None
+        for m in COMMENT_OR_SPAN.finditer(line):
+            if m.group(1) is not None:                                       # a code span
+                found.append((m.group(1), None))
+                span_end = m.end()
+            elif NOT_RUN_MARK.fullmatch(m.group(0)):
+                reason, where = NOT_RUN_MARK.fullmatch(m.group(0)).group(1), f"{at}:{m.start() + 1}"
+                if "--" in reason:
+                    problems.append(f"{where}: an inline not-run reason must not contain '--': {reason!r}")
+                if span_end != m.start():
+                    problems.append(f"{where}: an inline not-run marker must follow a code span directly")
+                else:
+                    found[-1] = (found[-1][0], where)
+                    markers[where] = reason
+            elif re.search(r"not[\s_-]*run", m.group(0), re.I):
+                problems.append(f"{at}: not a not-run marker (write <!-- not run: REASON -->): {m.group(0)}")
+    if pending is not None:
+        problems.append(f"{pending}: a not-run marker on a line of its own must be right before a fenced block")
+    shown, used = [], set()
+    for line, marker in found:
         status = re.search(r"#\s*exit\s+(\d+)\s*$", line)
         command = re.sub(r"\s+#.*$", "", line).strip()
-        entry = (command, int(status.group(1)) if status else 0)
         synopsis = SYNOPSIS.search(re.sub(r"^([A-Z_]+=\S* )*", "", command))
-        if COMMAND.match(command) and not synopsis and entry not in commands:
-            commands.append(entry)
-    return commands
+        if not COMMAND.match(command) or synopsis:
+            continue
+        used.add(marker)
+        entry = Shown(command, int(status.group(1)) if status else 0, markers.get(marker))
+        if entry not in shown:
+            shown.append(entry)
+    problems += [f"{at}: this not-run marker marks no command" for at in markers if at not in used]
+    problems += [f"{at}: this not-run marker names no reason" for at, reason in markers.items() if not reason]
+    return shown, problems
+
+
+def documented_commands(path: Path) -> list[Shown]:
+    """(command, expected exit status, not-run reason or None) for every command a reader of
+    ``path`` would copy, in order of appearance, each once."""
+    return read_document(path)[0]
 
 
 def runnable(command: str, tmp: Path) -> list[str]:
@@ -140,7 +173,14 @@ def runnable(command: str, tmp: Path) -> list[str]:
     return argv
 
 
-ALL = sorted({entry for doc in DOCUMENTS for entry in documented_commands(doc)})
+READ = {doc: read_document(doc) for doc in DOCUMENTS}
+SHOWN = [entry for shown, _ in READ.values() for entry in shown]
+ALL = sorted({(entry.command, entry.status) for entry in SHOWN})
+# The commands the docs mark as not run here, and why (the first marker's reason).
+NOT_RUN = {}
+for _entry in SHOWN:
+    if _entry.not_run is not None:
+        NOT_RUN.setdefault(_entry.command, _entry.not_run)
 
 
 def same_run(command: str) -> tuple:
@@ -192,18 +232,47 @@ def distinct_runs(entries: list) -> list:
 def test_the_docs_show_commands_and_every_exclusion_is_still_shown():
     commands = {c for c, _ in ALL}
     assert len(commands) > 25 and any(status for _, status in ALL), ALL
-    assert set(NOT_RUN) <= commands, set(NOT_RUN) - commands
     assert {"./run.sh bench", ".venv/bin/python examples/quickstart.py"} <= commands
+    problems = [problem for _, found in READ.values() for problem in found]
+    assert not problems, "\n".join(problems)
+    assert NOT_RUN and all(reason.strip() for reason in NOT_RUN.values()), NOT_RUN
+    unmarked = sorted({e.command for e in SHOWN if e.command in NOT_RUN and e.not_run is None})
+    assert not unmarked, f"marked as not run in one place, shown unmarked in another: {unmarked}"
 
 
 def test_extraction_joins_continuations_and_reads_the_expected_status(tmp_path):
     doc = tmp_path / "doc.md"
     doc.write_text("Run `expertrail plan --ep 8` or `expertrail plan` (a name).\n\n```\n"
                    "$ expertrail validate a=1 \\\n    b=2   # exit 1\noutput line\n```\n")
-    assert documented_commands(doc) == [("expertrail plan --ep 8", 0), ("expertrail validate a=1 b=2", 1)]
+    assert documented_commands(doc) == [("expertrail plan --ep 8", 0, None), ("expertrail validate a=1 b=2", 1, None)]
     doc.write_text("`expertrail cluster down NAME | --all`, `expertrail bench --nodes N`, `torchrun --rdzv <node 0>`, "
                    "`expertrail bench --emit-hardware PATH.yaml`, `expertrail bench --tokens 8`\n")
-    assert documented_commands(doc) == [("expertrail bench --tokens 8", 0)]
+    assert documented_commands(doc) == [("expertrail bench --tokens 8", 0, None)]
+
+
+def test_not_run_markers_mark_a_block_or_the_span_before_them(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("Try `expertrail bench --iters 2`<!-- not run: it is\nslow, see `expertrail bench -h` -->"
+                   " and `expertrail bench --iters 3`.\n\n<!-- not run: needs a GPU -->\n```bash\n"
+                   "expertrail bench --iters 4\n# a comment line\n```\n\n```\nexpertrail bench --iters 5\n```\n")
+    assert read_document(doc) == ([("expertrail bench --iters 2", 0, "it is slow, see `expertrail bench -h`"),
+                                   ("expertrail bench --iters 3", 0, None),
+                                   ("expertrail bench --iters 4", 0, "needs a GPU"),
+                                   ("expertrail bench --iters 5", 0, None)], [])
+    doc.write_text("`a file`<!-- not run: no command -->, `expertrail bench --iters 2` <!-- not run: a gap -->\n"
+                   "`expertrail bench --iters 3`<!-- not run: has --iters -->, `expertrail bench --iters 4`<!-- not-run: x -->"
+                   "\n\n<!-- not run: a blank line follows -->\n\n```\nexpertrail bench --iters 5\n```\n"
+                   "<!-- not run:    -->\n```\nexpertrail bench --iters 6\n```\n")
+    shown, problems = read_document(doc)
+    assert [s.not_run for s in shown] == [None, "has --iters", None, None, ""]
+    assert [p.split(": ", 1)[1].split(" (")[0].split(":")[0] for p in problems] == [
+        "an inline not-run marker must follow a code span directly",
+        "an inline not-run reason must not contain '--'",
+        "not a not-run marker",
+        "a not-run marker on a line of its own must be right before a fenced block",
+        "this not-run marker marks no command",
+        "this not-run marker marks no command",
+        "this not-run marker names no reason"], problems
 
 
 def test_commands_differing_only_in_their_outputs_run_as_one():

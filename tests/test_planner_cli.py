@@ -108,7 +108,7 @@ def test_json_holds_booleans_and_numbers_not_their_reprs(argv, capsys):
 def _parser(command):
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()
-    getattr(cli, f"_{command}_parser")(sub)
+    cli.command_module(command).add_parser(sub)
     return sub.choices[command]
 
 

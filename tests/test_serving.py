@@ -6,7 +6,7 @@ import torch
 from expertrail.balance import ReplicaRouter, plan_placement
 from expertrail.balance.replicas import balanced_shares
 from expertrail.errors import ConfigError
-from expertrail.tools.serve_sim import ServeConfig
+from expertrail.tools.commands.serve_sim import ServeConfig
 from expertrail.tools.serving import DriftingZipf
 
 

@@ -43,7 +43,7 @@ _MOVED = {
     "replicated": "moe.replicated",
     "cluster": "emulation.cluster", "links": "emulation.links", "launch": "emulation.launch",
     "cli": "tools.cli", "bench": "tools.bench", "bench_decode": "tools.bench_decode", "train": "tools.train",
-    "serving": "tools.serving", "serve_sim": "tools.serve_sim", "workload": "tools.workload",
+    "serving": "tools.serving", "serve_sim": "tools.commands.serve_sim", "workload": "tools.workload",
     "configs": "tools.configs",
 }
 

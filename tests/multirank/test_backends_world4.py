@@ -4,22 +4,24 @@ import torch
 
 import expertrail as er
 
-import workers
+import backends_ranks
+import kernels_ranks
+import ranks_common
 
 
 @pytest.mark.parametrize("domain_size", [1, 2, 4])
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 def test_backend_matches_reference_forward_and_backward(world4, backend, domain_size):
-    assert world4.run(workers.check_backend, backend, None, domain_size) == [8] * 4
+    assert world4.run(backends_ranks.check_backend, backend, None, domain_size) == [8] * 4
 
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 def test_rows_bitwise_equal_across_backends_and_runs(world4, backend):
     """Same inputs: same rows in the same order on every backend, and the same combine bits run to run."""
     for dtype in (torch.float32, torch.bfloat16):
-        base = world4.run(workers.dispatch_rows, "alltoall", 2, "random", dtype)
-        first = world4.run(workers.dispatch_rows, backend, 2, "random", dtype)
-        again = world4.run(workers.dispatch_rows, backend, 2, "random", dtype)
+        base = world4.run(ranks_common.dispatch_rows, "alltoall", 2, "random", dtype)
+        first = world4.run(ranks_common.dispatch_rows, backend, 2, "random", dtype)
+        again = world4.run(ranks_common.dispatch_rows, backend, 2, "random", dtype)
         for b, f, a in zip(base, first, again):
             assert torch.equal(f[0], b[0]) and torch.equal(f[1], b[1]) and torch.equal(f[2], b[2])
             assert torch.equal(f[3], a[3]), "combine is not bitwise reproducible"
@@ -32,22 +34,22 @@ def test_alltoall_both_layouts_match_reference(world4, land_in_place):
     """Runs landing in place, and blocks plus a local permutation: the reference's rows, combine
     and gradients (every scenario, fp32 and bf16), with padding and capacity drops, and on the
     Triton path (interpreted on the CPU)."""
-    assert world4.run(workers.check_backend, "alltoall", None, 2, land_in_place=land_in_place) == [8] * 4
-    world4.run(workers.check_options, "alltoall", 2, 8, 0.5, "position", True, land_in_place=land_in_place)
-    world4.run(workers.check_options, "alltoall", 1, 4, None, "probs", False, land_in_place=land_in_place)
-    world4.run(workers.triton_path_matches_torch, "alltoall", land_in_place=land_in_place)
+    assert world4.run(backends_ranks.check_backend, "alltoall", None, 2, land_in_place=land_in_place) == [8] * 4
+    world4.run(backends_ranks.check_options, "alltoall", 2, 8, 0.5, "position", True, land_in_place=land_in_place)
+    world4.run(backends_ranks.check_options, "alltoall", 1, 4, None, "probs", False, land_in_place=land_in_place)
+    world4.run(kernels_ranks.triton_path_matches_torch, "alltoall", land_in_place=land_in_place)
 
 
 def test_alltoall_layouts_give_the_same_bits(world4):
     for dtype in (torch.float32, torch.bfloat16):
-        runs = world4.run(workers.dispatch_rows, "alltoall", 2, "random", dtype, land_in_place=True)
-        blocks = world4.run(workers.dispatch_rows, "alltoall", 2, "random", dtype, land_in_place=False)
+        runs = world4.run(ranks_common.dispatch_rows, "alltoall", 2, "random", dtype, land_in_place=True)
+        blocks = world4.run(ranks_common.dispatch_rows, "alltoall", 2, "random", dtype, land_in_place=False)
         for r, b in zip(runs, blocks):
             assert all(torch.equal(u, v) for u, v in zip(r, b))
 
 
 def test_alltoall_lands_in_place_from_the_threshold_run_size(world4):
-    for picks, small, landed in world4.run(workers.alltoall_layout_choice):
+    for picks, small, landed in world4.run(backends_ranks.alltoall_layout_choice):
         for (num_experts, hidden, at_threshold), lands in picks.items():
             # One local expert: a single run per peer, always in place; else from the threshold on.
             assert lands == (num_experts == 4 or at_threshold), (num_experts, hidden, at_threshold)
@@ -58,7 +60,7 @@ def test_hierarchical_splits_its_domain_hop_only_across_domains(world4):
     """With several domains of several ranks, the domain hop is a SplitHop whose early part
     forwards only the rail hop's own block; with one domain, or domains of one rank, it is not."""
     for domain_size, split in ((2, True), (1, False), (4, False)):
-        for kinds, early_ok in world4.run(workers.hierarchical_hop_kinds, domain_size):
+        for kinds, early_ok in world4.run(backends_ranks.hierarchical_hop_kinds, domain_size):
             assert ("SplitHop" in kinds) == split, (domain_size, kinds)
             assert early_ok is (True if split else None)
 
@@ -67,7 +69,7 @@ def test_hierarchical_splits_its_domain_hop_only_across_domains(world4):
 def test_route_describes_its_exchanges(world4, backend):
     """`Route.exchanges`: one per communicating hop, with the peers of its group, and the rows
     they send add up to the dispatch's stats."""
-    for rank, (exchanges, rows_match) in enumerate(world4.run(workers.route_exchanges, backend, 2)):
+    for rank, (exchanges, rows_match) in enumerate(world4.run(backends_ranks.route_exchanges, backend, 2)):
         assert rows_match, (backend, rank)
         if backend == "hierarchical":
             rail, domain = [rank % 2, rank % 2 + 2], [rank // 2 * 2, rank // 2 * 2 + 1]
@@ -81,20 +83,20 @@ def test_route_describes_its_exchanges(world4, backend):
     (4, None, "probs", False), (1, 0.5, "probs", False), (1, 0.5, "position", False),
     (1, 0.75, "probs", True), (8, 0.5, "position", True)])
 def test_alignment_capacity_and_unweighted_combine(world4, backend, alignment, capacity_factor, policy, pad):
-    padding = world4.run(workers.check_options, backend, 2, alignment, capacity_factor, policy, pad)
+    padding = world4.run(backends_ranks.check_options, backend, 2, alignment, capacity_factor, policy, pad)
     if pad or alignment > 1:
         assert sum(padding) > 0, "the case was meant to produce padding rows"
 
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 def test_distributed_gradcheck_fp64(world4, backend):
-    assert all(n > 0 for n in world4.run(workers.dist_gradcheck, backend, 2)[:1])
+    assert all(n > 0 for n in world4.run(backends_ranks.dist_gradcheck, backend, 2)[:1])
 
 
 @pytest.mark.parametrize("domain_size", [1, 2, 4])
 def test_bytes_are_the_minimum_each_algorithm_promises(world4, domain_size):
     for backend in sorted(er.BACKENDS):
-        results = world4.run(workers.bytes_moved, backend, domain_size)
+        results = world4.run(backends_ranks.bytes_moved, backend, domain_size)
         if backend != "allgather":
             # Combine sends back what each rank received: the same rows per link class in total.
             for link in ("self", "intra", "inter"):
@@ -125,13 +127,13 @@ def test_bytes_are_the_minimum_each_algorithm_promises(world4, domain_size):
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 def test_chunked_overlap_gives_identical_results(world4, backend):
-    tokens = world4.run(workers.chunked_matches_unchunked, backend, 3)
+    tokens = world4.run(backends_ranks.chunked_matches_unchunked, backend, 3)
     assert 0 in tokens  # a rank with no tokens takes part in every chunk
 
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 def test_combine_uses_weights_the_caller_changed(world4, backend):
-    world4.run(workers.replaced_weights_are_used, backend)
+    world4.run(backends_ranks.replaced_weights_are_used, backend)
 
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
@@ -142,7 +144,7 @@ def test_planner_counts_the_rows_and_bytes_the_engine_sends(world4, backend):
     row_bytes = 8 * 4 + metadata_bytes(backend, 4)          # hidden 8, fp32, top-4
     for domain_size in (1, 2, 4):
         for scenario in ("random", "one_expert", "duplicates_free_full"):
-            results = world4.run(workers.rows_per_link, backend, domain_size, scenario)
+            results = world4.run(backends_ranks.rows_per_link, backend, domain_size, scenario)
             engine_rows = {c: sum(r[0][c] for r in results) for c in ("self", "intra", "inter")}
             engine_bytes = {c: sum(r[1][c] for r in results) for c in ("self", "intra", "inter")}
             planner = rows_by_link(results[0][2], 16, Layout(4, domain_size), backend)
@@ -159,7 +161,7 @@ def test_fp8_payload_matches_the_quantized_reference(world4, backend):
     from expertrail.plan.cost import Layout, metadata_bytes, row_bytes, rows_by_link
     for domain_size, scenario, dtype in ((1, "random", torch.bfloat16), (2, "one_rank", torch.float32),
                                          (4, "one_expert", torch.bfloat16)):
-        results = world4.run(workers.fp8_payload, backend, domain_size, scenario, dtype)
+        results = world4.run(backends_ranks.fp8_payload, backend, domain_size, scenario, dtype)
         rows = rows_by_link(results[0][3], 16, Layout(4, domain_size), backend)
         model = MoEModel(name="t", hidden=200, num_experts=16, topk=4, moe_ffn=8, layers=1)
         wire = row_bytes(model, "fp8", "dispatch") + metadata_bytes(backend, 4)
@@ -168,7 +170,7 @@ def test_fp8_payload_matches_the_quantized_reference(world4, backend):
 
 
 def test_fp8_rows_are_the_same_on_every_backend(world4):
-    tokens = {b: world4.run(workers.fp8_payload, b, 2, "random", torch.bfloat16) for b in sorted(er.BACKENDS)}
+    tokens = {b: world4.run(backends_ranks.fp8_payload, b, 2, "random", torch.bfloat16) for b in sorted(er.BACKENDS)}
     first = next(iter(tokens.values()))
     for b, results in tokens.items():
         for mine, theirs in zip(results, first):
@@ -177,4 +179,4 @@ def test_fp8_rows_are_the_same_on_every_backend(world4):
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 def test_workspace_reuses_buffers_safely(world4, backend):
-    assert all(sizes[0] > 0 for sizes in world4.run(workers.workspace_reuse, backend))
+    assert all(sizes[0] > 0 for sizes in world4.run(backends_ranks.workspace_reuse, backend))

@@ -3,17 +3,17 @@ import pytest
 
 import expertrail as er
 
-import workers
+import backends_ranks
 
 
 @pytest.mark.parametrize("ep_size,domain_size", [(8, 1), (8, 2), (8, 4), (8, 8), (4, 1), (4, 2), (4, 4)])
 def test_every_backend_matches_reference(world8, ep_size, domain_size):
     for backend in sorted(er.BACKENDS):
-        assert world8.run(workers.check_backend, backend, ep_size, domain_size) == [8] * 8, backend
+        assert world8.run(backends_ranks.check_backend, backend, ep_size, domain_size) == [8] * 8, backend
 
 
 def test_group_layout_ep4_domain2(world8):
-    layouts = world8.run(workers.group_layout, 4, 2)
+    layouts = world8.run(backends_ranks.group_layout, 4, 2)
     for rank, lay in enumerate(layouts):
         base = rank // 4 * 4
         assert lay["ep"] == list(range(base, base + 4))
@@ -24,7 +24,7 @@ def test_group_layout_ep4_domain2(world8):
 
 
 def test_domain_size_defaults_from_environment(world8):
-    hybrid = world8.run(workers.group_layout, None, None, {"NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN": "4"})
+    hybrid = world8.run(backends_ranks.group_layout, None, None, {"NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN": "4"})
     assert all(lay["domain_size"] == 4 for lay in hybrid)
-    local = world8.run(workers.group_layout, None, None, {"LOCAL_WORLD_SIZE": "2"})
+    local = world8.run(backends_ranks.group_layout, None, None, {"LOCAL_WORLD_SIZE": "2"})
     assert all(lay["domain_size"] == 2 for lay in local)

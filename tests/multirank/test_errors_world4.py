@@ -3,7 +3,7 @@ import pytest
 
 import expertrail as er
 
-import workers
+import errors_ranks
 
 INPUT_ERRORS = {
     "expert_out_of_range": "topk_idx values must be in [-1, 8)",
@@ -22,12 +22,12 @@ INPUT_ERRORS = {
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 @pytest.mark.parametrize("kind", sorted(INPUT_ERRORS))
 def test_bad_input_on_one_rank_raises_on_every_rank(world4, kind, backend):
-    errors = world4.run_expect_error(workers.bad_dispatch, kind, 2, backend)
+    errors = world4.run_expect_error(errors_ranks.bad_dispatch, kind, 2, backend)
     assert all(isinstance(e, er.InvalidInputError) for e in errors.values())
     assert INPUT_ERRORS[kind] in str(errors[2]), str(errors[2])
     for rank in (0, 1, 3):
         assert "EP rank 2" in str(errors[rank]), str(errors[rank])
-    assert sum(world4.run(workers.healthy_dispatch, backend)) > 0
+    assert sum(world4.run(errors_ranks.healthy_dispatch, backend)) > 0
 
 
 CONSTRUCTION_ERRORS = {
@@ -49,21 +49,21 @@ CONSTRUCTION_ERRORS = {
 @pytest.mark.parametrize("kind", sorted(CONSTRUCTION_ERRORS))
 def test_bad_construction_raises_on_every_rank(world4, kind):
     cls, text = CONSTRUCTION_ERRORS[kind]
-    errors = world4.run_expect_error(workers.bad_construction, kind)
+    errors = world4.run_expect_error(errors_ranks.bad_construction, kind)
     for exc in errors.values():
         assert isinstance(exc, cls) and text in str(exc), repr(exc)
-    assert sum(world4.run(workers.healthy_dispatch)) > 0
+    assert sum(world4.run(errors_ranks.healthy_dispatch)) > 0
 
 
 def test_hidden_size_differing_between_calls_raises_everywhere(world4):
-    errors = world4.run_expect_error(workers.hidden_differs_per_call)
+    errors = world4.run_expect_error(errors_ranks.hidden_differs_per_call)
     for exc in errors.values():
         assert isinstance(exc, er.InvalidInputError)
         assert "hidden differs across EP ranks (rank 0=6, rank 1=4" in str(exc)
 
 
 def test_dtype_differing_between_ranks_is_named(world4):
-    for exc in world4.run_expect_error(workers.dtype_differs_per_call).values():
+    for exc in world4.run_expect_error(errors_ranks.dtype_differs_per_call).values():
         assert "dtype differs across EP ranks (rank 0=float32, rank 1=bfloat16, rank 2=float32" in str(exc), str(exc)
 
 
@@ -80,7 +80,7 @@ COMBINE_ERRORS = {
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 @pytest.mark.parametrize("kind", sorted(COMBINE_ERRORS))
 def test_bad_expert_out_on_one_rank_raises_on_every_rank(world4, kind, backend):
-    messages = world4.run(workers.bad_combine, kind, 2, backend)
+    messages = world4.run(errors_ranks.bad_combine, kind, 2, backend)
     assert COMBINE_ERRORS[kind] in messages[2], messages[2]
     for rank in (0, 1, 3):
         assert "invalid expert_out on EP rank 2" in messages[rank], messages[rank]
@@ -88,26 +88,26 @@ def test_bad_expert_out_on_one_rank_raises_on_every_rank(world4, kind, backend):
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 def test_wider_expert_out_on_every_rank_raises_on_every_rank(world4, backend):
-    for message in world4.run(workers.bad_combine, "wider", None, backend):
+    for message in world4.run(errors_ranks.bad_combine, "wider", None, backend):
         assert COMBINE_ERRORS["wider"] in message, message
 
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 def test_combine_needing_grad_on_one_rank_only_raises_everywhere(world4, backend):
-    for message in world4.run(workers.bad_combine, "needs_grad", 2, backend):
+    for message in world4.run(errors_ranks.bad_combine, "needs_grad", 2, backend):
         assert "whether gradients are needed differs across EP ranks" in message
         assert "rank 2=True" in message and "rank 0=False" in message
 
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 def test_expert_out_in_another_dtype_is_cast_to_the_dispatched_dtype(world4, backend):
-    errors = world4.run(workers.combine_casts_to_dispatched_dtype, backend)
+    errors = world4.run(errors_ranks.combine_casts_to_dispatched_dtype, backend)
     assert max(errors) > 0       # rank 1's expert rows went through bf16 (and were not dropped)
 
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 def test_weights_changed_on_one_rank_are_applied_once(world4, backend):
-    world4.run(workers.weights_changed_on_one_rank, backend)
+    world4.run(errors_ranks.weights_changed_on_one_rank, backend)
 
 
 def test_from_default_rejects_a_bad_timeout_on_every_rank(world4):
@@ -115,6 +115,6 @@ def test_from_default_rejects_a_bad_timeout_on_every_rank(world4):
                            ([-5] * 4, "timeout=-5 must be a positive"),
                            (["soon"] * 4, "timeout='soon' must be a positive"),
                            ([30, 30, 0, 30], "timeout: rank 0=30.0, rank 1=30.0, rank 2=0.0")):
-        errors = world4.run_expect_error(workers.from_default_timeout, timeouts)
+        errors = world4.run_expect_error(errors_ranks.from_default_timeout, timeouts)
         for exc in errors.values():
             assert isinstance(exc, er.ConfigError) and text in str(exc), repr(exc)

@@ -7,7 +7,7 @@ import pytest
 import expertrail as er
 from expertrail.emulation.launch import LocalRanks, RankDied, RankError
 
-import workers
+import faults_ranks
 
 TIMEOUT = 4.0
 
@@ -16,7 +16,7 @@ TIMEOUT = 4.0
 def test_other_ranks_raise_within_twice_the_timeout(mode):
     with LocalRanks(4, timeout=60) as ranks:
         with pytest.raises(RankError) as info:
-            ranks.run(workers.fault_during_dispatch, mode, TIMEOUT)
+            ranks.run(faults_ranks.fault_during_dispatch, mode, TIMEOUT)
     errors = info.value.errors
     for rank in (0, 1, 2):
         exc = errors[rank][2]

@@ -3,11 +3,11 @@ import pytest
 
 import expertrail as er
 
-import workers
+import kernels_ranks
 
 pytest.importorskip("triton")
 
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 def test_triton_kernels_inside_dispatch_and_combine(world4, backend):
-    assert sum(world4.run(workers.triton_path_matches_torch, backend)) > 0
+    assert sum(world4.run(kernels_ranks.triton_path_matches_torch, backend)) > 0

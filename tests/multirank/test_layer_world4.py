@@ -4,13 +4,13 @@ import torch
 
 import expertrail as er
 
-import workers
+import layer_ranks
 
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 @pytest.mark.parametrize("num_chunks,shared,alignment", [(1, True, 1), (2, False, 1), (1, False, 8)])
 def test_moe_layer_matches_single_process_forward_and_backward(world4, backend, num_chunks, shared, alignment):
-    results = world4.run(workers.moe_layer_matches_reference, backend, num_chunks, shared, alignment)
+    results = world4.run(layer_ranks.moe_layer_matches_reference, backend, num_chunks, shared, alignment)
     ref_gate_up = sum(r[2] for r in results)
     ref_down = sum(r[3] for r in results)
     local = 8 // 4
@@ -20,12 +20,12 @@ def test_moe_layer_matches_single_process_forward_and_backward(world4, backend, 
 
 
 def test_expert_bias_update_uses_loads_of_every_rank(world4):
-    biases = world4.run(workers.expert_bias_update_sums_loads)
+    biases = world4.run(layer_ranks.expert_bias_update_sums_loads)
     assert all(torch.equal(b, biases[0]) for b in biases)      # every replica updates alike
 
 
 def test_experts_seeded_alike_are_the_same_model_at_any_ep_size(world4):
-    assert world4.run(workers.moe_layer_seeded_alike) == [8] * 4       # and 8 distinct experts
+    assert world4.run(layer_ranks.moe_layer_seeded_alike) == [8] * 4       # and 8 distinct experts
 
 
 LAYER_MISUSE = {
@@ -39,7 +39,7 @@ LAYER_MISUSE = {
 @pytest.mark.parametrize("kind", sorted(LAYER_MISUSE))
 def test_moe_layer_misuse_raises_on_every_rank(world4, kind):
     cls, text = LAYER_MISUSE[kind]
-    errors = world4.run_expect_error(workers.moe_layer_misuse, kind)
+    errors = world4.run_expect_error(layer_ranks.moe_layer_misuse, kind)
     assert sorted(errors) == [0, 1, 2, 3]
     for rank, exc in errors.items():
         assert isinstance(exc, cls), repr(exc)
@@ -49,4 +49,4 @@ def test_moe_layer_misuse_raises_on_every_rank(world4, kind):
 
 
 def test_moe_layer_under_ddp_with_experts_excluded_scales_their_gradients(world4):
-    assert world4.run(workers.moe_layer_misuse, "ddp_excluded") == [0.25] * 4
+    assert world4.run(layer_ranks.moe_layer_misuse, "ddp_excluded") == [0.25] * 4

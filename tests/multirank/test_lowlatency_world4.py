@@ -2,23 +2,23 @@
 import pytest
 import torch
 
-import workers
+import lowlatency_ranks
 
 
 @pytest.mark.parametrize("dtype,payload", [(torch.float32, "native"), (torch.bfloat16, "native"),
                                            (torch.bfloat16, "fp8")])
 def test_lowlatency_gives_the_normal_modes_rows_and_outputs(world4, dtype, payload):
-    assert world4.run(workers.lowlatency_matches_normal, dtype, payload) == [6] * 4
+    assert world4.run(lowlatency_ranks.lowlatency_matches_normal, dtype, payload) == [6] * 4
 
 
 @pytest.mark.parametrize("payload", ["native", "fp8"])
 def test_lowlatency_without_host_sizes_gives_the_same_bits(world4, payload):
     """The expansion CUDA runs (fixed-size index map, dense copy positions), here on CPU."""
-    assert world4.run(workers.lowlatency_matches_normal, torch.bfloat16, payload, False) == [6] * 4
+    assert world4.run(lowlatency_ranks.lowlatency_matches_normal, torch.bfloat16, payload, False) == [6] * 4
 
 
 def test_lowlatency_bad_input_on_one_rank_raises_on_every_rank(world4):
-    results = world4.run(workers.lowlatency_bad_input)
+    results = world4.run(lowlatency_ranks.lowlatency_bad_input)
     assert "max_tokens_per_rank=4" in results[2][0]
     assert all(r[0] and "EP rank(s) 2" in r[0] for i, r in enumerate(results) if i != 2)
     assert all(r[1] == (4, 16) for r in results)
@@ -31,7 +31,7 @@ def test_lowlatency_bad_input_on_one_rank_raises_on_every_rank(world4):
 
 
 def test_lowlatency_refuses_gradients_and_stale_results_on_every_rank(world4):
-    results = world4.run(workers.lowlatency_misuse)
+    results = world4.run(lowlatency_ranks.lowlatency_misuse)
     assert "x.requires_grad=True" in results[1]["grad x"] and "torch.no_grad()" in results[1]["grad x"]
     assert "expert_out.requires_grad=True" in results[0]["grad out"]
     assert "res.tokens: this LowLatencyResult is from dispatch call" in results[2]["stale tokens"]
@@ -45,4 +45,4 @@ def test_lowlatency_refuses_gradients_and_stale_results_on_every_rank(world4):
 
 
 def test_lowlatency_carries_bf16_fp64_and_fp16_routing_weights_exactly(world4):
-    assert world4.run(workers.lowlatency_weight_dtypes) == [[True] * 6] * 4
+    assert world4.run(lowlatency_ranks.lowlatency_weight_dtypes) == [[True] * 6] * 4

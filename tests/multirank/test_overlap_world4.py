@@ -5,13 +5,13 @@ import torch
 
 import expertrail as er
 
-import workers
+import overlap_ranks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 def test_overlapped_micro_batches_give_the_same_losses_and_gradients(world4, backend, dtype):
-    for per_rank in world4.run(workers.overlap_matches_sequential, backend, dtype):
+    for per_rank in world4.run(overlap_ranks.overlap_matches_sequential, backend, dtype):
         losses, grads = per_rank["sequential"]
         assert len(grads) > 10 and all(g.abs().sum() > 0 for g in grads.values())
         for variant in ("overlap+delay", "overlap"):

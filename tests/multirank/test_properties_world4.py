@@ -14,7 +14,7 @@ from hypothesis import strategies as st  # noqa: E402
 import expertrail as er  # noqa: E402
 from expertrail.emulation.launch import LocalRanks  # noqa: E402
 
-import workers  # noqa: E402
+import properties_ranks  # noqa: E402
 
 EXAMPLES = int(os.environ.get("EXPERTRAIL_HYPOTHESIS_EXAMPLES", "12"))
 
@@ -42,7 +42,7 @@ def cases(draw):
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=cases())
 def test_every_backend_against_the_reference(world4, case):
-    outcomes = world4.run(workers.property_case, case)
+    outcomes = world4.run(properties_ranks.property_case, case)
     for outcome in outcomes:
         expected = "invalid" if case["invalid"] else "ok"
         assert set(outcome.values()) == {expected}, (case, outcomes)
@@ -50,7 +50,7 @@ def test_every_backend_against_the_reference(world4, case):
 
 def test_bitwise_deterministic_across_runs_and_processes(world4):
     backends = sorted(er.BACKENDS)
-    first = {b: world4.run(workers.digest, b) for b in backends}
-    assert {b: world4.run(workers.digest, b) for b in backends} == first     # repeated runs, same processes
+    first = {b: world4.run(properties_ranks.digest, b) for b in backends}
+    assert {b: world4.run(properties_ranks.digest, b) for b in backends} == first     # repeated runs, same processes
     with LocalRanks(4) as fresh:                                              # new processes
-        assert {b: fresh.run(workers.digest, b) for b in backends} == first
+        assert {b: fresh.run(properties_ranks.digest, b) for b in backends} == first

@@ -5,11 +5,11 @@ import torch
 
 from expertrail.balance import balancedness
 
-import serving_workers
+import serving_ranks
 
 
 def test_rebalancing_while_serving_keeps_outputs_and_balances(world4):
-    results = world4.run(serving_workers.serve_and_compare)
+    results = world4.run(serving_ranks.serve_and_compare)
     rows = sum(r[0] for r in results)                                # [2, steps, P] over all senders
     static, live = (balancedness(rows[i].double().numpy()) for i in range(2))
     events = results[0][1]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 
 @dataclass
@@ -55,7 +55,7 @@ class ServeConfig:
 
 def add_parser(sub) -> None:
     """Add `expertrail serve-sim` to the command's subparsers."""
-    from ..names import BACKEND_NAMES
+    from ...names import BACKEND_NAMES
     d = ServeConfig()
     p = sub.add_parser("serve-sim", help="a decode loop that rebalances hot experts live, against the unreplicated one",
                        description="Serves decode steps of one expert-parallel MoE layer on --world local gloo ranks "
@@ -93,8 +93,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..emulation.launch import LocalRanks
-    from .serving import serve_rank
+    from ...emulation.launch import LocalRanks
+    from ..serving import serve_rank
     cfg = ServeConfig(**{k: getattr(args, k) for k in ServeConfig.__dataclass_fields__})
     cfg.check()
     with LocalRanks(cfg.world) as ranks:

@@ -1,4 +1,4 @@
-"""Functions run on every rank by the transformers tests: fn(rank, world, ...)."""
+"""Functions run on every rank by tests/multirank/test_hf_world4.py (transformers): fn(rank, world, ...)."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +9,7 @@ import torch.distributed as dist
 import expertrail as er
 from expertrail.hf import ExpertParallelMoE, full_state_dict, patch_model, unpatch_model
 
-from workers import groups_for, tiny_block
+from ranks_common import groups_for
 
 
 def tiny_qwen3(seed: int = 0, layers: int = 2):
@@ -24,6 +24,87 @@ def tiny_qwen3(seed: int = 0, layers: int = 2):
 
 def _ids(rank: int) -> torch.Tensor:
     return torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp64 (0 when both are empty or zero)."""
+    diff = (a.double() - b.double()).norm().item()
+    ref = b.double().norm().item()
+    return diff / ref if ref else diff
+
+
+def tiny_block(kind: str, dtype):
+    """A transformers MoE block built from a tiny random config, the same on every rank."""
+    torch.manual_seed(0)
+    if kind == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+        block = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8,
+                                                      num_experts_per_tok=2, norm_topk_prob=True))
+    elif kind == "mixtral":
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+        block = MixtralSparseMoeBlock(MixtralConfig(hidden_size=32, intermediate_size=16, num_local_experts=8,
+                                                    num_experts_per_tok=2, router_jitter_noise=0.0))
+    else:
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+        block = DeepseekV3MoE(DeepseekV3Config(hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                               n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                               n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5))
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    return block.to(dtype)
+
+
+def hf_block_matches(rank, world, kind, backend, ep_size, dtype=torch.float32, num_chunks=1):
+    """ExpertParallelMoE vs the original transformers block: output and gradients."""
+    import copy
+
+    from expertrail.hf import ExpertParallelMoE
+    original = tiny_block(kind, dtype)
+    groups = groups_for(ep_size, 1)
+    ep = ExpertParallelMoE(copy.deepcopy(original), groups, backend, num_chunks=num_chunks)
+    n = 0 if rank == 1 else 3 + rank
+    x = torch.randn(1, n, 32, generator=torch.Generator().manual_seed(rank)).to(dtype)
+    cot = torch.randn(1, n, 32, generator=torch.Generator().manual_seed(100 + rank)).to(dtype)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya = original(xa)
+    if ya.requires_grad:              # transformers returns a constant for 0 tokens
+        (ya.float() * cot).sum().backward()
+    yb = ep(xb)
+    (yb.float() * cot).sum().backward()
+    for t in (xa, original.gate.weight, original.experts.gate_up_proj, original.experts.down_proj):
+        if t.grad is None:            # no token reached it: transformers leaves no gradient
+            t.grad = torch.zeros_like(t)
+    bound = 1e-5 if dtype == torch.float32 else 2e-2     # relative error ||a - b|| / ||b||
+    for name, a, b in (("output", yb, ya), ("grad x", xb.grad, xa.grad),
+                       ("grad router", ep.gate.weight.grad, original.gate.weight.grad)):
+        err = relative_error(a, b)
+        assert err <= bound, f"{kind} {backend} {dtype} {name}: relative error {err:.3g} > {bound}"
+    return (ep.first_expert, ep.experts.gate_up_proj.grad.float(), ep.experts.down_proj.grad.float(),
+            original.experts.gate_up_proj.grad.float(), original.experts.down_proj.grad.float(), n)
+
+
+def patched_model_counts(rank, world):
+    """patch_model replaces every MoE block of a tiny Qwen3-MoE model and keeps its output."""
+    import copy
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from expertrail.hf import ExpertParallelMoE, patch_model
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=8, num_experts_per_tok=2, mlp_only_layers=[], decoder_sparse_step=1)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    ep_model = copy.deepcopy(model)
+    replaced = patch_model(ep_model, groups_for(None, 2), backend="hierarchical")
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        torch.testing.assert_close(ep_model(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+    return replaced, sum(isinstance(m, ExpertParallelMoE) for m in ep_model.modules())
 
 
 def patch_with_differing_weights(rank, world, how):

@@ -7,7 +7,7 @@ import torch
 from expertrail.moe.experts import GroupedExperts
 from expertrail.tools.serving import DriftingZipf, ServedLayer
 
-from workers import groups_for
+from ranks_common import groups_for
 
 _MIGRATION_GROUPS = {}
 

@@ -1,0 +1,70 @@
+"""`expertrail estimate`: whether a training configuration fits, its step time, TFLOPS per GPU
+and the wall it hits (torch-free)."""
+from __future__ import annotations
+
+import sys
+
+from ...errors import ExpertrailError
+from ..arguments import ConfigArguments, positive_int
+
+
+def add_parser(sub) -> None:
+    from ...plan.architecture import ARCHITECTURES
+    p = sub.add_parser(
+        "estimate", help="does a training configuration fit; step time, TFLOPS per GPU and the wall it hits",
+        usage="%(prog)s [-h] --hardware NAME --gpus N [--model NAME] [--json PATH] [CONFIG.yaml] "
+              "[key=value | --megatron-flag [VALUE]] ...",
+        description="Reads a Megatron-Core / Megatron-Bridge training configuration (the forms `expertrail validate` "
+                    "reads) and predicts memory per GPU on the busiest pipeline rank, the step time, per-GPU TFLOPS "
+                    "(model FLOPs, Megatron's count) and the wall the run hits (docs/planner.md). Torch-free.",
+        allow_abbrev=False)
+    p.__class__ = ConfigArguments
+    _fit_arguments(p, ARCHITECTURES)
+    p.add_argument("--json", metavar="PATH", help="also write the estimate as JSON (fits, peak_memory_GB, "
+                                                  "step_time_s, tflops_per_gpu and the breakdowns)")
+    p.set_defaults(config=[])
+
+
+def _fit_arguments(p, architectures) -> None:
+    """--hardware / --gpus / --model, shared by `estimate` and `plan --fit`."""
+    p.add_argument("--hardware", required=True, metavar="NAME|FILE", help="GPU system (as for plan)")
+    p.add_argument("--gpus", type=positive_int(256), required=True, help="GPUs of the run")
+    p.add_argument("--model", metavar="NAME", default=None,
+                   help=f"model shape: one of {', '.join(architectures)}; fields such as num_layers or hidden_size in "
+                        "the configuration override it (default: the configuration spells the model out)")
+
+
+def _estimate_inputs(args, config: list) -> tuple:
+    """(architecture, hardware, layout fields, validate violations) from --model and config entries."""
+    from ...plan.architecture import from_fields, load_architecture
+    from ...plan.catalog import load_hardware
+    from ...plan.validate import read_file, split_arguments, validate
+    files, pairs = split_arguments(config)
+    if len(files) > 1:
+        raise ExpertrailError(f"give at most one config file, got {files}")
+    values = read_file(files[0]) if files else {}
+    values.update(pairs)
+    hw = load_hardware(args.hardware)
+    arch = from_fields(load_architecture(args.model), values)
+    values.setdefault("num_moe_experts", arch.experts)
+    values.setdefault("moe_router_topk", arch.topk)
+    checked = dict(values, hardware=hw.name if not args.hardware.endswith((".yaml", ".yml", ".json")) else args.hardware,
+                   world_size=args.gpus)
+    return arch, hw, values, validate(checked)
+
+
+def run(args) -> int:
+    from ...plan.estimate import estimate, format_estimate
+    from ...plan.layout import TrainingLayout
+    from ...plan.output import dumps
+    arch, hw, values, violations = _estimate_inputs(args, args.config)
+    result = estimate(arch, hw, TrainingLayout.from_fields(values, args.gpus))
+    result["violations"] = [v.__dict__ for v in violations]
+    print(format_estimate(result))
+    for v in violations:
+        print(f"validate: {v.format()}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(dumps(result, fallback=str))
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,79 @@
+"""`expertrail plan`: a dispatcher, EP size and settings recommended with reasons; `--fit` the
+parallel layouts that fit, fastest first (torch-free)."""
+from __future__ import annotations
+
+import argparse
+
+from ...errors import ExpertrailError
+from ..arguments import positive_int, workload_arguments
+
+
+def add_parser(sub) -> None:
+    from ...names import NAMES_HELP
+    p = sub.add_parser("plan", help="recommend a dispatcher, EP size, SM counts and settings, with reasons",
+                       description="Recommends the dispatcher (with predicted times of all alternatives), SM counts, "
+                                   "the NVLink domain setting, EP size, EP-overlap / CUDA-graph / FP8 advice and "
+                                   "pitfalls for a hardware and model; --emit prints a ready configuration that "
+                                   "`expertrail validate` accepts as it is.",
+                       epilog=NAMES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    workload_arguments(p)
+    p.add_argument("--ep", type=positive_int(32), default=None,
+                   help="EP size, at least 2 and dividing the experts (default: the largest EP the EP table does not "
+                        "find communication-bound)")
+    p.add_argument("--stage", choices=("bringup", "tune"), default="bringup",
+                   help="bringup: library SM defaults, alltoall inside one NVLink domain, EP overlap off; tune: the "
+                        "predicted fastest path, SM counts where its links saturate, overlap by the "
+                        "communication / compute ratio (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (default: text)")
+    p.add_argument("--emit", choices=("megatron", "bridge"),
+                   help="print a ready configuration instead: Megatron-Core flags or Megatron-Bridge overrides "
+                        "(default: the plan)")
+    f = p.add_argument_group("layout search (--fit; docs/planner.md)")
+    f.add_argument("--fit", action="store_true",
+                   help="search the layouts (TP, CP, PP, VPP, EP, ETP, recompute) that fit --gpus GPUs, fastest first "
+                        "(default: plan the dispatcher)")
+    f.add_argument("--gpus", type=positive_int(256), default=None,
+                   help="GPUs of the run (needed by --fit; default without --fit: 256, for the memory check of the EP "
+                        "sizes)")
+    f.add_argument("--seq", type=positive_int(4096), default=4096, help="sequence length (default %(default)s)")
+    f.add_argument("--global-batch", type=positive_int(1024), default=None,
+                   help="sequences per step (default: 1024, or DP x micro-batch when more)")
+    f.add_argument("--top", type=positive_int(5), default=5, help="layouts to print (default %(default)s)")
+
+
+def _run_fit(args) -> int:
+    """`plan --fit`: the fastest layouts that fit, or (--emit) the first one's flags."""
+    from ...plan.architecture import load_architecture
+    from ...plan.catalog import load_hardware
+    from ...plan.output import dumps
+    from ...plan.search import emit_layout, format_search, layout_fields, search
+    if not args.gpus:
+        raise ExpertrailError("--fit needs --gpus N, the GPUs of the run, e.g. --gpus 256")
+    hw, arch = load_hardware(args.hardware), load_architecture(args.model)
+    found = search(arch, hw, args.gpus, args.seq, args.global_batch, precision=args.precision, top=args.top)
+    if args.emit:
+        if not found:
+            raise ExpertrailError(format_search(found, arch, hw, args.gpus))
+        print(emit_layout(arch, hw, found[0][1], args.emit))
+    elif args.json:
+        print(dumps([dict(r, fields=layout_fields(arch, lay, hw)) for r, lay in found]))
+    else:
+        print(format_search(found, arch, hw, args.gpus))
+    return 0 if found else 1
+
+
+def run(args) -> int:
+    from ...plan.advisor import emit, format_plan, plan
+    from ...plan.catalog import load_hardware, load_model
+    from ...plan.output import dumps
+    if args.fit:
+        return _run_fit(args)
+    hw, model = load_hardware(args.hardware), load_model(args.model)
+    result = plan(hw, model, args.tokens, args.ep, args.stage, args.precision, args.routing, gpus=args.gpus or 256)
+    if args.emit:
+        print(emit(result, model, args.emit))
+    elif args.json:
+        print(dumps(result))
+    else:
+        print(format_plan(result))
+    return 0

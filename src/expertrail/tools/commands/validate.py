@@ -1,0 +1,70 @@
+"""`expertrail validate`: a Megatron-Core / Megatron-Bridge MoE config checked before launch
+(torch-free)."""
+from __future__ import annotations
+
+import argparse
+
+from ...errors import ExpertrailError
+from ..arguments import ConfigArguments
+
+
+def add_parser(sub) -> None:
+    from ...names import NAMES_HELP
+    p = sub.add_parser(
+        "validate", help="check a Megatron-Core / Megatron-Bridge MoE config before launch",
+        usage="%(prog)s [-h] [--json] [--strict] [CONFIG.yaml] [key=value | --megatron-flag [VALUE]] ...",
+        description="Checks a YAML/JSON config (Megatron-Core or Megatron-Bridge field names), key=value overrides "
+                    "and Megatron command-line arguments against the EP-overlap and MoE rules and the fields' "
+                    "types and choices; prints each violation with its fields and fix, and warns about unknown "
+                    "fields (with the closest known name).",
+        epilog="config entries, in any order (at most one file):\n"
+               "  CONFIG.yaml, CONFIG.json     flat, or nested as Megatron-Bridge's model: / comm_overlap: sections\n"
+               "  key=value                    model.expert_model_parallel_size=8 (section, dashes, case ignored)\n"
+               "  --flag VALUE, --flag=VALUE   Megatron's arguments as written: --expert-model-parallel-size 8,\n"
+               "                               --num-experts 256 (= num_moe_experts), --fp8-format e4m3 (= fp8)\n"
+               "  --switch                     boolean flags: --moe-grouped-gemm, --no-gradient-accumulation-fusion\n"
+               "  expertrail's own fields      hardware=h100, world_size=64 (or num_nodes, gpus_per_node),\n"
+               "                               torch_version=2.6.0, NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=8\n"
+               "exit status: 0 valid; 1 a rule or a field value violated (with --strict, also an unknown field);\n"
+               "             2 unusable arguments (no config, two files, unreadable file)\n"
+               "example: expertrail validate $(expertrail plan --hardware h100 --model deepseek-v3 --ep 32 "
+               "--emit megatron)\n\n" + NAMES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.__class__ = ConfigArguments
+    p.add_argument("--json", action="store_true", help="print the result as JSON (default: text)")
+    p.add_argument("--strict", action="store_true",
+                   help="fail (exit 1) on unknown fields too (default: warn about them)")
+    p.set_defaults(config=[])
+
+
+def run(args) -> int:
+    from ...plan.output import dumps
+    from ...plan.validate import RULES, read_file, split_arguments, unknown_fields, validate
+    if not args.config:
+        raise ExpertrailError("nothing to validate: give a YAML/JSON file, key=value overrides or Megatron flags, "
+                              "e.g. expertrail validate --expert-model-parallel-size 8 --num-experts 64")
+    files, pairs = split_arguments(args.config)
+    if len(files) > 1:
+        raise ExpertrailError(f"give at most one config file, got {files} (a bare word is read as a file: write "
+                              "key=value or --flag VALUE for the others)")
+    values = read_file(files[0]) if files else {}
+    values.update(pairs)
+    violations = validate(values)
+    warnings = unknown_fields(values)
+    failed = bool(violations) or (args.strict and bool(warnings))
+    if args.json:
+        print(dumps({"valid": not failed, "rules_checked": len(RULES), "fields_checked": len(values),
+                     "warnings": warnings, "violations": [v.__dict__ for v in violations]}, fallback=str))
+        return 1 if failed else 0
+    for w in warnings:
+        print(f"warning: {w['message']}")
+    if violations:
+        print(f"{len(violations)} rule(s) violated:")
+        for v in violations:
+            print(v.format())
+    elif failed:
+        print(f"not valid with --strict: {len(warnings)} unknown field(s)")
+    else:
+        print(f"valid: {len(RULES)} rules and {len(values)} field value(s) checked, none violated"
+              + (f"; {len(warnings)} warning(s) above" if warnings else ""))
+    return 1 if failed else 0
