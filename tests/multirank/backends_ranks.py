@@ -201,9 +201,10 @@ def chunked_matches_unchunked(rank, world, backend, num_chunks):
 
 
 def replaced_weights_are_used(rank, world, backend):
-    """Combine uses res.weights as the caller left them (replaced or changed in place)."""
+    """With weights_at="expert", combine uses res.weights as the caller left them (replaced or
+    changed in place)."""
     groups = groups_for(None, 2)
-    d = er.make_dispatcher(backend, groups, num_experts=16)
+    d = er.make_dispatcher(backend, groups, num_experts=16, weights_at="expert")
     xs, idxs, ws = make_inputs("random", world, 8, 16, 4, 4)
     res = d.dispatch(xs[rank], idxs[rank], ws[rank])
     base = d.combine(res.tokens, res)

@@ -91,10 +91,10 @@ def dtype_differs_per_call(rank, world):
     d.dispatch(torch.zeros(3, 4, dtype=dtype), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))
 
 
-def _combine_case(backend, rank, world, seed=1):
+def _combine_case(backend, rank, world, seed=1, **options):
     """A valid dispatch on EP=world, domain 2: (dispatcher, res, expert output, inputs)."""
     groups = groups_for(None, 2)
-    d = er.make_dispatcher(backend, groups, num_experts=8, hidden=4)
+    d = er.make_dispatcher(backend, groups, num_experts=8, hidden=4, **options)
     xs, idxs, ws = make_inputs("random", world, 4, 8, 2, seed)
     res = d.dispatch(xs[rank], idxs[rank], ws[rank])
     return d, res, expert_fn(res.tokens, row_experts(res, rank, 2)), (xs, idxs, ws)
@@ -145,16 +145,20 @@ def combine_casts_to_dispatched_dtype(rank, world, backend):
     return (y - ref).abs().max().item() if y.numel() else 0.0
 
 
-def weights_changed_on_one_rank(rank, world, backend):
-    """Rank 2 scales its res.weights in place; the others keep theirs. Each expert row must be
-    weighted exactly once, by the weights of the rank holding the expert."""
-    d, res, out, (xs, idxs, ws) = _combine_case(backend, rank, world)
+def weights_changed_on_one_rank(rank, world, backend, weights_at):
+    """Rank 2 scales its res.weights in place; the others keep theirs. With weights_at="expert"
+    each expert row is weighted exactly once, by the weights of the rank holding the expert;
+    with "source" combine applies the dispatched routing weights (res.weights is a copy).
+    Returns where the dispatcher applies them."""
+    d, res, out, (xs, idxs, ws) = _combine_case(backend, rank, world, weights_at=weights_at)
     if rank == 2:
         res.weights.mul_(3)
     y = d.combine(out, res)
-    scaled = [w * torch.where((i >= 4) & (i < 6), 3.0, 1.0) for w, i in zip(ws, idxs)]   # rank 2 holds 4, 5
-    ref = reference_moe(xs, idxs, scaled, expert_fn, 8)[rank]
+    if d.weights_at == "expert":
+        ws = [w * torch.where((i >= 4) & (i < 6), 3.0, 1.0) for w, i in zip(ws, idxs)]   # rank 2 holds 4, 5
+    ref = reference_moe(xs, idxs, ws, expert_fn, 8)[rank]
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    return d.weights_at
 
 
 def from_default_timeout(rank, world, timeouts):

@@ -106,8 +106,18 @@ def test_expert_out_in_another_dtype_is_cast_to_the_dispatched_dtype(world4, bac
 
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
-def test_weights_changed_on_one_rank_are_applied_once(world4, backend):
-    world4.run(errors_ranks.weights_changed_on_one_rank, backend)
+def test_weights_are_applied_once_where_the_dispatcher_says(world4, backend):
+    """weights_at: "expert" applies res.weights as changed (here on one rank only), exactly
+    once; "source" (alltoall's default) the dispatched weights; None picks per backend."""
+    for weights_at in (None, "expert", "source") if backend == "alltoall" else (None, "expert"):
+        where = world4.run(errors_ranks.weights_changed_on_one_rank, backend, weights_at)
+        assert where == [weights_at or ("source" if backend == "alltoall" else "expert")] * 4
+
+
+def test_weights_at_source_is_refused_where_rows_are_per_rank(world4):
+    errors = world4.run_expect_error(errors_ranks.weights_changed_on_one_rank, "dedup", "source")
+    for exc in errors.values():
+        assert isinstance(exc, er.ConfigError) and "weights_at='source' needs a backend" in str(exc), repr(exc)
 
 
 def test_from_default_rejects_a_bad_timeout_on_every_rank(world4):

@@ -78,13 +78,14 @@ class Channel:
 
     group: the torch.distributed group (None: the default group); size, rank: its size and this
     rank's index in it; global_ranks: the default group's rank of each member; gloo: whether it
-    runs on gloo (asked once: ``dist.get_backend`` costs ~30 us, and a dispatch exchanges often).
+    runs on gloo (asked once: ``dist.get_backend`` is a Python call per exchange otherwise;
+    docs/decisions.md: The group's backend asked once).
 
     Point-to-point tags (`reserve_tags`): every member starts the same exchanges on a group in
     the same order, so counting them gives every rank the same tags, and exchanges in flight
     together (rows and their metadata, the chunks of an overlapped MoE) distinct ones: gloo
-    serialises transfers that share a (peer, tag) pair. So there must be one channel per
-    process group (`EPGroups.channel`).
+    serialises transfers that share a (peer, tag) pair (docs/decisions.md: A tag per exchange).
+    So there must be one channel per process group (`EPGroups.channel`).
     """
 
     def __init__(self, group=None):
@@ -108,9 +109,9 @@ class Channel:
 
         On gloo the process group is called directly, receives first, then sends starting with
         the next member (so that peers do not all send to the same rank first): the Python
-        wrappers of ``batch_isend_irecv`` cost ~50 us per transfer, as much as a small transfer
-        itself. Other backends (NCCL) need the batch, which groups the transfers so their order
-        cannot deadlock.
+        wrappers of ``batch_isend_irecv`` cost about as much as a small transfer itself
+        (docs/decisions.md: gloo's process group called directly). Other backends (NCCL) need
+        the batch, which groups the transfers so their order cannot deadlock.
         """
         if not sends and not recvs:
             return []
@@ -133,9 +134,8 @@ class Channel:
 
         On gloo the blocks go as point-to-point transfers, all posted at once: gloo's
         all-to-all runs its peers in lockstep steps, so with more ranks than cores one
-        descheduled peer stalls every step (measured: the same bytes took 1.3x longer inside a
-        dispatch, and gloo's all-to-all reached 70-80% of a shaped link's rate where these
-        transfers reached it).
+        descheduled peer stalls every step (docs/decisions.md: All-to-all on gloo as
+        point-to-point transfers).
         """
         if self.size == 1:       # a group of one: nothing to exchange
             mine = take_rows(*own, out=out) if own is not None else rows if out is None else out.copy_(rows)

@@ -79,6 +79,7 @@ class AllToAllDispatcher(Dispatcher):
 
     name = "alltoall"
     Config = AllToAllConfig
+    weights_at_source = True       # one row per (token, expert): combine may weight on the source side
 
     def _lands_in_place(self, headers) -> bool:
         """Whether this dispatch lands rows in place; from every rank's header, so every rank

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import fp8
-from ..errors import InvalidInputError
+from ..errors import ConfigError, InvalidInputError
 from ..kernels.torch_ops import cast, gather_rows, stable_argsort
 from .routing import TokenLayout, apply_capacity, compute_layout, expert_capacity
 from ..comm.schedule import wait_exchange
@@ -87,7 +87,8 @@ class DispatchResult:
         token index, k); each expert's block padded with zero rows to ``tokens_per_expert``
     tokens_per_expert: int64 [E_local] rows per local expert, padding included
     real_tokens_per_expert: int64 [E_local] rows per local expert without padding
-    weights: [M] topk_weights.dtype, routing weight of each row (0 on padding rows)
+    weights: [M] topk_weights.dtype, routing weight of each row (0 on padding rows); with
+        ``weights_at="source"`` a copy, since combine applies the dispatched weights there
     stats: TransferStats of the dispatch; combine_stats: of the last combine of this result
     scales: with ``payload="fp8", dequantize=False``: fp32 [M, ceil(H / 128)], the scale of
         each 128-value block of ``tokens`` (then float8_e4m3fn); else None
@@ -108,6 +109,7 @@ class DispatchResult:
     combine_stats: TransferStats | None = None
     scales: torch.Tensor | None = None
     dtype: torch.dtype | None = None
+    routed_weights: torch.Tensor | None = None   # the weights as dispatched (what combine applies at the source)
 
     def __post_init__(self):
         if self.dtype is None:
@@ -127,12 +129,17 @@ class Dispatcher:
 
     name = "base"
     Config = DispatchConfig
+    weights_at_source = False      # whether combine can weight on the source side (DispatchConfig.weights_at)
 
     def __init__(self, groups: EPGroups, num_experts: int, **options):
         config = self.Config.of(self.name, num_experts, options)
         groups.check_same({"backend": self.name, **config.shared_fields(), "domain_size": groups.domain_size,
                            "backend options": config.own_options()}, f"{type(self).__name__}")
         config.check()
+        self.weights_at = config.weights_at or ("source" if self.weights_at_source else "expert")
+        if self.weights_at == "source" and not self.weights_at_source:
+            raise ConfigError(f"{self.name}: weights_at='source' needs a backend whose first hop sends one row per "
+                              "(token, expert) pair (alltoall); use weights_at='expert' (or leave it None)")
         self.config, self.groups = config, groups
         self.num_experts = int(num_experts)
         self.num_local_experts = groups.num_local_experts(self.num_experts)
@@ -194,10 +201,10 @@ class Dispatcher:
         stats.control_bytes = control_bytes
         if attach_grad:
             tokens, weights = _DispatchFunction.apply(x, topk_weights, route, tokens, weights)
-        route.remember_weights(weights)
+        shown = weights.clone() if self.weights_at == "source" else weights     # a copy to read: see weights_at
         return DispatchResult(tokens=tokens, tokens_per_expert=route.tokens_per_expert,
-                              real_tokens_per_expert=route.real_tokens_per_expert, weights=weights, stats=stats,
-                              route=route, scales=scales, dtype=x.dtype)
+                              real_tokens_per_expert=route.real_tokens_per_expert, weights=shown, stats=stats,
+                              route=route, scales=scales, dtype=x.dtype, routed_weights=weights)
 
     def combine(self, expert_out: torch.Tensor, res: DispatchResult, weighted: bool = True,
                 async_op: bool = False):
@@ -208,12 +215,10 @@ class Dispatcher:
         padding rows are ignored. Any float dtype: it is cast to x's dtype (``res.dtype``; with
         an fp8 payload too), the dtype rows travel back in, so y is [N, H] in that dtype, summed
         in fp32 in a fixed order. With ``async_op`` a handle whose ``wait()`` returns y.
-        Where the weights are applied: when ``res.weights`` is passed as dispatch returned it
-        (not replaced, not changed in place), a backend whose first hop sends one row per
-        (token, expert) pair (alltoall) weights the exact expert outputs on the source rank, in
-        fp32, after they come back; otherwise each expert row is weighted on the expert side and
-        rounded to the dispatched dtype before it travels (`Route.weights_at_source`). Both are
-        within that dtype's rounding of each other.
+        Where the weights are applied is the construction option ``weights_at`` (the same on
+        every rank): "expert" weights each row by ``res.weights`` (as it is now) on the expert
+        side; "source" (alltoall's default) weights the exact expert outputs on the source rank
+        with the dispatched routing weights. Both are within the dtype's rounding of each other.
         Collective over the EP group: a rank whose expert_out is invalid (shape, dtype, device)
         or whose call differs (one rank needs gradients, another not) makes every rank raise
         `InvalidInputError` as soon as the first exchange lands, never a timeout (see
@@ -232,10 +237,10 @@ class Dispatcher:
             rows = res.tokens.new_zeros(res.tokens.shape, dtype=res.dtype)
         else:
             rows = cast(expert_out, res.dtype)
-        weights = res.weights if weighted else None
-        at_source = res.route.weights_at_source(weights)
+        at_source = weighted and self.weights_at == "source"
+        weights = None if not weighted else res.routed_weights if at_source else res.weights
         needs_grad = torch.is_grad_enabled() and (rows.requires_grad or (weights is not None and weights.requires_grad))
-        flags = self._start_combine_flags(error, at_source, needs_grad)
+        flags = self._start_combine_flags(error, needs_grad)
         res.combine_stats = res.route.stats(rows.shape[1] * rows.element_size(), self.groups.ep_rank,
                                             self.groups.domain_size, backward=True)
         with torch.no_grad():
@@ -263,9 +268,9 @@ class Dispatcher:
                        f"move it with .to('{res.tokens.device}')")
         return 0, None
 
-    def _start_combine_flags(self, error: int, at_source: bool, needs_grad: bool) -> Transfer:
-        """Send every EP peer this rank's combine flags (error kind, weights applied on the source
-        side, needs gradients): one int64 row per peer, posted just before the rows.
+    def _start_combine_flags(self, error: int, needs_grad: bool) -> Transfer:
+        """Send every EP peer this rank's combine flags (error kind, needs gradients): one int64
+        row per peer, posted just before the rows.
 
         The rows themselves cannot carry them: a rank in error still sends rows of the agreed
         shape (zeros), and every rank reads the flags when the first reverse exchange has landed,
@@ -273,22 +278,20 @@ class Dispatcher:
         message per peer beside the rows, no extra round trip (benchmarks/combine_flags.py).
         """
         no_counts = torch.empty(self.groups.ep_size, 0, dtype=torch.int64, device=self.groups.device)
-        return self._start_control(no_counts, [error, int(at_source), int(needs_grad)])
+        return self._start_control(no_counts, [error, int(needs_grad)])
 
-    def _finish_combine_flags(self, flags: Transfer, message: str | None) -> torch.Tensor:
+    def _finish_combine_flags(self, flags: Transfer, message: str | None) -> None:
         """Wait for the peers' combine flags; raise on every rank if any rank is in error or
-        the ranks disagree on gradients. Returns bool [P]: which peers left the routing weights
-        to the source side (see `Route.weights_at_source`)."""
+        the ranks disagree on gradients."""
         received = flags.wait()
         self._raise_agreed_error(received[:, 0].tolist(), message, "combine", "expert_out")
-        grads = received[:, 2].tolist()
+        grads = received[:, 1].tolist()
         if len(set(grads)) > 1:
             shown = ", ".join(f"rank {r}={bool(g)}" for r, g in enumerate(grads))
             raise InvalidInputError(
                 f"{self.name} combine: whether gradients are needed differs across EP ranks ({shown}); "
                 "combine's backward is collective, so every rank must combine with expert outputs (or weights) "
                 "that require grad alike, under the same torch.no_grad() setting")
-        return received[:, 1].bool()
 
     def moe(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, experts,
             num_chunks: int = 1, weighted: bool = True) -> torch.Tensor:

@@ -13,6 +13,7 @@ from ..errors import ConfigError
 from .routing import DROP_POLICIES
 
 PAYLOADS = ("native", "fp8")
+WEIGHTS_AT = (None, "source", "expert")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,13 @@ class DispatchConfig:
         128 values, `expertrail.kernels.fp8`; combine still travels in x's dtype).
     dequantize: with fp8, whether ``res.tokens`` are the rows dequantized to x's dtype (True)
         or the fp8 values, with their scales in ``res.scales``, for FP8 experts (False).
+    weights_at: where a weighted combine applies the routing weights. "expert": each expert
+        row times ``res.weights`` on the expert side, rounded to x's dtype before it travels
+        back (every backend). "source": the exact expert outputs travel back and are weighted,
+        in fp32, on the source rank with the ``topk_weights`` dispatch was given (backends whose
+        first hop sends one row per (token, expert) pair: alltoall); ``res.weights`` is then a
+        copy to read, and changing it changes nothing. None (default): "source" where the
+        backend supports it, else "expert".
     """
 
     num_experts: int
@@ -41,6 +49,7 @@ class DispatchConfig:
     pad_to_capacity: bool = False
     payload: str = "native"
     dequantize: bool = True
+    weights_at: str | None = None
 
     @classmethod
     def of(cls, backend: str, num_experts: int, options: dict) -> "DispatchConfig":
@@ -77,6 +86,8 @@ class DispatchConfig:
             raise ConfigError("pad_to_capacity=True needs a capacity_factor")
         if self.payload not in PAYLOADS:
             raise ConfigError(f"payload={self.payload!r}; choose one of {PAYLOADS}")
+        if self.weights_at not in WEIGHTS_AT:
+            raise ConfigError(f"weights_at={self.weights_at!r}; choose one of {WEIGHTS_AT}")
         if self.dequantize is not True and self.payload != "fp8":
             raise ConfigError("dequantize=False needs payload='fp8' (native rows are never quantized)")
 

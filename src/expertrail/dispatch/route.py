@@ -13,7 +13,6 @@ transpose and vice versa, so gradients need no extra code per backend.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
@@ -456,7 +455,6 @@ class Route:
     tokens_per_expert: torch.Tensor | None = None
     real_tokens_per_expert: torch.Tensor | None = None
     source_weights: torch.Tensor | None = None
-    dispatched_weights: object = None     # weakref to res.weights and its version, see combine
     groups: object = "the EP group"       # the EPGroups it runs on (or a label): see `running`
     workspace: Workspace | None = None    # the dispatcher's buffers (see `running`)
 
@@ -537,20 +535,6 @@ class Route:
         Only once the route is complete (after the first forward)."""
         return self.hops[-1].place(self.row_weights)
 
-    def remember_weights(self, weights: torch.Tensor) -> None:
-        """Record the row weights handed out by dispatch, so combine can tell them apart from
-        weights the caller replaced or modified in place."""
-        self.dispatched_weights = (weakref.ref(weights), weights._version)
-
-    def weights_at_source(self, weights: torch.Tensor | None) -> bool:
-        """Whether a combine with ``weights`` leaves them to the source side: only on routes
-        with ``source_weights`` and only for the weights dispatch handed out, unchanged (the
-        caller's own or modified weights are applied on the expert side, as given)."""
-        if weights is None or self.source_weights is None or self.dispatched_weights is None:
-            return False
-        ref, version = self.dispatched_weights
-        return ref() is weights and weights._version == version
-
     def transpose(self, rows: torch.Tensor, weights: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Expert rows [M, C] -> [N, C]: sum of each token's rows (combine), each row scaled
@@ -558,19 +542,20 @@ class Route:
         return self.transpose_async(rows, weights, out_dtype).wait()
 
     def transpose_async(self, rows: torch.Tensor, weights: torch.Tensor | None = None,
-                        out_dtype: torch.dtype | None = None, at_source: bool | None = None,
+                        out_dtype: torch.dtype | None = None, at_source: bool = False,
                         agree=None) -> Transfer | Later:
         """`transpose` with the first reverse exchange left in flight.
 
-        at_source: this rank leaves ``weights`` to the source side (default:
-        `weights_at_source`). agree: combine's cross-rank check, called on every rank once the
-        first reverse exchange has landed and before anything else is sent; it raises, or
-        returns bool [P]: which EP peers left their weights to the source side, so that the
-        rows each peer sends back are weighted exactly once.
+        at_source: apply the weights on the source side, to the exact rows once they are back
+        (``source_weights``, the same values as ``weights``; routes whose first hop sends one
+        row per (token, expert) pair), instead of to each row before it travels. agree:
+        combine's cross-rank check, called on every rank once the first reverse exchange has
+        landed and before anything else is sent; it raises to stop every rank there.
         """
         dtype = rows.dtype
-        at_source = self.weights_at_source(weights) if at_source is None else at_source
         last, *earlier = reversed(self.hops)
+        if at_source and (self.source_weights is None or not earlier):
+            raise ValueError("at_source needs a route whose first hop carries source_weights")
         rows = last.transpose(rows, None if at_source else weights, dtype)
         if not earlier:
             if agree is not None:
@@ -580,8 +565,8 @@ class Route:
 
         def landed(hop):                      # the first reverse exchange has landed
             if not agreed:
-                agreed.append(agree() if agree is not None else at_source)
-            return self._source_side_weights(agreed[0]) if hop is self.hops[0] else None
+                agreed.append(agree() if agree is not None else None)
+            return self.source_weights if at_source and hop is self.hops[0] else None
 
         def finish(back):
             for hop, before in zip(earlier, earlier[1:] + [None]):
@@ -589,23 +574,6 @@ class Route:
             return back.to(out_dtype or dtype)
         back = earlier[0].send_back(rows)
         return Later(lambda: finish(back))
-
-    def _source_side_weights(self, peers_at_source) -> torch.Tensor | None:
-        """The weights the first hop's reduce applies: ``source_weights`` for the rows of peers
-        that left the weighting to this side, 1 for the others (exact: x * 1.0 == x), None when
-        no peer did. peers_at_source: bool, or bool [P] per peer of the first hop."""
-        if self.source_weights is None:
-            return None
-        if isinstance(peers_at_source, bool):
-            return self.source_weights if peers_at_source else None
-        if bool(peers_at_source.all()):
-            return self.source_weights
-        if not bool(peers_at_source.any()):
-            return None
-        first = self.hops[0]
-        splits = torch.tensor(first.send_splits, device=self.source_weights.device)
-        weighted_here = peers_at_source.to(self.source_weights.device).repeat_interleave(splits)
-        return torch.where(weighted_here, self.source_weights, torch.ones_like(self.source_weights))
 
     def weights_transpose(self, grad_weights: torch.Tensor) -> torch.Tensor:
         """Gradient of the expert-row weights [M] -> gradient of ``topk_weights [N, K]``.

@@ -7,7 +7,6 @@ import torch
 from .workspace import allocate, allocate_zeros
 
 
-_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _RADIX_BOUND = 1 << 16
 
 
@@ -15,8 +14,9 @@ def stable_argsort(key: torch.Tensor) -> torch.Tensor:
     """int64 [n]: the order that sorts the integer ``key [n]`` stably.
 
     Routing plans sort small keys (expert, rank, token, copy). On the CPU, keys in [0, 2^16)
-    use numpy's radix sort on uint16: one pass per byte, 5x faster than
-    ``torch.sort(stable=True)`` at 8k keys. Other keys, and other devices, use ``torch.sort``.
+    use numpy's radix sort on uint16 (one pass per byte), faster than
+    ``torch.sort(stable=True)`` at routing sizes (docs/decisions.md: Radix sorts). Other keys,
+    and other devices, use ``torch.sort``.
     """
     if key.device.type == "cpu" and key.numel():
         low, high = torch.aminmax(key)
@@ -26,17 +26,8 @@ def stable_argsort(key: torch.Tensor) -> torch.Tensor:
 
 
 def take_rows(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``rows[index]`` along dim 0 (into ``out`` when given). CPU float rows are copied through
-    an integer view of the same width (the same bits): torch's CPU ``index_select`` once
-    measured 10-40% faster on integer rows, but a later alternating measurement found no
-    difference beyond noise (docs/benchmarks.md)."""
-    if rows.device.type != "cpu" or not rows.is_floating_point() or rows.element_size() not in _SAME_WIDTH_INT:
-        return torch.index_select(rows, 0, index, out=out) if out is not None else rows.index_select(0, index)
-    as_int = _SAME_WIDTH_INT[rows.element_size()]
-    if out is None:
-        return rows.view(as_int).index_select(0, index).view(rows.dtype)
-    torch.index_select(rows.view(as_int), 0, index, out=out.view(as_int))
-    return out
+    """``rows[index]`` along dim 0 (into ``out`` when given)."""
+    return torch.index_select(rows, 0, index, out=out) if out is not None else rows.index_select(0, index)
 
 
 def gather_rows(rows: torch.Tensor, index: torch.Tensor, skip: tuple | None = None) -> torch.Tensor:
@@ -167,7 +158,8 @@ def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tens
     bitwise reproducible. bf16 rows keep their dtype in the pass: a fp32 weight is split into
     three bf16 parts whose products with a bf16 row are exact in fp32, so the result matches
     fp32 arithmetic on widened rows (tests compare it with an fp64 sum). A fp16 weight needs
-    two parts and a bf16 weight one (same result, a third of the work).
+    two parts and a bf16 weight one (same result, a third of the work; docs/decisions.md: bf16
+    weights in one part, Three parts for an fp32 weight, not two).
     """
     num_src, width = copies.num_src, rows.shape[1]
     if copies.pos.numel() == 0:
@@ -198,8 +190,8 @@ def _embedding_bag_sum(table, index, offsets, per_copy) -> torch.Tensor:
     """``embedding_bag(..., mode="sum", include_last_offset=True)``: [len(offsets) - 1, C],
     empty bags give zero rows. The functional form into a fresh tensor, not aten's forward-only
     ``out`` variant into a pooled buffer: that one zero-fills its output and then accumulates,
-    1.5x the time here, more than a fresh output's page faults cost (docs/benchmarks.md,
-    "Combine's sums into fresh tensors")."""
+    which costs more than a fresh output's page faults (docs/decisions.md: Combine's sums into
+    fresh tensors)."""
     return torch.embedding_bag(table, index, offsets, False, 0, False, per_copy, True)[0]
 
 
