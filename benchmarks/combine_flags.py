@@ -28,16 +28,15 @@ def alternate(rank, world, args):
     idx, w = make_routing("uniform", args.tokens, args.experts, args.topk, rank, world)
     d = er.make_dispatcher(args.backend, groups, num_experts=args.experts)
     res = d.dispatch(x, idx, w)
-    at_source = res.route.weights_at_source(res.weights)
     # The same combine, its flags row handed to itself instead of exchanged: everything else
     # (checks, stats, autograd wrapper, the agreement's reading) stays as it is.
     unexchanged = er.make_dispatcher(args.backend, groups, num_experts=args.experts)
-    unexchanged._start_combine_flags = lambda error, source, grad: Transfer(
-        torch.tensor([[error, int(source), int(grad)]]).expand(groups.ep_size, -1))
+    unexchanged.agreement.start_combine = lambda error, grad: Transfer(
+        torch.tensor([[error, int(grad)]]).expand(groups.ep_size, -1))
     variants = {
         "combine": lambda: d.combine(res.tokens, res),
         "no flags": lambda: unexchanged.combine(res.tokens, res),
-        "flags alone": lambda: d._finish_combine_flags(d._start_combine_flags(0, at_source, False), None),
+        "flags alone": lambda: d.agreement.finish_combine(d.agreement.start_combine(0, False), None),
     }
     samples = {name: [] for name in variants}
     for it in range(args.warmup + args.iters):

@@ -46,7 +46,7 @@ def check(name, fn, failures):
 
 
 def run_size(t, args, groups, device, failures) -> dict:
-    ll = er.make_dispatcher("lowlatency", groups, num_experts=args.experts, max_tokens_per_rank=t,
+    ll = er.LowLatencyDispatcher(groups, num_experts=args.experts, max_tokens_per_rank=t,
                             hidden=args.hidden, dtype=torch.bfloat16)
     normal = er.make_dispatcher("dedup", groups, num_experts=args.experts)
     print(f"tokens {t}:")

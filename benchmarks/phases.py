@@ -15,6 +15,7 @@ import torch.distributed as dist
 import expertrail as er
 from bar_options import bar_configuration
 from expertrail.tools.bench import DTYPES
+from expertrail.dispatch.checks import dispatch_problem
 from expertrail.dispatch.header import Header
 from expertrail.emulation.launch import LocalRanks
 from expertrail.tools.workload import make_routing, make_tokens
@@ -34,20 +35,18 @@ def phases(rank, world, args):
     for it in range(args.warmup + args.iters):
         marks = [clock()]
         dist.barrier(); marks.append(clock())
-        d._check_inputs(x, idx, w)
+        dispatch_problem("phases", x, idx, w, None, groups.device, args.experts)
         plan = d._plan_source(idx); marks.append(clock())
-        control = d._start_control(plan.counts, Header.of(x, idx, w, 0).pack())
+        control = d.agreement.start(plan.counts, Header.of(x, idx, w, 0).pack())
         sent = d._gather_first(x, plan); marks.append(clock())
-        recv_counts, headers = d._finish_control(control, None); marks.append(clock())
+        recv_counts, headers = d.agreement.finish_dispatch(control, None); marks.append(clock())
         route = d._route(w, plan, recv_counts, headers); marks.append(clock())
         transfer = route.forward(x, async_op=True, sent=sent); marks.append(clock())
         tokens = transfer.wait(); marks.append(clock())
         weights = route.expert_weights()
-        route.remember_weights(weights)                 # as dispatch does for res.weights
-        at_source = route.weights_at_source(weights)
-        flags = d._start_combine_flags(0, at_source, False)    # as combine does: its agreement beside the rows
-        back = route.transpose_async(tokens, weights, at_source=at_source,
-                                     agree=lambda: d._finish_combine_flags(flags, None)); marks.append(clock())
+        flags = d.agreement.start_combine(0, False)     # as combine does: its agreement beside the rows
+        back = route.transpose_async(tokens, weights, at_source=d.weights_at == "source",
+                                     agree=lambda: d.agreement.finish_combine(flags, None)); marks.append(clock())
         back.wait(); marks.append(clock())
         if it >= args.warmup:
             for name, a, b in zip(PHASES, marks, marks[1:]):

@@ -16,10 +16,10 @@ def lowlatency_matches_normal(rank, world, dtype, payload="native", plan_on_host
     groups = groups_for(None, 2)
     experts, topk, hidden, most = 16, 4, 256, 12
     local = experts // world
-    ll = er.make_dispatcher("lowlatency", groups, num_experts=experts, max_tokens_per_rank=most, hidden=hidden,
+    ll = er.LowLatencyDispatcher(groups, num_experts=experts, max_tokens_per_rank=most, hidden=hidden,
                             dtype=dtype, payload=payload)
     ll.plan_on_host = plan_on_host                           # False: the plan CUDA makes (torch, no host reads)
-    raw = er.make_dispatcher("lowlatency", groups, num_experts=experts, max_tokens_per_rank=most, hidden=hidden,
+    raw = er.LowLatencyDispatcher(groups, num_experts=experts, max_tokens_per_rank=most, hidden=hidden,
                              dtype=dtype, payload=payload, dequantize=False) if payload == "fp8" else None
     normal = er.make_dispatcher("dedup", groups, num_experts=experts, payload=payload)
     checked = 0
@@ -60,10 +60,13 @@ def lowlatency_matches_normal(rank, world, dtype, payload="native", plan_on_host
     return checked
 
 
-def lowlatency_bad_input(rank, world):
-    """x wider than the buffers on one rank: every rank raises, then the next call works."""
+def lowlatency_bad_input(rank, world, plan_on_host=True):
+    """x wider than the buffers on one rank: every rank raises, then the next call works; ids
+    out of range or listed twice on one rank raise on every rank, with the host plan and with
+    the device plan (which checks them on the device) alike."""
     groups = groups_for(None, 2)
-    ll = er.make_dispatcher("lowlatency", groups, num_experts=8, max_tokens_per_rank=4, hidden=16, dtype=torch.float32)
+    ll = er.LowLatencyDispatcher(groups, num_experts=8, max_tokens_per_rank=4, hidden=16, dtype=torch.float32)
+    ll.plan_on_host = plan_on_host
     x = torch.randn(6 if rank == 2 else 4, 16)
     idx = torch.stack([torch.randperm(8)[:2] for _ in range(x.shape[0])])
     try:
@@ -97,9 +100,16 @@ def lowlatency_bad_input(rank, world):
 def lowlatency_misuse(rank, world):
     """What the lowlatency mode cannot honour raises on every rank: inputs that need gradients
     (its output would be cut from the graph) and a result read or combined after the next
-    dispatch overwrote its rows. Returns each step's error text (None: no error)."""
+    dispatch overwrote its rows. Returns each step's error text (None: no error). Built the old
+    way, through make_dispatcher, which still works and says to use LowLatencyDispatcher."""
+    import warnings
     groups = groups_for(None, 2)
-    ll = er.make_dispatcher("lowlatency", groups, num_experts=8, max_tokens_per_rank=4, hidden=16, dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ll = er.make_dispatcher("lowlatency", groups, num_experts=8, max_tokens_per_rank=4, hidden=16,
+                                dtype=torch.float32)
+    assert isinstance(ll, er.LowLatencyDispatcher)
+    assert [w.category for w in caught] == [DeprecationWarning] and "LowLatencyDispatcher(" in str(caught[0].message)
     x = torch.randn(4, 16)
     idx = torch.stack([torch.randperm(8)[:2] for _ in range(4)])
 
@@ -130,7 +140,7 @@ def lowlatency_weight_dtypes(rank, world):
     """bf16, fp64 and fp16 routing weights (carried exactly, summed as dedup sums them): the same
     bits as dedup's normal mode, with the host plan and with the device plan."""
     groups = groups_for(None, 2)
-    ll = er.make_dispatcher("lowlatency", groups, num_experts=8, max_tokens_per_rank=6, hidden=32,
+    ll = er.LowLatencyDispatcher(groups, num_experts=8, max_tokens_per_rank=6, hidden=32,
                             dtype=torch.bfloat16)
     normal = er.make_dispatcher("dedup", groups, num_experts=8)
     g = torch.Generator().manual_seed(rank)
@@ -144,3 +154,29 @@ def lowlatency_weight_dtypes(rank, world):
             res, ref = ll.dispatch(x, idx, w), normal.dispatch(x, idx, w)
             same.append(torch.equal(ll.combine(res.tokens, res), normal.combine(ref.tokens, ref)))
     return same
+
+
+def lowlatency_errors_unagreed(rank, world, plan_on_host):
+    """``agree_on_errors=False`` (the CUDA default): a rank with invalid input (a bad shape, or
+    ids out of range) raises alone, after taking part in the exchange with empty blocks, so
+    the others return and the next call works everywhere. Returns each call's error or None."""
+    groups = groups_for(None, 2)
+    ll = er.LowLatencyDispatcher(groups, num_experts=8, max_tokens_per_rank=4, hidden=16, dtype=torch.float32,
+                                 agree_on_errors=False)
+    ll.plan_on_host = plan_on_host
+    x = torch.randn(4, 16)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(4)])
+    outcomes = []
+    for bad in ("shape", "ids", None):
+        xs, ids = x, idx.clone()
+        if rank == 1 and bad == "shape":
+            xs = torch.randn(4, 8)
+        if rank == 1 and bad == "ids":
+            ids[0, 0] = 9
+        try:
+            res = ll.dispatch(xs, ids, torch.rand(4, 2))
+            ll.combine(res.tokens, res)
+            outcomes.append(None)
+        except er.InvalidInputError as err:
+            outcomes.append(str(err))
+    return outcomes

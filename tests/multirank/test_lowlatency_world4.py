@@ -1,4 +1,4 @@
-"""The fixed-shape decode mode (``make_dispatcher("lowlatency", ...)``) on 4 real gloo ranks."""
+"""The fixed-shape decode mode (``LowLatencyDispatcher``) on 4 real gloo ranks."""
 import pytest
 import torch
 
@@ -17,13 +17,15 @@ def test_lowlatency_without_host_sizes_gives_the_same_bits(world4, payload):
     assert world4.run(lowlatency_ranks.lowlatency_matches_normal, torch.bfloat16, payload, False) == [6] * 4
 
 
-def test_lowlatency_bad_input_on_one_rank_raises_on_every_rank(world4):
-    results = world4.run(lowlatency_ranks.lowlatency_bad_input)
+@pytest.mark.parametrize("plan_on_host", [True, False])
+def test_lowlatency_bad_input_on_one_rank_raises_on_every_rank(world4, plan_on_host):
+    results = world4.run(lowlatency_ranks.lowlatency_bad_input, plan_on_host)
     assert "max_tokens_per_rank=4" in results[2][0]
     assert all(r[0] and "EP rank(s) 2" in r[0] for i, r in enumerate(results) if i != 2)
     assert all(r[1] == (4, 16) for r in results)
     assert all(r[2] and "topk_weights must have one dtype on every EP rank" in r[2] for r in results)
-    for i, (bad_rank, text) in enumerate(((3, "values must be in [-1, 8), found 8"), (0, "found -2"),
+    for i, (bad_rank, text) in enumerate(((3, "values must be in [-1, 8) (num_experts=8, -1 = no expert), found 8"),
+                                          (0, "found -2"),
                                           (1, "lists the same expert twice"))):
         assert text in results[bad_rank][3][i]
         assert all(f"EP rank(s) {bad_rank}" in r[3][i] for rank, r in enumerate(results) if rank != bad_rank)
@@ -46,3 +48,11 @@ def test_lowlatency_refuses_gradients_and_stale_results_on_every_rank(world4):
 
 def test_lowlatency_carries_bf16_fp64_and_fp16_routing_weights_exactly(world4):
     assert world4.run(lowlatency_ranks.lowlatency_weight_dtypes) == [[True] * 6] * 4
+
+
+@pytest.mark.parametrize("plan_on_host", [True, False])
+def test_lowlatency_without_agreement_raises_on_the_bad_rank_alone_and_goes_on(world4, plan_on_host):
+    results = world4.run(lowlatency_ranks.lowlatency_errors_unagreed, plan_on_host)
+    shape, ids, healthy = results[1]
+    assert "hidden=16" in shape and "found 9" in ids and healthy is None
+    assert all(r == [None, None, None] for i, r in enumerate(results) if i != 1)

@@ -10,8 +10,8 @@ overlap of inference.
 How: each micro-batch's work runs as a task on its own thread (the caller's for the first,
 long-lived workers for the others), but only one task runs at a time. A task gives its turn
 away at a *switch point*, right after it has posted a row exchange and before it waits for it
-(`switch_point`, called by the dispatchers: `Pending.wait` and the backwards of dispatch and
-combine), and gets it back when the other task reaches one. Exchanges of a few numbers
+(`switch_point`, called by the dispatchers: the wait of a dispatch or combine in flight and
+the backwards of both), and gets it back when the other task reaches one. Exchanges of a few numbers
 (dispatch counts, the router's loads) are waited for without one. Every rank runs the same
 code, so every rank switches at the same places and issues its collectives in the same order:
 no collective can cross another.

@@ -23,54 +23,38 @@ _TAGS = 1 << 30
 
 
 class Transfer:
-    """An exchange in flight: ``wait()`` returns the received rows.
+    """Work in flight, the engine's one handle type: ``wait()`` waits for the posted ``works``
+    (collectives, or other Transfers), then runs ``then`` once on the result (the rest of an
+    operation: a dispatch's remaining hops, a combine's reverse, a concatenation) and returns
+    it; later waits return the same.
 
-    own_rows: where known, the rows this rank sends itself, already in place (valid before
-    ``wait()``): a next hop can start forwarding them while the other rows travel
-    (`route.SplitHop`).
+    result: what the works fill in (the received rows), or None. own_rows: where known, the
+    rows this rank sends itself, already in place (valid before ``wait()``): a next hop can
+    start forwarding them while the other rows travel (`route.SplitHop`).
     """
 
-    def __init__(self, out: torch.Tensor, work=None, finish=None, own_rows: torch.Tensor | None = None):
-        self._out, self._work, self._finish = out, work, finish
+    def __init__(self, result=None, works=(), then=None, own_rows: torch.Tensor | None = None):
+        self._result, self._works, self._then = result, list(works), then
         self.own_rows = own_rows
 
-    def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        if self._finish is not None:
-            self._out, self._finish = self._finish(self._out), None
-        return self._out
-
-
-class Later:
-    """The rest of an operation, run on the first ``wait()`` (after its first exchange was
-    posted: the remaining hops of a dispatch, the reverse of a combine); later waits return the
-    same result."""
-
-    def __init__(self, rest):
-        self._rest, self._result = rest, None
-
     def wait(self):
-        if self._rest is not None:
-            self._result, self._rest = self._rest(), None
+        for work in self._works:
+            work.wait()
+        self._works = []
+        if self._then is not None:
+            self._result, self._then = self._then(self._result), None
         return self._result
 
 
-class AllWorks:
-    """Several works (or Transfers) waited for as one."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self):
-        for w in self.works:
-            w.wait()
+def later(rest) -> Transfer:
+    """The rest of an operation, whose first exchange is posted, as a `Transfer`: ``rest()``
+    runs on the first ``wait()``."""
+    return Transfer(then=lambda _: rest())
 
 
-def concat_transfers(transfers: list) -> Later:
+def concat_transfers(transfers: list) -> Transfer:
     """The rows of ``transfers``, concatenated in order, on ``wait()``."""
-    return Later(lambda: torch.cat([t.wait() for t in transfers]))
+    return later(lambda: torch.cat([t.wait() for t in transfers]))
 
 
 class Channel:
@@ -156,11 +140,11 @@ class Channel:
             mine.copy_(sent[me])
         if not self.gloo:
             work = dist.all_to_all_single(out, rows, recv_splits, send_splits, group=self.group, async_op=True)
-            return Transfer(out, work, own_rows=mine)
+            return Transfer(out, [work], own_rows=mine)
         tag = self.reserve_tags(1)
         recvs = [(received[p], p, tag) for p, c in enumerate(recv_splits) if c and p != me]
         sends = [(sent[p], p, tag) for p, c in enumerate(send_splits) if c and p != me]
-        return Transfer(out, AllWorks(self.post(sends, recvs)), own_rows=mine)
+        return Transfer(out, self.post(sends, recvs), own_rows=mine)
 
     def all_gather(self, rows: torch.Tensor, counts: list) -> Transfer:
         """Start gathering every member's rows; the Transfer yields them concatenated in member
@@ -174,9 +158,9 @@ class Channel:
         out = allocate((len(counts) * most, *rows.shape[1:]), rows.dtype, rows.device)
         work = all_gather_single(out, padded, group=self.group, async_op=True)
         if all(c == most for c in counts):
-            return Transfer(out, work)
+            return Transfer(out, [work])
         keep = torch.cat([torch.arange(p * most, p * most + c, device=rows.device) for p, c in enumerate(counts)])
-        return Transfer(out, work, lambda full: full.index_select(0, keep))
+        return Transfer(out, [work], lambda full: full.index_select(0, keep))
 
 
 @dataclass
@@ -230,7 +214,7 @@ class LandingRuns:
                 continue
             sends += [(sent[a], p, first_tag + j) for j, a in enumerate(send[p]) if send_sizes[a]]
             recvs += [(landing[b], p, first_tag + j) for j, b in enumerate(recv[p]) if recv_sizes[b]]
-        return Transfer(out, AllWorks(self.channel.post(sends, recvs)))
+        return Transfer(out, self.channel.post(sends, recvs))
 
 
 LINK_CLASSES = ("self", "intra", "inter")

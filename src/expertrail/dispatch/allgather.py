@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from ..names import metadata_bytes
-from .base import Dispatcher, SourcePlan, weight_bits
+from .base import Dispatcher
+from .planning import SourcePlan, weight_bits
 from .dedup import local_ids_for
 from .route import AllGatherHop, Stage
 
@@ -18,7 +19,7 @@ class AllGatherDispatcher(Dispatcher):
     count_columns = 0
 
     def _plan_source(self, topk_idx):
-        return SourcePlan(topk_idx, self._no_counts())
+        return SourcePlan(topk_idx, self.agreement.no_counts())
 
     def _stages(self, topk_weights, plan, recv_counts, headers):
         topk_idx, g = plan.topk_idx, self.groups

@@ -21,7 +21,8 @@ import torch
 from ..kernels.torch_ops import CopyPositions, stable_argsort
 from ..names import metadata_bytes
 from ..comm.transport import LandingRuns
-from .base import Dispatcher, SourcePlan, bits_weight, padded_positions, weight_bits
+from .base import Dispatcher
+from .planning import SourcePlan, bits_weight, padded_positions, weight_bits
 from .config import AllToAllConfig
 from .route import AllToAllHop, ExpandHop, ExpertRows, InPlaceHop, LandingHop, Stage
 

@@ -1,8 +1,9 @@
-"""The Dispatcher API shared by every backend: validation, agreement, autograd, results.
+"""The Dispatcher: the verbs every backend shares (dispatch, combine, moe) and its results.
 
-A backend only says how rows travel (`_plan_source` and `_route`, see `route.py`); this module
-checks inputs, agrees on errors across ranks, drops tokens over capacity, pads expert rows,
-and wires dispatch and combine into autograd.
+A backend only says how rows travel (`_plan_source` and `_stages`, see `route.py`). The verbs
+check inputs (`checks`), agree across ranks before anything can go wrong (`agreement`), drop
+tokens over capacity (`routing.apply_capacity`), pad expert rows, and wire dispatch and combine
+into autograd (`autograd`).
 """
 from __future__ import annotations
 
@@ -11,72 +12,21 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import fp8
-from ..errors import ConfigError, InvalidInputError
-from ..kernels.torch_ops import cast, gather_rows, stable_argsort
-from .routing import TokenLayout, apply_capacity, compute_layout, expert_capacity
 from ..comm.schedule import wait_exchange
 from ..comm.topology import EPGroups, guarded
 from ..comm.transport import Transfer, TransferStats
+from ..errors import ConfigError, InvalidInputError
+from ..kernels import fp8
+from ..kernels.torch_ops import cast, gather_rows
 from ..kernels.workspace import Workspace
+from .agreement import Agreement
+from .autograd import CombineFunction, DispatchFunction
+from .checks import dispatch_problem, expert_out_problem
 from .config import DispatchConfig
-from .header import DTYPE_CODES, ERROR_KINDS, FIELDS, Header, Headers
+from .header import Header, Headers
+from .planning import SourcePlan, bits_weight, expand_local, padded_positions
 from .route import ExpandHop, ExpertRows, Route, Stage, own_block
-
-
-def weight_bits(weights: torch.Tensor) -> torch.Tensor:
-    """Float weights -> int64 bit patterns of their fp64 value (travel with int metadata)."""
-    return weights.to(torch.float64).contiguous().view(torch.int64)
-
-
-def bits_weight(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return bits.contiguous().view(torch.float64).to(dtype)
-
-
-def expand_local(local_ids: torch.Tensor, src_key: torch.Tensor | None = None, bound: int = 1):
-    """Expand received rows into (row, k, local expert) triples in expert-major order.
-
-    local_ids: int64 [R, K] local expert of each slot, -1 where the slot is not for this rank.
-    Rows must arrive in (source rank, source token) order, or give ``src_key [R] < bound`` that
-    sorts them so. Returns row, k, expert: int64 [M] each.
-    """
-    row, k = torch.nonzero(local_ids >= 0).unbind(1)
-    expert = local_ids[row, k]
-    key = expert if src_key is None else expert * bound + src_key.index_select(0, row)
-    order = stable_argsort(key)
-    return row.index_select(0, order), k.index_select(0, order), expert.index_select(0, order)
-
-
-def padded_positions(expert: torch.Tensor, real: torch.Tensor, padded: torch.Tensor) -> torch.Tensor:
-    """Row of each real output row in the padded expert-major output.
-
-    expert: int64 [M_real] local expert of each row, in output order; real / padded: int64
-    [E_local] rows per expert without / with padding.
-    """
-    position = torch.arange(expert.numel(), device=expert.device) - (torch.cumsum(real, 0) - real)[expert]
-    return (torch.cumsum(padded, 0) - padded)[expert] + position
-
-
-@dataclass
-class SourcePlan:
-    """What a backend plans on the source rank before any exchange (`Dispatcher._plan_source`).
-
-    topk_idx: int64 [N, K], after capacity drops
-    counts: int64 [P, C] sent to every EP peer in the control exchange (``count_columns``)
-    token: int64 [R] the token each row of the first hop copies, grouped by destination member
-        (None when the first hop sends the tokens as they are: allgather)
-    send_splits: rows per member of the first hop's channel; me: this rank's index in it
-    dest: int64 [R] destination member of each sent row (dedup: EP rank, hierarchical: domain)
-    pairs: alltoall: the (token, k) pair ``n * K + k`` of each sent row
-    """
-
-    topk_idx: torch.Tensor
-    counts: torch.Tensor
-    token: torch.Tensor | None = None
-    send_splits: list | None = None
-    me: int | None = None
-    dest: torch.Tensor | None = None
-    pairs: torch.Tensor | None = None
+from .routing import TokenLayout, apply_capacity, compute_layout, expert_capacity
 
 
 @dataclass
@@ -146,6 +96,7 @@ class Dispatcher:
         self.rank_of_expert = groups.rank_of_expert(self.num_experts)
         self.local_of_expert = torch.arange(self.num_experts, device=groups.device) % self.num_local_experts
         self.workspace = Workspace()
+        self.agreement = Agreement(self.name, groups, self.count_columns)
 
     # ---------------------------------------------------------------- public verbs
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -161,20 +112,21 @@ class Dispatcher:
             return self._dispatch(x, topk_idx, topk_weights, async_op)
 
     def _dispatch(self, x, topk_idx, topk_weights, async_op):
-        error, message = self._check_inputs(x, topk_idx, topk_weights)
+        error, message = dispatch_problem(f"{self.name} dispatch on EP rank {self.groups.ep_rank}", x, topk_idx,
+                                          topk_weights, self.config.hidden, self.groups.device, self.num_experts)
         topk_idx = topk_idx.long() if error == 0 else topk_idx
         if error == 0 and self.config.capacity_factor is not None:
             topk_idx = apply_capacity(topk_idx, topk_weights.detach(), self.num_experts,
                                       self.config.capacity_factor, self.config.drop_policy)
         plan = self._plan_source(topk_idx) if error == 0 else None
-        control = self._start_control(plan.counts if plan else self._no_counts(),
-                                      Header.of(x, topk_idx, topk_weights, error).pack())
+        control = self.agreement.start(plan.counts if plan else self.agreement.no_counts(),
+                                       Header.of(x, topk_idx, topk_weights, error).pack())
         # While the counts travel, quantize (fp8) and gather the rows the first hop will send
         # (local work only: nothing is sent before every rank's input is known to be valid).
         wire = fp8.quantize(x.detach()) if plan and self.config.payload == "fp8" else x.detach()
         sent = self._gather_first(wire, plan) if plan else None
         # A few numbers: waited for without giving the turn to another micro-batch (`schedule`).
-        recv_counts, headers = wait_exchange("dispatch counts", lambda: self._finish_control(control, message),
+        recv_counts, headers = wait_exchange("dispatch counts", lambda: self.agreement.finish_dispatch(control, message),
                                              give_turn=False)
         with torch.no_grad():
             route = self._route(topk_weights.detach(), plan, recv_counts, headers)
@@ -182,7 +134,7 @@ class Dispatcher:
             transfer = route.forward(wire, async_op=True, sent=sent)
         control_bytes = recv_counts.numel() * 8 + headers.nbytes
         wire_bytes = wire.shape[1] * wire.element_size()
-        pending = Pending("dispatch", route, lambda: self._dispatch_result(
+        pending = _in_flight("dispatch", route, lambda: self._dispatch_result(
             x, topk_weights, route, transfer.wait(), wire_bytes, control_bytes, headers.needs_grad))   # agreed
         return pending if async_op else pending.wait()
 
@@ -200,7 +152,7 @@ class Dispatcher:
         stats = route.stats(row_bytes, self.groups.ep_rank, self.groups.domain_size)
         stats.control_bytes = control_bytes
         if attach_grad:
-            tokens, weights = _DispatchFunction.apply(x, topk_weights, route, tokens, weights)
+            tokens, weights = DispatchFunction.apply(x, topk_weights, route, tokens, weights)
         shown = weights.clone() if self.weights_at == "source" else weights     # a copy to read: see weights_at
         return DispatchResult(tokens=tokens, tokens_per_expert=route.tokens_per_expert,
                               real_tokens_per_expert=route.real_tokens_per_expert, weights=shown, stats=stats,
@@ -222,7 +174,7 @@ class Dispatcher:
         Collective over the EP group: a rank whose expert_out is invalid (shape, dtype, device)
         or whose call differs (one rank needs gradients, another not) makes every rank raise
         `InvalidInputError` as soon as the first exchange lands, never a timeout (see
-        `_start_combine_flags`).
+        `agreement.Agreement.start_combine`).
         """
         with res.route.running(f"{self.name} combine") if isinstance(res, DispatchResult) else \
                 guarded(f"{self.name} combine", self.groups):
@@ -232,7 +184,8 @@ class Dispatcher:
         if not isinstance(res, DispatchResult):
             raise InvalidInputError(f"{self.name} combine: res must be the DispatchResult that dispatch returned, "
                                     f"got {type(res).__name__}")
-        error, message = self._check_expert_out(expert_out, res)
+        error, message = expert_out_problem(f"{self.name} combine on EP rank {self.groups.ep_rank}", expert_out,
+                                            res.tokens.shape[0], res.tokens.shape[1], res.tokens.device)
         if error:   # take part with zero rows of the agreed shape, so that no peer waits; raise in agreement
             rows = res.tokens.new_zeros(res.tokens.shape, dtype=res.dtype)
         else:
@@ -240,58 +193,14 @@ class Dispatcher:
         at_source = weighted and self.weights_at == "source"
         weights = None if not weighted else res.routed_weights if at_source else res.weights
         needs_grad = torch.is_grad_enabled() and (rows.requires_grad or (weights is not None and weights.requires_grad))
-        flags = self._start_combine_flags(error, needs_grad)
+        flags = self.agreement.start_combine(error, needs_grad)
         res.combine_stats = res.route.stats(rows.shape[1] * rows.element_size(), self.groups.ep_rank,
                                             self.groups.domain_size, backward=True)
         with torch.no_grad():
             transfer = res.route.transpose_async(rows, weights, at_source=at_source,
-                                                 agree=lambda: self._finish_combine_flags(flags, message))
-        pending = Pending("combine", res.route, lambda: _CombineFunction.apply(rows, weights, res.route, transfer))
+                                                 agree=lambda: self.agreement.finish_combine(flags, message))
+        pending = _in_flight("combine", res.route, lambda: CombineFunction.apply(rows, weights, res.route, transfer))
         return pending if async_op else pending.wait()
-
-    def _check_expert_out(self, expert_out, res: DispatchResult) -> tuple[int, str | None]:
-        """(error kind, message) for this rank's ``expert_out``; (0, None) when valid."""
-        where = f"{self.name} combine on EP rank {self.groups.ep_rank}"
-        rows, hidden = res.tokens.shape
-        if not isinstance(expert_out, torch.Tensor):
-            return 1, f"{where}: expert_out must be a tensor [{rows}, {hidden}], got {type(expert_out).__name__}"
-        if expert_out.dim() != 2 or expert_out.shape[0] != rows:
-            return 1, (f"{where}: expert_out must be [{rows}, {hidden}] (one row per res.tokens row), "
-                       f"got {tuple(expert_out.shape)}")
-        if expert_out.shape[1] != hidden:
-            return 1, (f"{where}: expert_out has width {expert_out.shape[1]} but dispatch moved rows of hidden "
-                       f"size {hidden}; the experts must return rows of the dispatched hidden size")
-        if not expert_out.is_floating_point():
-            return 2, f"{where}: expert_out must be floating point, got {expert_out.dtype}"
-        if expert_out.device != res.tokens.device:
-            return 3, (f"{where}: expert_out is on {expert_out.device} but res.tokens is on {res.tokens.device}; "
-                       f"move it with .to('{res.tokens.device}')")
-        return 0, None
-
-    def _start_combine_flags(self, error: int, needs_grad: bool) -> Transfer:
-        """Send every EP peer this rank's combine flags (error kind, needs gradients): one int64
-        row per peer, posted just before the rows.
-
-        The rows themselves cannot carry them: a rank in error still sends rows of the agreed
-        shape (zeros), and every rank reads the flags when the first reverse exchange has landed,
-        before anything else is sent, so all ranks stop at the same point. Cost: one small
-        message per peer beside the rows, no extra round trip (benchmarks/combine_flags.py).
-        """
-        no_counts = torch.empty(self.groups.ep_size, 0, dtype=torch.int64, device=self.groups.device)
-        return self._start_control(no_counts, [error, int(needs_grad)])
-
-    def _finish_combine_flags(self, flags: Transfer, message: str | None) -> None:
-        """Wait for the peers' combine flags; raise on every rank if any rank is in error or
-        the ranks disagree on gradients."""
-        received = flags.wait()
-        self._raise_agreed_error(received[:, 0].tolist(), message, "combine", "expert_out")
-        grads = received[:, 1].tolist()
-        if len(set(grads)) > 1:
-            shown = ", ".join(f"rank {r}={bool(g)}" for r, g in enumerate(grads))
-            raise InvalidInputError(
-                f"{self.name} combine: whether gradients are needed differs across EP ranks ({shown}); "
-                "combine's backward is collective, so every rank must combine with expert outputs (or weights) "
-                "that require grad alike, under the same torch.no_grad() setting")
 
     def moe(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, experts,
             num_chunks: int = 1, weighted: bool = True) -> torch.Tensor:
@@ -327,67 +236,6 @@ class Dispatcher:
         return None if plan.token is None else gather_rows(x, plan.token, own_block(plan.send_splits, plan.me))
 
     count_columns = 1
-
-    # ---------------------------------------------------------------- shared machinery
-    def _no_counts(self) -> torch.Tensor:
-        return torch.zeros(self.groups.ep_size, self.count_columns, dtype=torch.int64, device=self.groups.device)
-
-    def _start_control(self, counts: torch.Tensor, header: list) -> Transfer:
-        """Start the all-to-all of counts [P, C] plus ``header`` (int64 values, the same to
-        every peer: a packed `Header`, or combine's flags)."""
-        p = self.groups.ep_size
-        head = torch.tensor(header, dtype=torch.int64, device=counts.device).expand(p, -1)
-        return self.groups.ep_channel.all_to_all(torch.cat([counts, head], 1), [1] * p, [1] * p)
-
-    def _finish_control(self, transfer: Transfer, message: str | None) -> tuple[torch.Tensor, Headers]:
-        """Wait for the control exchange -> (recv_counts [P, C], every rank's `Headers`);
-        raise on every rank if any rank is in error or the calls do not match."""
-        recv = transfer.wait()
-        recv_counts, headers = recv[:, :-len(FIELDS)], Headers(recv[:, -len(FIELDS):])
-        self._raise_agreed_error(headers.column("error").tolist(), message, "dispatch", "input")
-        headers.check(self.name)
-        return recv_counts, headers
-
-    def _raise_agreed_error(self, errors: list, message: str | None, verb: str, subject: str) -> None:
-        """Raise on every rank if any EP rank reported an error kind (``errors``, one per EP
-        rank): this rank's own ``message`` where it is the one in error, else the ranks to look at."""
-        if any(errors):
-            if message:
-                raise InvalidInputError(message)
-            bad = ", ".join(f"EP rank {r} ({ERROR_KINDS.get(c, c)})" for r, c in enumerate(errors) if c)
-            raise InvalidInputError(f"{self.name} {verb} aborted on EP rank {self.groups.ep_rank}: invalid {subject} "
-                                    f"on {bad}; see the error raised on that rank")
-
-    def _check_inputs(self, x, topk_idx, topk_weights) -> tuple[int, str | None]:
-        """(error kind, message) for this rank's inputs; (0, None) when valid."""
-        where = f"{self.name} dispatch on EP rank {self.groups.ep_rank}"
-        if x.dim() != 2:
-            return 1, f"{where}: x must be [N, H], got shape {tuple(x.shape)}"
-        if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
-            return 1, f"{where}: topk_idx must be [N={x.shape[0]}, K], got {tuple(topk_idx.shape)}"
-        if topk_weights.shape != topk_idx.shape:
-            return 1, (f"{where}: topk_weights {tuple(topk_weights.shape)} must have the shape of topk_idx "
-                       f"{tuple(topk_idx.shape)} (same N and K)")
-        if self.config.hidden is not None and x.shape[1] != self.config.hidden:
-            return 1, f"{where}: x has hidden size {x.shape[1]} but the dispatcher was built with hidden={self.config.hidden}"
-        if x.dtype not in DTYPE_CODES:
-            return 2, f"{where}: x must be float32, bfloat16, float16 or float64, got {x.dtype}"
-        if topk_idx.dtype.is_floating_point or topk_idx.dtype == torch.bool or topk_idx.is_complex():
-            return 2, f"{where}: topk_idx must be an integer tensor (int64), got {topk_idx.dtype}"
-        if not topk_weights.is_floating_point():
-            return 2, f"{where}: topk_weights must be floating point, got {topk_weights.dtype}"
-        for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
-            if t.device != self.groups.device:
-                return 3, (f"{where}: {name} is on {t.device} but this EP group communicates on "
-                           f"{self.groups.device}; move it with .to('{self.groups.device}')")
-        if topk_idx.numel():
-            low, high = (int(v) for v in torch.aminmax(topk_idx))
-            if low < -1 or high >= self.num_experts:
-                return 4, (f"{where}: topk_idx values must be in [-1, {self.num_experts}) (num_experts="
-                           f"{self.num_experts}, -1 = no expert), found {low if low < -1 else high}")
-        if not bool(torch.isfinite(topk_weights).all()):
-            return 5, f"{where}: topk_weights holds NaN or Inf; check the router output"
-        return 0, None
 
     def _padded_counts(self, real: torch.Tensor, headers: Headers) -> torch.Tensor:
         rows = real
@@ -428,69 +276,10 @@ class Dispatcher:
                 f"capacity_factor={self.config.capacity_factor})")
 
 
-class Pending:
-    """A dispatch or combine whose rows are in flight; ``wait()`` returns its result (the
-    DispatchResult, or y [N, H]), computed once."""
-
-    def __init__(self, verb: str, route: Route, finish):
-        self.verb, self.route, self._finish, self._result = verb, route, finish, None
-
-    def wait(self):
-        if self._finish is not None:
-            with self.route.running(f"{self.verb} (wait)"):    # another micro-batch may run meanwhile
-                self._result = wait_exchange(self.verb, self._finish)
-            self._finish = None
-        return self._result
-
-
-class _DispatchFunction(torch.autograd.Function):
-    """Attaches precomputed dispatch outputs to the graph; backward is the route's transpose."""
-
-    @staticmethod
-    def forward(ctx, x, topk_weights, route, tokens, weights):
-        ctx.route = route
-        ctx.x_dtype = x.dtype
-        ctx.tokens_differentiable = tokens.dtype != fp8.FP8    # fp8 rows for FP8 experts: no gradient path
-        if not ctx.tokens_differentiable:
-            ctx.mark_non_differentiable(tokens)
-        return tokens, weights
-
-    @staticmethod
-    def backward(ctx, grad_tokens, grad_weights):
-        # needs_input_grad agrees across ranks (checked in dispatch), so all ranks run the same
-        # collectives here.
-        route = ctx.route
-        with route.running("dispatch backward"):
-            rows_back = route.transpose_async(grad_tokens, out_dtype=ctx.x_dtype) \
-                if ctx.needs_input_grad[0] and ctx.tokens_differentiable else None
-            # Delayed weight gradients and another micro-batch run while the rows travel.
-            grad_x = wait_exchange("dispatch backward", rows_back.wait) if rows_back is not None else None
-            grad_w = route.weights_transpose(grad_weights) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None, None
-
-
-class _CombineFunction(torch.autograd.Function):
-    """y = route^T(w * out), computed by ``transfer``; backward dispatches grad_y along the
-    route (one exchange) and scales it locally."""
-
-    @staticmethod
-    def forward(ctx, expert_out, weights, route, transfer):
-        ctx.route = route
-        ctx.save_for_backward(expert_out, weights)
-        return transfer.wait()
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        expert_out, weights = ctx.saved_tensors
-        with ctx.route.running("combine backward"):
-            rows_out = ctx.route.forward(grad_y.contiguous(), async_op=True)
-            grad_rows = wait_exchange("combine backward", rows_out.wait)
-        if weights is None:
-            return grad_rows.to(expert_out.dtype), None, None, None
-        acc = torch.promote_types(torch.float32, weights.dtype)
-        grad_out = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_out = (grad_rows.to(acc) * weights.to(acc).unsqueeze(1)).to(expert_out.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = (grad_rows.to(acc) * expert_out.to(acc)).sum(1).to(weights.dtype)
-        return grad_out, grad_w, None, None
+def _in_flight(verb: str, route: Route, finish) -> Transfer:
+    """A dispatch or combine whose rows are in flight: ``wait()`` runs ``finish`` (once) on the
+    route's group, where another micro-batch may run while the rows travel (`schedule`)."""
+    def rest(_):
+        with route.running(f"{verb} (wait)"):
+            return wait_exchange(verb, finish)
+    return Transfer(then=rest)

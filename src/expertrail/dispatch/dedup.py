@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from ..names import metadata_bytes
-from .base import Dispatcher, SourcePlan, weight_bits
+from .base import Dispatcher
+from .planning import SourcePlan, weight_bits
 from .route import AllToAllHop, Stage
 
 

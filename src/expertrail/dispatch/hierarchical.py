@@ -11,7 +11,8 @@ import torch
 
 from ..names import metadata_bytes
 from .routing import token_membership
-from .base import Dispatcher, SourcePlan, weight_bits
+from .base import Dispatcher
+from .planning import SourcePlan, weight_bits
 from .dedup import local_ids_for
 from .route import AllToAllHop, SplitHop, Stage
 

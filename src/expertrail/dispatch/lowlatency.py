@@ -43,7 +43,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..kernels import fp8
 from .. import kernels
@@ -51,6 +50,8 @@ from ..errors import ConfigError, InvalidInputError
 from ..kernels.torch_ops import CopyPositions, cast
 from ..comm.schedule import wait_exchange
 from ..comm.topology import EPGroups, guarded
+from ..kernels.workspace import Workspace
+from .checks import ids_problem, input_problem
 from .lowlatency_plan import HEADER_WORDS, WEIGHT_DTYPES, DevicePlan, HostPlan
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -76,6 +77,7 @@ class LowLatencyResult:
     _dtype: torch.dtype
     _owner: "LowLatencyDispatcher"  # whose buffers hold the rows
     _call: int                      # which of its dispatches made them
+    _error: str | None = None       # this rank's invalid input, raised by combine (without agree_on_errors)
 
     def stale(self) -> str | None:
         """Why this result's rows are no longer there (a later dispatch overwrote them), or None."""
@@ -118,8 +120,9 @@ class LowLatencyDispatcher:
         dequantize: with fp8, hand the experts rows in ``dtype`` (True) or fp8 values and scales.
         agree_on_errors: read every rank's error flag after each exchange, so that invalid input
             on one rank raises on all (default: on CPU; on CUDA reading it is a host sync, so
-            there it is off unless asked for, and an invalid rank sends empty blocks and raises
-            alone).
+            there it is off unless asked for). Without it an invalid rank sends empty blocks,
+            still receives and packs its peers' rows, and raises alone in its combine, once that
+            exchange is done too, so its peers (whose outputs lack its tokens only) stay in step.
     Construction is collective over the EP group; every rank must pass the same arguments, and
     every rank's ``topk_weights`` must have one dtype (checked with ``agree_on_errors``).
     """
@@ -158,13 +161,18 @@ class LowLatencyDispatcher:
         self._words = HEADER_WORDS + 2 * t * local
         self._block = t + _rows_for(8 * self._words, width * wire.itemsize)
         self._back_block = t + _rows_for(8 * HEADER_WORDS, self.hidden * dtype.itemsize)
-        self._send = torch.zeros(p * self._block, width, dtype=wire, device=dev)
-        self._recv = torch.zeros_like(self._send)
+        # Every buffer comes from the dispatcher's Workspace (as the normal mode's), held for good.
+        self.workspace = Workspace()
+
+        def zeros(*shape, dtype):
+            return self.workspace.empty(shape, dtype, dev).zero_()
+        self._send = zeros(p * self._block, width, dtype=wire)
+        self._recv = zeros(p * self._block, width, dtype=wire)
         # The experts' rows (+ a scratch row that slots nobody fills are written to on CUDA).
         packed_width, packed_dtype = (width, wire) if quantized and not dequantize else (self.hidden, dtype)
-        self._packed = torch.zeros(local * p * t + 1, packed_width, dtype=packed_dtype, device=dev)
-        self._back_send = torch.zeros(p * self._back_block, self.hidden, dtype=dtype, device=dev)
-        self._back = torch.zeros_like(self._back_send)
+        self._packed = zeros(local * p * t + 1, packed_width, dtype=packed_dtype)
+        self._back_send = zeros(p * self._back_block, self.hidden, dtype=dtype)
+        self._back = zeros(p * self._back_block, self.hidden, dtype=dtype)
         # Views of each buffer's row slots (made once: the buffers never move).
         self._send_slots = self._send.view(p, self._block, -1)[:, :t]                 # [P, T, C]: slot s = token s
         self._back_slots = self._back_send.view(p, self._back_block, -1)[:, :t]       # [P, T, H]: slot s = token s
@@ -211,10 +219,17 @@ class LowLatencyDispatcher:
             got = self._exchange(self._send, self._recv)
             wait_exchange("lowlatency dispatch", got.wait)
             failed, codes = plan.received_header()
-            self._raise_if_any_failed(message, failed, "dispatch")
+            if message is None and plan.rejected is not None:
+                message = self._verdict_on_ids(plan.rejected, topk_idx)
             if self.agree_on_errors:
+                self._raise_if_any_failed(message, failed, "dispatch")
                 self._check_weight_dtypes(codes, topk_weights.dtype)
-            return self._packed_rows(*plan.expansion(topk_weights.dtype), self._token_copies(x.shape[0]))
+            # Without agreement a rank in error still packs its peers' rows (its experts owe them
+            # their outputs) and raises in its combine: one exchange each way on every rank.
+            weights_dtype = topk_weights.dtype if message is None else self.dtype
+            res = self._packed_rows(*plan.expansion(weights_dtype), self._token_copies(0 if message else x.shape[0]))
+            res._error = message
+            return res
 
     def _plan(self):
         """The planner of this call: on the host (numpy) or on the device (torch)."""
@@ -281,6 +296,8 @@ class LowLatencyDispatcher:
             back = self._exchange(self._back_send, self._back)
             wait_exchange("lowlatency combine", back.wait)
             self._raise_if_any_failed(message, plan.back_failed(), "combine")
+            if res._error is not None:                       # this rank's dispatch input, unagreed
+                raise InvalidInputError(res._error)
             return cast(kernels.reduce_copies(self._back, res._token_copies, None, self.dtype), res._dtype)
 
     # ------------------------------------------------------------------ shared
@@ -292,31 +309,42 @@ class LowLatencyDispatcher:
         return buffer.view(torch.uint8).view(p, -1)[:, start:start + 8 * words]
 
     def _exchange(self, rows: torch.Tensor, out: torch.Tensor):
-        """Every peer's block of ``rows`` to it, theirs into ``out`` (posted, not waited): one
-        collective of equal blocks."""
-        return dist.all_to_all_single(out, rows, group=self.groups.ep_group, async_op=True)
+        """Every peer's block of ``rows`` to it, theirs into ``out`` (posted, not waited): the
+        EP channel's all-to-all of equal blocks, as the normal mode's exchanges."""
+        blocks = [rows.shape[0] // self.groups.ep_size] * self.groups.ep_size
+        return self.groups.ep_channel.all_to_all(rows, blocks, blocks, out=out)
 
     def _check(self, x, topk_idx, topk_weights, recording: bool) -> str | None:
+        """The normal mode's input checks (`checks.input_problem`), then this mode's own: at
+        most T tokens, x in the buffers' dtype, a supported weights dtype, nothing that needs
+        gradients. The ids' values are checked by the plan (on the host, or on the device)."""
         where = self._where
-        if x.dim() != 2 or x.shape[1] != self.hidden or x.shape[0] > self.max_tokens:
-            return (f"{where}: x must be [N <= max_tokens_per_rank={self.max_tokens}, hidden={self.hidden}], got "
-                    f"{tuple(x.shape)}; build the dispatcher with a larger max_tokens_per_rank or dispatch in parts")
+        _, message = input_problem(where, x, topk_idx, topk_weights, self.hidden, self.groups.device)
+        if message is not None:
+            return message
+        if x.shape[0] > self.max_tokens:
+            return (f"{where}: x has {x.shape[0]} tokens but max_tokens_per_rank={self.max_tokens}; build the "
+                    "dispatcher with a larger max_tokens_per_rank or dispatch in parts")
         if x.dtype != self.dtype:
             return f"{where}: x is {x.dtype} but the dispatcher's buffers are {self.dtype}; pass x.to({self.dtype})"
-        if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] or topk_weights.shape != topk_idx.shape:
-            return (f"{where}: topk_idx and topk_weights must both be [N={x.shape[0]}, K], got "
-                    f"{tuple(topk_idx.shape)} and {tuple(topk_weights.shape)}")
-        if topk_idx.dtype.is_floating_point or topk_weights.dtype not in WEIGHT_DTYPES:
-            return (f"{where}: topk_idx must be integer and topk_weights one of "
-                    f"{', '.join(map(str, WEIGHT_DTYPES))}, got {topk_idx.dtype}, {topk_weights.dtype}")
-        if x.device != self.groups.device or topk_idx.device != x.device or topk_weights.device != x.device:
-            return (f"{where}: x, topk_idx and topk_weights must be on {self.groups.device} (the EP group's device), "
-                    f"got {x.device}, {topk_idx.device}, {topk_weights.device}")
+        if topk_weights.dtype not in WEIGHT_DTYPES:
+            return f"{where}: topk_weights must be one of {', '.join(map(str, WEIGHT_DTYPES))}, got {topk_weights.dtype}"
         if recording and (x.requires_grad or topk_weights.requires_grad):
             return (f"{where}: x.requires_grad={x.requires_grad}, topk_weights.requires_grad="
                     f"{topk_weights.requires_grad}, but the lowlatency mode records no autograd (its output would be "
                     "cut from the graph): run decode under torch.no_grad() or torch.inference_mode(), or train "
                     "through a normal-mode dispatcher (make_dispatcher('dedup', ...))")
+        return None
+
+    def _verdict_on_ids(self, rejected: torch.Tensor, topk_idx: torch.Tensor) -> str | None:
+        """The device plan's check of the ids' values (``rejected``, a device bool): read where
+        the ranks agree on errors (or on CPU) and turned into this rank's message; elsewhere
+        asserted on the device, which reads nothing on the host (a failed assert stops the
+        CUDA stream rather than letting the rank's tokens go missing silently)."""
+        if self.agree_on_errors or rejected.device.type == "cpu":
+            return ids_problem(self._where, topk_idx, self.num_experts) if bool(rejected) else None
+        torch._assert_async(~rejected, f"{self._where}: topk_idx values must be in [-1, {self.num_experts}) and "
+                                       "differ within a token")
         return None
 
     def _raise_if_any_failed(self, message: str | None, failed: torch.Tensor, verb: str) -> None:

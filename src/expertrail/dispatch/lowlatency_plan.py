@@ -11,9 +11,14 @@ Two planners make the same plan through one interface:
 - `HostPlan` (CPU ranks): numpy on views of the buffers' tails (shared memory, no copies). A
   decode step's metadata is a few hundred numbers, and a torch call costs its dispatcher
   overhead whatever its size (5-30 us with 4 ranks on 2 cores, most of a step's CPU time:
-  docs/benchmarks.md), numpy's a few us. It also checks the expert ids' values.
+  docs/benchmarks.md), numpy's a few us.
 - `DevicePlan` (CUDA): torch on the device, with nothing read on the host (that would be a
-  sync; the ids are trusted), so a decode step can be captured in a CUDA graph.
+  sync), so a decode step can be captured in a CUDA graph.
+
+Both check the expert ids' values (in [-1, E), none twice in a token): the host plan on the
+host, with the message; the device plan on the device, into the header's error flag and
+`DevicePlan.rejected` (a device bool), which the dispatcher reads where it agrees on errors
+and asserts on the device where it does not.
 
 The tests run both on CPU and compare each with the normal mode bit for bit.
 """
@@ -23,6 +28,7 @@ import numpy as np
 import torch
 
 from ..kernels.torch_ops import CopyPositions, cast
+from .checks import TWICE, id_range_message
 
 HEADER_WORDS = 2                  # fp64 words at the head of each metadata tail: error flag, weights dtype
 # Routing weights travel as fp64 (exact for each of these) with their dtype's index beside them.
@@ -55,6 +61,8 @@ class _Plan:
 class HostPlan(_Plan):
     """The plan in numpy on views of the tails (CPU buffers only)."""
 
+    rejected = None                   # the ids are checked in `write`, with the message
+
     def __init__(self, *args):
         super().__init__(*args)
         p, t, local = self.ep_size, self.max_tokens, self.local
@@ -77,7 +85,7 @@ class HostPlan(_Plan):
         idx = topk_idx.numpy() if message is None else None
         low, high = (int(idx.min()), int(idx.max())) if idx is not None and idx.size else (-1, -1)
         if low < -1 or high >= self.num_experts:
-            message = f"{where}: topk_idx values must be in [-1, {self.num_experts}), found {low if low < -1 else high}"
+            message = id_range_message(where, self.num_experts, low if low < -1 else high)
         if message is None:
             token, k = np.nonzero(idx >= 0)
             peer, expert = np.divmod(idx[token, k], self.local)
@@ -89,7 +97,7 @@ class HostPlan(_Plan):
                 table[peer, token, 1, expert] = weights[token, k]
             else:                                                  # fewer flags than ids: one listed twice
                 table[...] = 0
-                message = f"{where}: a token lists the same expert twice in topk_idx; each of its K experts must differ"
+                message = f"{where}: {TWICE}"
         self._send_header[:] = (1.0, -1.0) if message else (0.0, WEIGHT_DTYPES.index(topk_weights.dtype))
         return message
 
@@ -137,20 +145,28 @@ class DevicePlan(_Plan):
         self._before_expert = torch.arange(local, device=dev) * self.slots - 1
 
     def write(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, message: str | None, where: str) -> str | None:
-        """As `HostPlan.write`, but the ids are trusted (checking their values is a host sync);
-        returns ``message``."""
+        """As `HostPlan.write`, checking the ids' values on the device: ids out of range or
+        listed twice in a token make the header say failed and every slot empty, and set
+        ``rejected`` (a device bool; nothing read on the host). Returns ``message``."""
+        self.rejected = None
         if message is not None:
             self._send_table.zero_()
-        else:
-            n, e = topk_idx.shape[0], self.num_experts
-            column = topk_idx.long().masked_fill(topk_idx < 0, e)                # dropped slots: a spare column
-            table = torch.zeros(n, 2, e + 1, dtype=torch.float64, device=topk_idx.device)
-            table[:, 0].scatter_(1, column, 1.0)
-            table[:, 1].scatter_(1, column, topk_weights.detach().double())
-            table = table[:, :, :e].view(n, 2, self.ep_size, self.local)
-            self._send_table[:, :n] = table.permute(2, 0, 1, 3).view(torch.uint8)
-            self._send_table[:, n:] = 0
-        self.send_tail[:, :8 * HEADER_WORDS] = self._headers[-1 if message else WEIGHT_DTYPES.index(topk_weights.dtype)]
+            self.send_tail[:, :8 * HEADER_WORDS] = self._headers[-1]
+            return message
+        n, e = topk_idx.shape[0], self.num_experts
+        idx = topk_idx.long()
+        listed = (idx >= 0) & (idx < e)
+        column = idx.masked_fill(~listed, e)                                   # dropped or invalid: a spare column
+        table = torch.zeros(n, 2, e + 1, dtype=torch.float64, device=idx.device)
+        table[:, 0].scatter_(1, column, 1.0)
+        table[:, 1].scatter_(1, column, topk_weights.detach().double())
+        flags = table[:, 0, :e].sum(1)
+        self.rejected = ((idx < -1) | (idx >= e)).any() | (flags != listed.sum(1)).any()   # out of range, or twice
+        table = table[:, :, :e].mul_(~self.rejected).view(n, 2, self.ep_size, self.local)
+        self._send_table[:, :n] = table.permute(2, 0, 1, 3).view(torch.uint8)
+        self._send_table[:, n:] = 0
+        header = self._headers[WEIGHT_DTYPES.index(topk_weights.dtype)]
+        self.send_tail[:, :8 * HEADER_WORDS] = torch.where(self.rejected, self._headers[-1], header)
         return message
 
     def received_header(self) -> tuple:

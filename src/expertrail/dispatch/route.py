@@ -21,7 +21,7 @@ import torch
 from .. import kernels
 from ..kernels.torch_ops import CopyPositions, stable_argsort
 from ..comm.topology import guarded
-from ..comm.transport import AllWorks, Channel, LandingRuns, Later, Transfer, TransferStats, concat_transfers, link_class
+from ..comm.transport import Channel, LandingRuns, Transfer, TransferStats, concat_transfers, later, link_class
 from ..kernels.workspace import Workspace, allocate, allocate_zeros
 
 
@@ -330,26 +330,27 @@ class SplitHop:
         out = allocate((split + sum(self.late.recv_splits), *own_rows.shape[1:]), own_rows.dtype, own_rows.device)
         early = self.early.forward(own_rows, async_op=True, out=out[:split])
         late = self.late.forward(level.wait() if in_flight else level, async_op=True, out=out[split:])
-        transfer = Transfer(out, AllWorks([early, late]))
+        transfer = Transfer(out, [early, late])
         return transfer if async_op else transfer.wait()
 
-    def send_meta(self, meta: list) -> Later:
+    def send_meta(self, meta: list) -> Transfer:
         """Metadata [early's, late's], received as early's then late's (as the rows)."""
         return concat_transfers([part.send_meta(m) for part, m in zip((self.early, self.late), meta)])
 
-    def send_back(self, rows: torch.Tensor) -> "_SplitBack":
-        """Start the reverse exchanges, late's rows first."""
+    def send_back(self, rows: torch.Tensor) -> tuple:
+        """Start the reverse exchanges, late's rows first -> (early's, late's) Transfers."""
         split = sum(self.early.recv_splits)
         late = self.late.send_back(rows[split:])
-        return _SplitBack(early=self.early.send_back(rows[:split]), late=late)
+        return self.early.send_back(rows[:split]), late
 
-    def reverse(self, back: "_SplitBack", before: AllToAllHop | None, dtype: torch.dtype, landed):
+    def reverse(self, back: tuple, before: AllToAllHop | None, dtype: torch.dtype, landed):
         """See `AllToAllHop.reverse`; ``before``'s reverse exchange starts once late's rows are summed."""
-        late = back.late.wait()
+        early, late = back
+        late = late.wait()
         try:
             weights = landed()
         except BaseException:
-            back.early.wait()             # raise with nothing of this hop left in flight
+            early.wait()                  # raise with nothing of this hop left in flight
             raise
         if weights is not None:
             raise ValueError("a split hop is never a route's first hop, whose reduce alone takes weights")
@@ -357,9 +358,9 @@ class SplitHop:
         start, end = self.own
         if before is not None and before.can_fill_own_later:
             pending = before.send_back(summed, own_later=True)
-            pending.own_rows.copy_(self.early.reduce(back.early.wait(), None, dtype))
+            pending.own_rows.copy_(self.early.reduce(early.wait(), None, dtype))
             return pending
-        summed[start:end] = self.early.reduce(back.early.wait(), None, dtype)
+        summed[start:end] = self.early.reduce(early.wait(), None, dtype)
         return summed if before is None else before.send_back(summed)
 
     transpose = AllToAllHop.transpose
@@ -368,14 +369,6 @@ class SplitHop:
                   backward: bool = False) -> None:
         for part in (self.early, self.late):
             part.add_stats(stats, payload_bytes, my_rank, domain_size, backward)
-
-
-@dataclass
-class _SplitBack:
-    """A `SplitHop`'s two reverse exchanges in flight."""
-
-    early: "Transfer"
-    late: "Transfer"
 
 
 @dataclass(frozen=True)
@@ -469,15 +462,15 @@ class Route:
 
     def forward(self, rows: torch.Tensor, async_op: bool = False, sent: torch.Tensor | None = None):
         """[N, C] -> expert rows [M, C] (dispatch). With ``async_op`` the first exchange is
-        left in flight and a `Later` is returned; its wait() plans and runs the remaining
+        left in flight and a `Transfer` is returned; its wait() plans and runs the remaining
         hops. ``sent``: the first hop's sent rows, already gathered (see `AllToAllHop.forward`)."""
         if self.plan is None:
             first = self._step(self.hops[0], rows, sent)
-            pending = Later(lambda: self._run(first, self.hops[1:]))
+            pending = later(lambda: self._run(first, self.hops[1:]))
         else:
             stage = next(self.plan)
             level, meta = self._start(stage, rows, sent)
-            pending = Later(lambda: self._plan_and_run(level, meta))
+            pending = later(lambda: self._plan_and_run(level, meta))
         return pending if async_op else pending.wait()
 
     def _start(self, stage: Stage, level, sent=None):
@@ -543,7 +536,7 @@ class Route:
 
     def transpose_async(self, rows: torch.Tensor, weights: torch.Tensor | None = None,
                         out_dtype: torch.dtype | None = None, at_source: bool = False,
-                        agree=None) -> Transfer | Later:
+                        agree=None) -> Transfer:
         """`transpose` with the first reverse exchange left in flight.
 
         at_source: apply the weights on the source side, to the exact rows once they are back
@@ -573,7 +566,7 @@ class Route:
                 back = hop.reverse(back, before, dtype, lambda hop=hop: landed(hop))
             return back.to(out_dtype or dtype)
         back = earlier[0].send_back(rows)
-        return Later(lambda: finish(back))
+        return later(lambda: finish(back))
 
     def weights_transpose(self, grad_weights: torch.Tensor) -> torch.Tensor:
         """Gradient of the expert-row weights [M] -> gradient of ``topk_weights [N, K]``.

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .bench import DTYPES, _clock, _slowest_rank
 from .configs import BenchConfig
-from ..dispatch import make_dispatcher
+from ..dispatch import LowLatencyDispatcher, make_dispatcher
 from ..comm.topology import EPGroups
 
 DECODE_TOKENS = (1, 8, 32, 128)
@@ -46,7 +46,7 @@ def decode_rank(rank: int, world: int, cfg: BenchConfig, sizes=DECODE_TOKENS) ->
     results = {mode: {} for mode in MODES}
     checked = True
     for tokens in sizes:
-        ll = make_dispatcher("lowlatency", groups, num_experts=cfg.experts, max_tokens_per_rank=tokens,
+        ll = LowLatencyDispatcher(groups, num_experts=cfg.experts, max_tokens_per_rank=tokens,
                              hidden=cfg.hidden, dtype=dtype, payload=cfg.payload)
         g = torch.Generator().manual_seed(cfg.seed * 1009 + rank * 31 + tokens)
         x = torch.randn(tokens, cfg.hidden, generator=g).to(dtype).to(device)
