@@ -9,7 +9,7 @@ import pytest
 from expertrail.tools.cli import main
 from expertrail.errors import ConfigError
 from expertrail.plan.catalog import HARDWARE, MODELS, MoEModel, from_hf_config, load_hardware, load_model
-from expertrail.plan.cost import Layout, Routing, count_traffic, link_bandwidth, predict, row_bytes
+from expertrail.plan.cost import EPLayout, Routing, count_traffic, link_bandwidth, predict, row_bytes
 from expertrail.plan.simulate import parse_ints, simulate, usable_eps
 
 
@@ -22,8 +22,8 @@ def test_deepep_h800_intranode_normal_kernels():
     FP8 dispatch / BF16 combine, 20 SMs: 153 / 158 GB/s of NVLink (bytes received / time)."""
     model = MODELS["deepseek-v3"]
     idx = Routing("grouped").sample(model, 4096)
-    p = predict(HARDWARE["h800"], model, Layout(8, 8), "dedup", idx, sms=20, precision="fp8")
-    received = count_traffic(idx, model, Layout(8, 8), "dedup").stages[0]["recv"]
+    p = predict(HARDWARE["h800"], model, EPLayout(8, 8), "dedup", idx, sms=20, precision="fp8")
+    received = count_traffic(idx, model, EPLayout(8, 8), "dedup").stages[0]["recv"]
     assert within(received * row_bytes(model, "fp8", "dispatch") / p.dispatch_s / 1e9, 153)
     assert within(received * row_bytes(model, "bf16", "combine") / p.combine_s / 1e9, 158)
 
@@ -33,9 +33,9 @@ def test_hybrid_ep_b200_ep8():
     algorithm bandwidth BF16 dispatch 535.94, FP8 dispatch 409.71, combine 530.86 GB/s."""
     model = MoEModel("hybrid-ep-test", 7168, 64, 8, 2048, 1)
     idx = Routing("uniform").sample(model, 4096)
-    logical = count_traffic(idx, model, Layout(8, 8), "hierarchical").logical_rows * 7168
-    bf16 = predict(HARDWARE["b200"], model, Layout(8, 8), "hierarchical", idx, sms=16)
-    fp8 = predict(HARDWARE["b200"], model, Layout(8, 8), "hierarchical", idx, sms=16, precision="fp8")
+    logical = count_traffic(idx, model, EPLayout(8, 8), "hierarchical").logical_rows * 7168
+    bf16 = predict(HARDWARE["b200"], model, EPLayout(8, 8), "hierarchical", idx, sms=16)
+    fp8 = predict(HARDWARE["b200"], model, EPLayout(8, 8), "hierarchical", idx, sms=16, precision="fp8")
     assert within(2 * logical / bf16.dispatch_s / 1e9, 535.94)
     assert within(logical / fp8.dispatch_s / 1e9, 409.71)
     assert within(2 * logical / bf16.combine_s / 1e9, 530.86)
@@ -82,7 +82,7 @@ def test_byte_counts_match_brute_force(algorithm, ep, domain):
     model = MoEModel("small", 64, 16, 3, 32, 1)
     idx = Routing("zipf:0.8").sample(model, 200, seed=3)
     idx[::7, 1] = -1
-    counted = count_traffic(idx, model, Layout(ep, domain), algorithm).rows
+    counted = count_traffic(idx, model, EPLayout(ep, domain), algorithm).rows
     expected = brute_force_rows(idx, 16, ep, domain, algorithm)
     if algorithm == "hierarchical":      # its intra-domain rows are forwarded ones, checked below
         counted = {k: counted[k] for k in ("self", "inter")}
@@ -104,7 +104,7 @@ def test_hierarchical_forwarding_rows_match_brute_force():
             per_sender = sum(len({e // local for e in t if e >= 0 and (e // local) // domain == dom} - {me})
                              for t in idx.tolist())
             busiest = max(busiest, per_sender * (ep // domain))
-    assert count_traffic(idx, model, Layout(ep, domain), "hierarchical").rows["intra"] == busiest
+    assert count_traffic(idx, model, EPLayout(ep, domain), "hierarchical").rows["intra"] == busiest
 
 
 def test_grouped_routing_limits_groups():
@@ -215,7 +215,7 @@ def test_engine_local_passes_take_the_measured_pass_time(algorithm):
     bare = replace(HARDWARE["h100"], measured=True, nvlink_latency_us=500.0, nic_latency_us=700.0)
     timed = replace(bare, local_copy_GBps=3.0, local_reduce_GBps=6.0)
     model = MoEModel("m", 1024, 32, 8, 512, 1)
-    layout = Layout(4, 2)
+    layout = EPLayout(4, 2)
     idx = Routing("uniform").sample(model, 1024)
     tr = count_traffic(idx, model, layout, algorithm)
     row = row_bytes(model, "bf16", "dispatch")
@@ -232,7 +232,7 @@ def test_engine_local_rows_follow_each_backends_passes():
     pre-sums on the expert side; hierarchical does so for its rail rows, its domain rows and
     the expert rows."""
     model = MoEModel("m", 64, 32, 8, 64, 1)
-    layout = Layout(4, 2)
+    layout = EPLayout(4, 2)
     idx = Routing("uniform").sample(model, 512)
     pairs = int((idx >= 0).sum())
     member = np.zeros((512, 4), bool)
@@ -259,7 +259,7 @@ def test_deepep_h800_internode_normal_kernels(ep):
     nodes = ep // 8
     model = MoEModel("deepep-internode-test", 7168, 256, 8, 2048, 1, num_groups=nodes, group_topk=min(nodes, 4))
     idx = Routing("grouped").sample(model, 4096)
-    p = predict(HARDWARE["h800"], model, Layout(ep, 8), "hierarchical", idx, sms=24, precision="fp8")
+    p = predict(HARDWARE["h800"], model, EPLayout(ep, 8), "hierarchical", idx, sms=24, precision="fp8")
     dispatch, combine = DEEPEP_V1_H800[ep]
     assert within(p.slow_link_GBps["dispatch"], dispatch, 0.25)
     assert within(p.slow_link_GBps["combine"], combine, 0.25)
@@ -271,8 +271,8 @@ def test_hybrid_ep_h100_internode_kernels(ep):
     8 SMs, kernel time (docs/README_Hybrid-EP.md of DeepEP's hybrid-ep branch)."""
     model = MoEModel("hybrid-ep-internode-test", 7168, 8 * ep, 8, 2048, 1)
     idx = Routing("uniform").sample(model, 4096)
-    fp8 = predict(HARDWARE["h100"], model, Layout(ep, 8), "hierarchical", idx, sms=8, precision="fp8")
-    bf16 = predict(HARDWARE["h100"], model, Layout(ep, 8), "hierarchical", idx, sms=8)
+    fp8 = predict(HARDWARE["h100"], model, EPLayout(ep, 8), "hierarchical", idx, sms=8, precision="fp8")
+    bf16 = predict(HARDWARE["h100"], model, EPLayout(ep, 8), "hierarchical", idx, sms=8)
     published = HYBRID_EP_H100_KERNEL_8_SMS[ep]
     assert within(fp8.slow_link_GBps["dispatch"], published[0])
     assert within(bf16.slow_link_GBps["dispatch"], published[1])
@@ -285,8 +285,8 @@ def test_internode_figure_counts_the_own_node_rows():
     for ep, ratio in ((16, 2.0), (32, 4 / 3), (64, 8 / 7)):
         model = MoEModel("m", 7168, 8 * ep, 8, 2048, 1)
         idx = Routing("uniform").sample(model, 4096)
-        tr = count_traffic(idx, model, Layout(ep, 8), "hierarchical")
+        tr = count_traffic(idx, model, EPLayout(ep, 8), "hierarchical")
         assert tr.domain_rows == tr.rows["self"] + tr.rows["inter"]
         assert tr.domain_rows / tr.rows["inter"] == pytest.approx(ratio, rel=0.03)
-    inside = predict(HARDWARE["h100"], model, Layout(8, 8), "hierarchical", idx[:, :8] % 64, sms=8)
+    inside = predict(HARDWARE["h100"], model, EPLayout(8, 8), "hierarchical", idx[:, :8] % 64, sms=8)
     assert inside.slow_link_GBps is None

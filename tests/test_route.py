@@ -1,4 +1,4 @@
-"""The route engine's local pieces: fixed-order reductions, copy slots and positions, sorts."""
+"""The route engine's local pieces: fixed-order reductions, copy numbers and positions, sorts."""
 import torch
 
 from expertrail.dispatch.base import expand_local
@@ -7,19 +7,19 @@ from expertrail.dispatch.route import number_copies
 from expertrail.kernels.torch_ops import CopyPositions, stable_argsort, take_rows
 
 
-def reduce_rows(rows, index, slot, num_out, num_slots, weights, out_dtype):
-    """out[i] = sum over s (ascending) of weights * rows[j] where index[j] == i and slot[j] == s."""
-    return kernels.reduce_copies(rows, CopyPositions.build(index, slot, num_out, num_slots), weights, out_dtype)
+def reduce_rows(rows, index, copy, num_out, max_copies, weights, out_dtype):
+    """out[i] = sum over s (ascending) of weights * rows[j] where index[j] == i and copy[j] == s."""
+    return kernels.reduce_copies(rows, CopyPositions.build(index, copy, num_out, max_copies), weights, out_dtype)
 
 
-def test_reduce_rows_sums_copies_in_slot_order_in_fp32():
+def test_reduce_rows_sums_copies_in_copy_order_in_fp32():
     rows = torch.tensor([[1.0], [2.0], [4.0], [8.0]], dtype=torch.bfloat16)
     index = torch.tensor([1, 0, 1, 1])
-    slot = torch.tensor([2, 0, 0, 1])
+    copy = torch.tensor([2, 0, 0, 1])
     weights = torch.tensor([0.5, 1.0, 2.0, 0.25])
-    out = reduce_rows(rows, index, slot, 3, 3, weights, torch.float32)
+    out = reduce_rows(rows, index, copy, 3, 3, weights, torch.float32)
     assert out.tolist() == [[2.0], [4.0 * 2 + 8 * 0.25 + 1 * 0.5], [0.0]]
-    plain = reduce_rows(rows, index, slot, 3, 3, None, torch.bfloat16)
+    plain = reduce_rows(rows, index, copy, 3, 3, None, torch.bfloat16)
     assert plain.tolist() == [[2.0], [13.0], [0.0]]
 
 
@@ -34,10 +34,10 @@ def test_reduce_rows_is_bitwise_reproducible():
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(500, 64, generator=g)
     index = torch.randint(0, 100, (500,), generator=g)
-    slot = number_copies(index, 100, 500)[0]
+    copy = number_copies(index, 100, 500)[0]
     weights = torch.rand(500, generator=g)
-    first = reduce_rows(rows, index, slot, 100, int(slot.max()) + 1, weights, torch.float32)
-    second = reduce_rows(rows, index, slot, 100, int(slot.max()) + 1, weights, torch.float32)
+    first = reduce_rows(rows, index, copy, 100, int(copy.max()) + 1, weights, torch.float32)
+    second = reduce_rows(rows, index, copy, 100, int(copy.max()) + 1, weights, torch.float32)
     assert torch.equal(first, second)
     expected = torch.zeros(100, 64, dtype=torch.float64).index_add_(0, index, rows.double() * weights.double()[:, None])
     torch.testing.assert_close(first.double(), expected, rtol=1e-6, atol=1e-6)
@@ -66,14 +66,14 @@ def test_stable_argsort_matches_torch_stable_sort_on_both_paths():
     assert stable_argsort(torch.zeros(0, dtype=torch.long)).numel() == 0
 
 
-def test_number_copies_gives_the_slots_and_bags_a_separate_sort_would():
+def test_number_copies_gives_the_copy_numbers_and_bags_a_separate_sort_would():
     g = torch.Generator().manual_seed(5)
     index = torch.randint(0, 50, (400,), generator=g)
-    slot, positions = number_copies(index, 50, 64)
+    copy, positions = number_copies(index, 50, 64)
     earlier_copies = (index.unsqueeze(0) == index.unsqueeze(1)).tril(-1).sum(1)   # order of appearance
-    assert torch.equal(slot, earlier_copies)
-    rebuilt = CopyPositions.build(index, slot, 50, 64)
-    for name in ("pos", "slot", "source", "offsets"):
+    assert torch.equal(copy, earlier_copies)
+    rebuilt = CopyPositions.build(index, copy, 50, 64)
+    for name in ("pos", "copy", "source", "offsets"):
         assert torch.equal(getattr(positions, name), getattr(rebuilt, name)), name
     assert torch.equal(positions.dense(), rebuilt.dense())
 
@@ -87,11 +87,11 @@ def test_take_rows_matches_index_select_for_every_float_width():
         assert take_rows(rows, index, out=out) is out and torch.equal(out, rows[index])
 
 
-def test_copy_positions_from_a_full_dense_form_list_every_copy_in_slot_order():
+def test_copy_positions_from_a_full_dense_form_list_every_copy_in_copy_order():
     dense = torch.tensor([[4, 1], [0, 3], [2, 5]])
     copies = CopyPositions.from_dense(dense)
     assert copies.pos.tolist() == [4, 1, 0, 3, 2, 5]
-    assert copies.slot.tolist() == [0, 1, 0, 1, 0, 1]
+    assert copies.copy.tolist() == [0, 1, 0, 1, 0, 1]
     assert copies.source.tolist() == [0, 0, 1, 1, 2, 2]
     assert copies.offsets.tolist() == [0, 2, 4, 6]
 
@@ -100,9 +100,9 @@ def test_bf16_and_fp16_weights_take_fewer_parts_with_the_same_result():
     g = torch.Generator().manual_seed(9)
     rows = torch.randn(300, 64, generator=g).bfloat16()
     index = torch.randint(0, 100, (300,), generator=g)
-    slot = number_copies(index, 100, 300)[0]
+    copy = number_copies(index, 100, 300)[0]
     for dtype in (torch.bfloat16, torch.float16):
         weights = torch.rand(300, generator=g).to(dtype)
-        fewer = reduce_rows(rows, index, slot, 100, int(slot.max()) + 1, weights, torch.bfloat16)
-        three = reduce_rows(rows, index, slot, 100, int(slot.max()) + 1, weights.float(), torch.bfloat16)
+        fewer = reduce_rows(rows, index, copy, 100, int(copy.max()) + 1, weights, torch.bfloat16)
+        three = reduce_rows(rows, index, copy, 100, int(copy.max()) + 1, weights.float(), torch.bfloat16)
         assert torch.equal(fewer, three), dtype

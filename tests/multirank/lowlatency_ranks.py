@@ -8,7 +8,7 @@ import expertrail as er
 from ranks_common import groups_for
 
 
-def lowlatency_matches_normal(rank, world, dtype, payload="native", plan_on_host=True):
+def lowlatency_matches_normal(rank, world, dtype, payload="native", metadata_on_host=True):
     """The lowlatency mode against dedup's normal mode (one row per (token, rank), summed on the
     expert side) on the same inputs, call after call with changing token counts (0 on one
     rank, dropped slots, one hot expert, every token on one rank's experts). Returns the
@@ -18,7 +18,7 @@ def lowlatency_matches_normal(rank, world, dtype, payload="native", plan_on_host
     local = experts // world
     ll = er.LowLatencyDispatcher(groups, num_experts=experts, max_tokens_per_rank=most, hidden=hidden,
                             dtype=dtype, payload=payload)
-    ll.plan_on_host = plan_on_host                           # False: the plan CUDA makes (torch, no host reads)
+    ll.metadata_on_host = metadata_on_host                           # False: the plan CUDA makes (torch, no host reads)
     raw = er.LowLatencyDispatcher(groups, num_experts=experts, max_tokens_per_rank=most, hidden=hidden,
                              dtype=dtype, payload=payload, dequantize=False) if payload == "fp8" else None
     normal = er.make_dispatcher("dedup", groups, num_experts=experts, payload=payload)
@@ -60,13 +60,13 @@ def lowlatency_matches_normal(rank, world, dtype, payload="native", plan_on_host
     return checked
 
 
-def lowlatency_bad_input(rank, world, plan_on_host=True):
+def lowlatency_bad_input(rank, world, metadata_on_host=True):
     """x wider than the buffers on one rank: every rank raises, then the next call works; ids
-    out of range or listed twice on one rank raise on every rank, with the host plan and with
-    the device plan (which checks them on the device) alike."""
+    out of range or listed twice on one rank raise on every rank, with the host metadata and with
+    the device metadata (which checks them on the device) alike."""
     groups = groups_for(None, 2)
     ll = er.LowLatencyDispatcher(groups, num_experts=8, max_tokens_per_rank=4, hidden=16, dtype=torch.float32)
-    ll.plan_on_host = plan_on_host
+    ll.metadata_on_host = metadata_on_host
     x = torch.randn(6 if rank == 2 else 4, 16)
     idx = torch.stack([torch.randperm(8)[:2] for _ in range(x.shape[0])])
     try:
@@ -138,7 +138,7 @@ def lowlatency_misuse(rank, world):
 
 def lowlatency_weight_dtypes(rank, world):
     """bf16, fp64 and fp16 routing weights (carried exactly, summed as dedup sums them): the same
-    bits as dedup's normal mode, with the host plan and with the device plan."""
+    bits as dedup's normal mode, with the host metadata and with the device metadata."""
     groups = groups_for(None, 2)
     ll = er.LowLatencyDispatcher(groups, num_experts=8, max_tokens_per_rank=6, hidden=32,
                             dtype=torch.bfloat16)
@@ -147,8 +147,8 @@ def lowlatency_weight_dtypes(rank, world):
     x = torch.randn(6, 32, generator=g).bfloat16()
     idx = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(6)])
     same = []
-    for plan_on_host in (True, False):
-        ll.plan_on_host = plan_on_host
+    for metadata_on_host in (True, False):
+        ll.metadata_on_host = metadata_on_host
         for wdtype in (torch.bfloat16, torch.float64, torch.float16):
             w = torch.rand(6, 3, generator=g).to(wdtype)
             res, ref = ll.dispatch(x, idx, w), normal.dispatch(x, idx, w)
@@ -156,14 +156,14 @@ def lowlatency_weight_dtypes(rank, world):
     return same
 
 
-def lowlatency_errors_unagreed(rank, world, plan_on_host):
+def lowlatency_errors_unagreed(rank, world, metadata_on_host):
     """``agree_on_errors=False`` (the CUDA default): a rank with invalid input (a bad shape, or
     ids out of range) raises alone, after taking part in the exchange with empty blocks, so
     the others return and the next call works everywhere. Returns each call's error or None."""
     groups = groups_for(None, 2)
     ll = er.LowLatencyDispatcher(groups, num_experts=8, max_tokens_per_rank=4, hidden=16, dtype=torch.float32,
                                  agree_on_errors=False)
-    ll.plan_on_host = plan_on_host
+    ll.metadata_on_host = metadata_on_host
     x = torch.randn(4, 16)
     idx = torch.stack([torch.randperm(8)[:2] for _ in range(4)])
     outcomes = []

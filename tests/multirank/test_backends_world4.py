@@ -140,14 +140,14 @@ def test_combine_uses_weights_the_caller_changed(world4, backend):
 def test_planner_counts_the_rows_and_bytes_the_engine_sends(world4, backend):
     """One traffic model: the planner's per-link rows and bytes (payload plus the engine's
     metadata) equal what every backend handed to its collectives, summed over ranks (random routing with -1 slots and an empty rank; one expert)."""
-    from expertrail.plan.cost import Layout, metadata_bytes, rows_by_link
+    from expertrail.plan.cost import EPLayout, metadata_bytes, rows_by_link
     row_bytes = 8 * 4 + metadata_bytes(backend, 4)          # hidden 8, fp32, top-4
     for domain_size in (1, 2, 4):
         for scenario in ("random", "one_expert", "duplicates_free_full"):
             results = world4.run(backends_ranks.rows_per_link, backend, domain_size, scenario)
             engine_rows = {c: sum(r[0][c] for r in results) for c in ("self", "intra", "inter")}
             engine_bytes = {c: sum(r[1][c] for r in results) for c in ("self", "intra", "inter")}
-            planner = rows_by_link(results[0][2], 16, Layout(4, domain_size), backend)
+            planner = rows_by_link(results[0][2], 16, EPLayout(4, domain_size), backend)
             assert planner == engine_rows, (domain_size, scenario, planner, engine_rows)
             assert {c: n * row_bytes for c, n in planner.items()} == engine_bytes, (domain_size, scenario)
 
@@ -158,11 +158,11 @@ def test_fp8_payload_matches_the_quantized_reference(world4, backend):
     every backend), within e4m3's step; fp8 output with scales; combine and gradients in x's
     dtype; dispatch bytes as the planner counts fp8 rows."""
     from expertrail.plan.catalog import MoEModel
-    from expertrail.plan.cost import Layout, metadata_bytes, row_bytes, rows_by_link
+    from expertrail.plan.cost import EPLayout, metadata_bytes, row_bytes, rows_by_link
     for domain_size, scenario, dtype in ((1, "random", torch.bfloat16), (2, "one_rank", torch.float32),
                                          (4, "one_expert", torch.bfloat16)):
         results = world4.run(backends_ranks.fp8_payload, backend, domain_size, scenario, dtype)
-        rows = rows_by_link(results[0][3], 16, Layout(4, domain_size), backend)
+        rows = rows_by_link(results[0][3], 16, EPLayout(4, domain_size), backend)
         model = MoEModel(name="t", hidden=200, num_experts=16, topk=4, moe_ffn=8, layers=1)
         wire = row_bytes(model, "fp8", "dispatch") + metadata_bytes(backend, 4)
         fp8_bytes = {c: sum(r[1][c] for r in results) for c in rows}

@@ -17,9 +17,9 @@ def test_lowlatency_without_host_sizes_gives_the_same_bits(world4, payload):
     assert world4.run(lowlatency_ranks.lowlatency_matches_normal, torch.bfloat16, payload, False) == [6] * 4
 
 
-@pytest.mark.parametrize("plan_on_host", [True, False])
-def test_lowlatency_bad_input_on_one_rank_raises_on_every_rank(world4, plan_on_host):
-    results = world4.run(lowlatency_ranks.lowlatency_bad_input, plan_on_host)
+@pytest.mark.parametrize("metadata_on_host", [True, False])
+def test_lowlatency_bad_input_on_one_rank_raises_on_every_rank(world4, metadata_on_host):
+    results = world4.run(lowlatency_ranks.lowlatency_bad_input, metadata_on_host)
     assert "max_tokens_per_rank=4" in results[2][0]
     assert all(r[0] and "EP rank(s) 2" in r[0] for i, r in enumerate(results) if i != 2)
     assert all(r[1] == (4, 16) for r in results)
@@ -50,9 +50,9 @@ def test_lowlatency_carries_bf16_fp64_and_fp16_routing_weights_exactly(world4):
     assert world4.run(lowlatency_ranks.lowlatency_weight_dtypes) == [[True] * 6] * 4
 
 
-@pytest.mark.parametrize("plan_on_host", [True, False])
-def test_lowlatency_without_agreement_raises_on_the_bad_rank_alone_and_goes_on(world4, plan_on_host):
-    results = world4.run(lowlatency_ranks.lowlatency_errors_unagreed, plan_on_host)
+@pytest.mark.parametrize("metadata_on_host", [True, False])
+def test_lowlatency_without_agreement_raises_on_the_bad_rank_alone_and_goes_on(world4, metadata_on_host):
+    results = world4.run(lowlatency_ranks.lowlatency_errors_unagreed, metadata_on_host)
     shape, ids, healthy = results[1]
     assert "hidden=16" in shape and "found 9" in ids and healthy is None
     assert all(r == [None, None, None] for i, r in enumerate(results) if i != 1)

@@ -9,7 +9,7 @@ import torch
 
 from ..names import metadata_bytes
 from .base import Dispatcher
-from .planning import SourcePlan, weight_bits
+from .planning import Outgoing, weight_bits
 from .dedup import local_ids_for
 from .route import AllGatherHop, Stage
 
@@ -18,17 +18,17 @@ class AllGatherDispatcher(Dispatcher):
     name = "allgather"
     count_columns = 0
 
-    def _plan_source(self, topk_idx):
-        return SourcePlan(topk_idx, self.agreement.no_counts())
+    def _outgoing(self, topk_idx):
+        return Outgoing(topk_idx, self.agreement.no_counts())
 
-    def _stages(self, topk_weights, plan, recv_counts, headers):
-        topk_idx, g = plan.topk_idx, self.groups
+    def _stages(self, topk_weights, outgoing, recv_counts, headers):
+        topk_idx, g = outgoing.topk_idx, self.groups
         n, topk = topk_idx.shape
         counts = headers.num_tokens.tolist()
         dev = topk_idx.device
         hop = AllGatherHop(index=torch.arange(n, device=dev).repeat(g.ep_size),
-                           slot=torch.arange(g.ep_size, device=dev).repeat_interleave(n),
-                           num_src=n, num_slots=g.ep_size, channel=g.ep_channel, send_splits=[n] * g.ep_size,
+                           copy=torch.arange(g.ep_size, device=dev).repeat_interleave(n),
+                           num_src=n, max_copies=g.ep_size, channel=g.ep_channel, send_splits=[n] * g.ep_size,
                            recv_splits=counts, peers=list(range(g.ep_size)), meta_bytes=metadata_bytes(self.name, topk))
         meta = yield Stage(hop, torch.cat([topk_idx, weight_bits(topk_weights)], 1))
         # Every rank's tokens arrived with their expert ids and weights: pick this rank's.

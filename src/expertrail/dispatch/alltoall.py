@@ -22,7 +22,7 @@ from ..kernels.torch_ops import CopyPositions, stable_argsort
 from ..names import metadata_bytes
 from ..comm.transport import LandingRuns
 from .base import Dispatcher
-from .planning import SourcePlan, bits_weight, padded_positions, weight_bits
+from .planning import Outgoing, bits_weight, padded_positions, weight_bits
 from .config import AllToAllConfig
 from .route import AllToAllHop, ExpandHop, ExpertRows, InPlaceHop, LandingHop, Stage
 
@@ -98,19 +98,19 @@ class AllToAllDispatcher(Dispatcher):
     def count_columns(self) -> int:
         return self.num_local_experts       # rows per (destination rank, its local expert)
 
-    def _plan_source(self, topk_idx):
+    def _outgoing(self, topk_idx):
         k = topk_idx.shape[1]
-        key = topk_idx.reshape(-1) + 1                            # 0: dropped slot, e + 1: expert e
+        key = topk_idx.reshape(-1) + 1                            # 0: dropped top-k entry, e + 1: expert e
         per_key = torch.bincount(key, minlength=self.num_experts + 1)
         dropped = int(per_key[0])
         pairs = stable_argsort(key)[dropped:]   # n * K + k of each sent row, by expert, then (n, k)
         counts = per_key[1:].view(self.groups.ep_size, -1)
-        return SourcePlan(topk_idx, counts, pairs // max(k, 1), counts.sum(1).tolist(), self.groups.ep_rank,
+        return Outgoing(topk_idx, counts, pairs // max(k, 1), counts.sum(1).tolist(), self.groups.ep_rank,
                           pairs=pairs)
 
-    def _stages(self, topk_weights, plan, recv_counts, headers):
-        pairs, token, send_splits = plan.pairs, plan.token, plan.send_splits
-        topk = plan.topk_idx.shape[1]
+    def _stages(self, topk_weights, outgoing, recv_counts, headers):
+        pairs, token, send_splits = outgoing.pairs, outgoing.token, outgoing.send_splits
+        topk = outgoing.topk_idx.shape[1]
         g = self.groups
         n, p = topk_weights.shape[0], g.ep_size
         real = recv_counts.sum(0)                                 # [E_local] rows per local expert
@@ -118,7 +118,7 @@ class AllToAllDispatcher(Dispatcher):
         padded = self._padded_counts(real, headers)
         out_rows = int(padded.sum())
         k = pairs % max(topk, 1)
-        sent = dict(index=token, slot=k, num_src=n, num_slots=max(topk, 1),          # copies summed in k order
+        sent = dict(index=token, copy=k, num_src=n, max_copies=max(topk, 1),          # copies summed in k order
                     positions=pair_copies(pairs, n, topk), channel=g.ep_channel, send_splits=send_splits,
                     recv_splits=recv_counts.sum(1).tolist(), peers=list(range(p)),
                     meta_bytes=metadata_bytes(self.name, topk))
@@ -128,18 +128,18 @@ class AllToAllDispatcher(Dispatcher):
             expert = torch.repeat_interleave(torch.arange(self.num_local_experts, device=real.device), real)
             real_pos = padded_positions(expert, real, padded)
         if self._lands_in_place(headers):
-            runs = LandingRuns(**landing_pieces(plan.counts, recv_counts, padded - real), channel=g.ep_channel,
+            runs = LandingRuns(**landing_pieces(outgoing.counts, recv_counts, padded - real), channel=g.ep_channel,
                                out_rows=out_rows, zero_fill=out_rows != real_rows)
             hop = LandingHop(runs=runs, **sent)
             placed = real_pos if real_pos is not None else torch.arange(real_rows, device=real.device)
-            last = InPlaceHop(index=placed, slot=torch.zeros_like(placed), num_src=out_rows, num_slots=1,
+            last = InPlaceHop(index=placed, copy=torch.zeros_like(placed), num_src=out_rows, max_copies=1,
                               out_pos=real_pos, out_rows=out_rows)
         else:
             # One block per peer, then a local permutation into expert-major order (and padding).
             hop = AllToAllHop(me=g.ep_rank, **sent)
             output_row = torch.empty_like(from_received)
             output_row[from_received] = torch.arange(real_rows, device=real.device)
-            last = ExpandHop(index=from_received, slot=torch.zeros_like(from_received), num_src=real_rows, num_slots=1,
+            last = ExpandHop(index=from_received, copy=torch.zeros_like(from_received), num_src=real_rows, max_copies=1,
                              positions=CopyPositions.from_dense(output_row.view(-1, 1)), out_pos=real_pos,
                              out_rows=out_rows if real_pos is not None else None)
         # A row carries its k and its weight (its expert follows from where it lands); nothing in

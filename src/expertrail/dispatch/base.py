@@ -1,6 +1,6 @@
 """The Dispatcher: the verbs every backend shares (dispatch, combine, moe) and its results.
 
-A backend only says how rows travel (`_plan_source` and `_stages`, see `route.py`). The verbs
+A backend only says how rows travel (`_outgoing` and `_stages`, see `route.py`). The verbs
 check inputs (`checks`), agree across ranks before anything can go wrong (`agreement`), drop
 tokens over capacity (`routing.apply_capacity`), pad expert rows, and wire dispatch and combine
 into autograd (`autograd`).
@@ -24,7 +24,7 @@ from .autograd import CombineFunction, DispatchFunction
 from .checks import dispatch_problem, expert_out_problem
 from .config import DispatchConfig
 from .header import Header, Headers
-from .planning import SourcePlan, bits_weight, expand_local, padded_positions
+from .planning import Outgoing, bits_weight, expand_local, padded_positions
 from .route import ExpandHop, ExpertRows, Route, Stage, own_block
 from .routing import TokenLayout, apply_capacity, compute_layout, expert_capacity
 
@@ -118,18 +118,18 @@ class Dispatcher:
         if error == 0 and self.config.capacity_factor is not None:
             topk_idx = apply_capacity(topk_idx, topk_weights.detach(), self.num_experts,
                                       self.config.capacity_factor, self.config.drop_policy)
-        plan = self._plan_source(topk_idx) if error == 0 else None
-        control = self.agreement.start(plan.counts if plan else self.agreement.no_counts(),
+        outgoing = self._outgoing(topk_idx) if error == 0 else None
+        control = self.agreement.start(outgoing.counts if outgoing else self.agreement.no_counts(),
                                        Header.of(x, topk_idx, topk_weights, error).pack())
         # While the counts travel, quantize (fp8) and gather the rows the first hop will send
         # (local work only: nothing is sent before every rank's input is known to be valid).
-        wire = fp8.quantize(x.detach()) if plan and self.config.payload == "fp8" else x.detach()
-        sent = self._gather_first(wire, plan) if plan else None
+        wire = fp8.quantize(x.detach()) if outgoing and self.config.payload == "fp8" else x.detach()
+        sent = self._gather_first(wire, outgoing) if outgoing else None
         # A few numbers: waited for without giving the turn to another micro-batch (`schedule`).
         recv_counts, headers = wait_exchange("dispatch counts", lambda: self.agreement.finish_dispatch(control, message),
                                              give_turn=False)
         with torch.no_grad():
-            route = self._route(topk_weights.detach(), plan, recv_counts, headers)
+            route = self._route(topk_weights.detach(), outgoing, recv_counts, headers)
             route.groups, route.workspace = self.groups, self.workspace
             transfer = route.forward(wire, async_op=True, sent=sent)
         control_bytes = recv_counts.numel() * 8 + headers.nbytes
@@ -210,30 +210,30 @@ class Dispatcher:
         return pipelined_moe(self, x, topk_idx, topk_weights, experts, num_chunks, weighted)
 
     # ---------------------------------------------------------------- backend hooks
-    def _plan_source(self, topk_idx: torch.Tensor) -> SourcePlan:
+    def _outgoing(self, topk_idx: torch.Tensor) -> Outgoing:
         """Local work before any exchange: the counts to send each peer, and what `_route` needs."""
         raise NotImplementedError
 
-    def _stages(self, topk_weights, plan: SourcePlan, recv_counts, headers: Headers) -> Generator:
+    def _stages(self, topk_weights, outgoing: Outgoing, recv_counts, headers: Headers) -> Generator:
         """The backend's route, planned top to bottom from the exchanged counts (see `Route`):
         yield a `Stage` per hop; a stage that sends metadata beside its rows resumes with the
         metadata this rank received (to plan the next hop from it); end with the last, local
         hop (`_expand` or `_expansion` give it) and return its `ExpertRows`."""
         raise NotImplementedError
 
-    def _route(self, topk_weights, plan: SourcePlan, recv_counts, headers: Headers) -> Route:
+    def _route(self, topk_weights, outgoing: Outgoing, recv_counts, headers: Headers) -> Route:
         """This dispatch's route, to be planned by its first forward as the metadata lands."""
-        return Route(topk=plan.topk_idx.shape[1], plan=self._stages(topk_weights, plan, recv_counts, headers))
+        return Route(topk=outgoing.topk_idx.shape[1], stages=self._stages(topk_weights, outgoing, recv_counts, headers))
 
     def _layout(self, topk_idx: torch.Tensor) -> TokenLayout:
         """Where this rank's tokens go: rows per expert, rank and domain (`routing.compute_layout`;
         the Triton kernel on CUDA)."""
         return compute_layout(topk_idx, self.num_experts, self.groups.ep_size, self.groups.domain_size)
 
-    def _gather_first(self, x: torch.Tensor, plan: SourcePlan) -> torch.Tensor | None:
-        """The first hop's sent rows [R, H] (None when the plan does not list them); rows that
+    def _gather_first(self, x: torch.Tensor, outgoing: Outgoing) -> torch.Tensor | None:
+        """The first hop's sent rows [R, H] (None when ``outgoing`` does not list them); rows that
         stay on this rank are left unfilled, the hop puts them in place directly."""
-        return None if plan.token is None else gather_rows(x, plan.token, own_block(plan.send_splits, plan.me))
+        return None if outgoing.token is None else gather_rows(x, outgoing.token, own_block(outgoing.send_splits, outgoing.me))
 
     count_columns = 1
 
@@ -251,20 +251,20 @@ class Dispatcher:
         """The last stage of a route whose rows arrive with their metadata (dedup, hierarchical,
         allgather): expand the R received rows into expert rows (`expand_local`, same
         ``src_key`` / ``bound``), see `_expansion`. local_ids: int64 [R, K] local expert of
-        each slot (-1: elsewhere); bits: the slots' weights as fp64 bits [R, K]; dtype: the
+        each top-k entry (-1: elsewhere); bits: the entries' weights as fp64 bits [R, K]; dtype: the
         routing weights' dtype."""
         row, k, expert = expand_local(local_ids, src_key, bound)
         return self._expansion(row, k, expert, local_ids.shape[0], min(local_ids.shape[1], self.num_local_experts),
                                headers, bits_weight(bits[row, k], dtype))
 
-    def _expansion(self, row, k, expert, num_src: int, num_slots: int, headers: Headers,
+    def _expansion(self, row, k, expert, num_src: int, max_copies: int, headers: Headers,
                    row_weights) -> tuple[Stage, ExpertRows]:
         """The last stage: the local hop that expands the ``num_src`` received rows into
         padded, expert-major output rows, and what it says of them. row, k, expert: int64
         [M_real] in output order; row_weights [M_real]: the routing weight of each."""
         real = torch.bincount(expert, minlength=self.num_local_experts)
         padded = self._padded_counts(real, headers)
-        last = ExpandHop.numbered(row, num_src, num_slots)
+        last = ExpandHop.numbered(row, num_src, max_copies)
         if not torch.equal(padded, real):
             last.out_pos = padded_positions(expert, real, padded)
             last.out_rows = int(padded.sum())

@@ -12,7 +12,7 @@ import torch
 from ..names import metadata_bytes
 from .routing import token_membership
 from .base import Dispatcher
-from .planning import SourcePlan, weight_bits
+from .planning import Outgoing, weight_bits
 from .dedup import local_ids_for
 from .route import AllToAllHop, SplitHop, Stage
 
@@ -21,7 +21,7 @@ class HierarchicalDispatcher(Dispatcher):
     name = "hierarchical"
     count_columns = 2
 
-    def _plan_source(self, topk_idx):
+    def _outgoing(self, topk_idx):
         g = self.groups
         layout = self._layout(topk_idx)
         # Column 0, to every rank q: my tokens bound for q (q receives them in hop 2, via the
@@ -30,11 +30,11 @@ class HierarchicalDispatcher(Dispatcher):
         to_rail_peer = torch.zeros(g.ep_size, dtype=torch.int64, device=topk_idx.device)
         to_rail_peer[g.domain_rank::g.domain_size] = per_domain
         domain, token = torch.nonzero(layout.token_in_domain.t()).unbind(1)            # hop 1 rows
-        return SourcePlan(topk_idx, torch.stack([layout.tokens_per_rank, to_rail_peer], 1), token,
+        return Outgoing(topk_idx, torch.stack([layout.tokens_per_rank, to_rail_peer], 1), token,
                           per_domain.tolist(), g.domain_index, domain)
 
-    def _stages(self, topk_weights, plan, recv_counts, headers):
-        topk_idx, domain, token = plan.topk_idx, plan.dest, plan.token
+    def _stages(self, topk_weights, outgoing, recv_counts, headers):
+        topk_idx, domain, token = outgoing.topk_idx, outgoing.dest, outgoing.token
         g = self.groups
         n, topk = topk_idx.shape
         dev = topk_idx.device
@@ -42,7 +42,7 @@ class HierarchicalDispatcher(Dispatcher):
         # Hop 1: over the rail group, one row per (token, domain). A row carries its source
         # (rank, token), the ids of its experts in the destination domain and its weights.
         hop1 = AllToAllHop.numbered(token, n, min(topk, g.num_domains), channel=g.rail_channel,
-                                    send_splits=plan.send_splits,
+                                    send_splits=outgoing.send_splits,
                                     recv_splits=recv_counts[g.domain_rank::size, 1].tolist(),
                                     peers=[d * size + g.domain_rank for d in range(g.num_domains)],
                                     meta_bytes=metadata_bytes(self.name, topk), me=g.domain_index)

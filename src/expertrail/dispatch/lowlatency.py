@@ -5,12 +5,12 @@ a round trip to exchange counts, then planning on the host from them. DeepEP's l
 kernels answer with static buffers; this mode does the same on any torch.distributed backend:
 
 - Every buffer is allocated once, sized by ``max_tokens_per_rank`` (T). A rank sends each peer
-  a fixed block: T row slots, slot s holding token s (a token meets a rank at most once, so
-  `dedup`'s one row per (token, rank) fits), then a metadata tail: per slot, which of the
+  a fixed block: T token rows, row t holding token t (a token meets a rank at most once, so
+  `dedup`'s one row per (token, rank) fits), then a metadata tail: per token row, which of the
   peer's local experts the row is for (none: the peer skips it) and with which routing
-  weight, and an error flag. Slot s = token s makes the sender's side one broadcast copy of
+  weight, and an error flag. Row t = token t makes the sender's side one broadcast copy of
   x and one of its routing table, with no positions to plan. One exchange per dispatch and
-  one per combine, no count round. The metadata's small per-call plan (lowlatency_plan.py) is
+  one per combine, no count round. The small per-call metadata (lowlatency_metadata.py) is
   made with torch on CUDA, with nothing read on the host (no host synchronisation, so a
   decode step can be captured in a CUDA graph), and in numpy on CPU, where torch's per-call
   overhead would be most of the step.
@@ -20,13 +20,13 @@ kernels answer with static buffers; this mode does the same on any torch.distrib
   them; combine ignores them). The same rows, in the same order, as the normal mode's expert
   rows.
 - combine sums each received row's expert outputs, weighted, on the expert side (fp32, in
-  local-expert order, rounded to the payload dtype), sends that one row back to its slot (a
-  zero row for slots it has no expert of), and the source sums slot s of every rank's block
+  local-expert order, rounded to the payload dtype), sends that one row back to its token row (a
+  zero row for tokens it has no expert of), and the source sums token row t of every rank's block
   in rank order, over positions fixed at construction: `dedup`'s normal mode, with its
   kernel, so the same bits (the zero rows of ranks a token skips add exactly nothing).
 
-Why one row per (token, rank) and not DeepEP's per (token, expert) slots: DeepEP's RDMA writes
-only the real rows into its slots, but a collective moves whole blocks, so per-expert slots
+Why one row per (token, rank) and not DeepEP's per (token, expert) rows: DeepEP's RDMA writes
+only the real rows into its buffers, but a collective moves whole blocks, so per-expert rows
 would move E_local times the bytes (and the host would pass over them) whatever the routing.
 
 Shapes: N <= T tokens per rank and call (N may change between calls); rows move as the
@@ -52,7 +52,7 @@ from ..comm.schedule import wait_exchange
 from ..comm.topology import EPGroups, guarded
 from ..kernels.workspace import Workspace
 from .checks import ids_problem, input_problem
-from .lowlatency_plan import HEADER_WORDS, WEIGHT_DTYPES, DevicePlan, HostPlan
+from .lowlatency_metadata import HEADER_WORDS, WEIGHT_DTYPES, DeviceMetadata, HostMetadata
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -71,7 +71,7 @@ class LowLatencyResult:
     _tokens: torch.Tensor
     _count: torch.Tensor
     _scales: torch.Tensor | None
-    _expert_copies: CopyPositions   # each received slot's rows in tokens (flattened), by local expert
+    _expert_copies: CopyPositions   # each received token row's rows in tokens (flattened), by local expert
     _row_weights: torch.Tensor      # [E_local * P * T + 1] routing weight of each row of tokens (0 elsewhere)
     _token_copies: CopyPositions    # each sent token's rows in the combine exchange, by rank
     _dtype: torch.dtype
@@ -150,13 +150,13 @@ class LowLatencyDispatcher:
         self.payload, self.dequantize = payload, dequantize
         self.agree_on_errors = groups.device.type == "cpu" if agree_on_errors is None else agree_on_errors
         # Whether each call's metadata is planned on the host in numpy (CPU) or with torch on the
-        # device (CUDA; tests run that planner on CPU too): lowlatency_plan.py.
-        self.plan_on_host = groups.device.type == "cpu"
+        # device (CUDA; tests run that planner on CPU too): lowlatency_metadata.py.
+        self.metadata_on_host = groups.device.type == "cpu"
         p, local, t, dev = groups.ep_size, self.num_local_experts, self.max_tokens, groups.device
         quantized = payload == "fp8"
         width, wire = (fp8.row_bytes(self.hidden), torch.uint8) if quantized else (self.hidden, dtype)
-        # Each peer's block: T row slots, then a metadata tail of fp64 words (the header, then per
-        # slot E_local expert flags and E_local weights), so one message per peer and direction
+        # Each peer's block: T token rows, then a metadata tail of fp64 words (the header, then per
+        # token row E_local expert flags and E_local weights), so one message per peer and direction
         # carries everything. Combine's blocks carry T rows and the header.
         self._words = HEADER_WORDS + 2 * t * local
         self._block = t + _rows_for(8 * self._words, width * wire.itemsize)
@@ -168,30 +168,30 @@ class LowLatencyDispatcher:
             return self.workspace.empty(shape, dtype, dev).zero_()
         self._send = zeros(p * self._block, width, dtype=wire)
         self._recv = zeros(p * self._block, width, dtype=wire)
-        # The experts' rows (+ a scratch row that slots nobody fills are written to on CUDA).
+        # The experts' rows (+ a scratch row that unused pairs are written to on CUDA).
         packed_width, packed_dtype = (width, wire) if quantized and not dequantize else (self.hidden, dtype)
         self._packed = zeros(local * p * t + 1, packed_width, dtype=packed_dtype)
         self._back_send = zeros(p * self._back_block, self.hidden, dtype=dtype)
         self._back = zeros(p * self._back_block, self.hidden, dtype=dtype)
-        # Views of each buffer's row slots (made once: the buffers never move).
-        self._send_slots = self._send.view(p, self._block, -1)[:, :t]                 # [P, T, C]: slot s = token s
-        self._back_slots = self._back_send.view(p, self._back_block, -1)[:, :t]       # [P, T, H]: slot s = token s
-        # The receive row of each (peer, slot), and the row each (slot, local expert) pair would
+        # Views of each buffer's token rows (made once: the buffers never move).
+        self._send_token_rows = self._send.view(p, self._block, -1)[:, :t]                 # [P, T, C]: row t = token t
+        self._back_token_rows = self._back_send.view(p, self._back_block, -1)[:, :t]       # [P, T, H]: row t = token t
+        # The receive row of each (peer, token row), and the row each (token row, local expert) pair would
         # take from the rows the experts' rows are gathered from (the receive buffer, or the
-        # dequantized slots); the packed rows' sources (_source_of_packed) are scattered from
+        # dequantized token rows); the packed rows' sources (_source_of_packed) are scattered from
         # them each call, and rows past an expert's count keep whatever row they last named.
-        slot_rows = torch.arange(p, device=dev).unsqueeze(1) * self._block + torch.arange(t, device=dev)
-        self._slot_rows = slot_rows.reshape(-1)
-        from_slots = quantized and dequantize
-        pair_source = torch.arange(p * t, device=dev) if from_slots else self._slot_rows
+        token_rows = torch.arange(p, device=dev).unsqueeze(1) * self._block + torch.arange(t, device=dev)
+        self._token_rows = token_rows.reshape(-1)
+        from_token_rows = quantized and dequantize
+        pair_source = torch.arange(p * t, device=dev) if from_token_rows else self._token_rows
         self._pair_source = pair_source.repeat_interleave(local)
         self._source_of_packed = torch.zeros(local * p * t + 1, dtype=torch.int64, device=dev)
-        # Where token s's row comes back from each rank: slot s of every rank's combine block, in
+        # Where token t's row comes back from each rank: row t of every rank's combine block, in
         # rank order. Ranks a token skips send a zero row there (an empty sum), so the source
         # sums all P of them with no per-call plan: [T, P] positions and their bag form.
         back = CopyPositions.from_dense(torch.arange(p, device=dev) * self._back_block
                                         + torch.arange(t, device=dev).unsqueeze(1))
-        self._back_dense, self._back_bags = back.dense(), (back.pos, back.slot, back.source, back.offsets)
+        self._back_dense, self._back_bags = back.dense(), (back.pos, back.copy, back.source, back.offsets)
         self._token_copies_of = {}                                            # n -> its CopyPositions
         self._calls = 0                                                       # dispatches made (LowLatencyResult.stale)
         self._where = f"lowlatency dispatch on EP rank {groups.ep_rank}"      # what its errors begin with
@@ -199,8 +199,8 @@ class LowLatencyDispatcher:
         tails = (self._tail(self._send, self._words), self._tail(self._recv, self._words),
                  self._tail(self._back_send, HEADER_WORDS), self._tail(self._back, HEADER_WORDS))
         plan_args = (self.num_experts, p, local, t, *tails, self._source_of_packed, self._pair_source)
-        self._device_plan = DevicePlan(*plan_args)
-        self._host_plan = HostPlan(*plan_args) if dev.type == "cpu" else None
+        self._device_metadata = DeviceMetadata(*plan_args)
+        self._host_metadata = HostMetadata(*plan_args) if dev.type == "cpu" else None
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> LowLatencyResult:
@@ -209,51 +209,51 @@ class LowLatencyDispatcher:
         raise InvalidInputError once the exchange lands (it sends empty blocks meanwhile)."""
         recording = torch.is_grad_enabled()
         with guarded("lowlatency dispatch", self.groups), torch.no_grad():
-            plan = self._plan()
+            meta = self._metadata()
             self._calls += 1                                  # earlier results' rows are overwritten from here on
-            # Slot s of every peer's block holds token s; the metadata says which of the peer's
+            # Row t of every peer's block holds token t; the metadata says which of the peer's
             # experts it is for (none: the peer skips it). An invalid rank sends no rows.
-            message = plan.write(topk_idx, topk_weights, self._check(x, topk_idx, topk_weights, recording), self._where)
+            message = meta.write(topk_idx, topk_weights, self._check(x, topk_idx, topk_weights, recording), self._where)
             if message is None:
-                self._send_slots[:, :x.shape[0]] = fp8.quantize(x) if self.payload == "fp8" else x
+                self._send_token_rows[:, :x.shape[0]] = fp8.quantize(x) if self.payload == "fp8" else x
             got = self._exchange(self._send, self._recv)
             wait_exchange("lowlatency dispatch", got.wait)
-            failed, codes = plan.received_header()
-            if message is None and plan.rejected is not None:
-                message = self._verdict_on_ids(plan.rejected, topk_idx)
+            failed, codes = meta.received_header()
+            if message is None and meta.rejected is not None:
+                message = self._verdict_on_ids(meta.rejected, topk_idx)
             if self.agree_on_errors:
                 self._raise_if_any_failed(message, failed, "dispatch")
                 self._check_weight_dtypes(codes, topk_weights.dtype)
             # Without agreement a rank in error still packs its peers' rows (its experts owe them
             # their outputs) and raises in its combine: one exchange each way on every rank.
             weights_dtype = topk_weights.dtype if message is None else self.dtype
-            res = self._packed_rows(*plan.expansion(weights_dtype), self._token_copies(0 if message else x.shape[0]))
+            res = self._packed_rows(*meta.expansion(weights_dtype), self._token_copies(0 if message else x.shape[0]))
             res._error = message
             return res
 
-    def _plan(self):
-        """The planner of this call: on the host (numpy) or on the device (torch)."""
-        return self._host_plan if self.plan_on_host else self._device_plan
+    def _metadata(self):
+        """This call's metadata: made on the host (numpy) or on the device (torch)."""
+        return self._host_metadata if self.metadata_on_host else self._device_metadata
 
     def _token_copies(self, n: int) -> CopyPositions:
-        """Where this rank's n tokens come back in combine: slot s of every rank's block, in rank
+        """Where this rank's n tokens come back in combine: row t of every rank's block, in rank
         order (fixed positions, sliced to n; made once per n)."""
         if n not in self._token_copies_of:
             copies = n * self.groups.ep_size
-            pos, slot, source, offsets = self._back_bags
+            pos, copy, source, offsets = self._back_bags
             self._token_copies_of[n] = CopyPositions(n, self.groups.ep_size, dense=self._back_dense[:n],
-                                                     bags=(pos[:copies], slot[:copies], source[:copies],
+                                                     bags=(pos[:copies], copy[:copies], source[:copies],
                                                            offsets[:n + 1]))
         return self._token_copies_of[n]
 
     def _packed_rows(self, copies: CopyPositions, row_weights: torch.Tensor, count: torch.Tensor,
                      token_copies: CopyPositions) -> LowLatencyResult:
-        """The received rows packed per local expert [E_local, P * T, C] (by source, then slot):
+        """The received rows packed per local expert [E_local, P * T, C] (by source, then token row):
         one gather of every packed row from ``_source_of_packed`` (no sizes on the host; rows
         past an expert's count take whatever row they last named)."""
         p, local, t = self.groups.ep_size, self.num_local_experts, self.max_tokens
         pt, scratch = p * t, local * p * t
-        source = (fp8.dequantize(self._recv.index_select(0, self._slot_rows), self.hidden, self.dtype)
+        source = (fp8.dequantize(self._recv.index_select(0, self._token_rows), self.hidden, self.dtype)
                   if self.payload == "fp8" and self.dequantize else self._recv)
         torch.index_select(source, 0, self._source_of_packed[:scratch], out=self._packed[:scratch])
         rows, scales = self._packed[:scratch], None
@@ -290,19 +290,19 @@ class LowLatencyDispatcher:
             else:
                 summed = kernels.reduce_copies(cast(expert_out.reshape(local * p * t, -1), self.dtype), res._expert_copies,
                                                res._row_weights, self.dtype)                    # [P*T, H]
-                self._back_slots.copy_(summed.view(p, t, -1))
-            plan = self._plan()
-            plan.write_back_header(message is not None)
+                self._back_token_rows.copy_(summed.view(p, t, -1))
+            meta = self._metadata()
+            meta.write_back_header(message is not None)
             back = self._exchange(self._back_send, self._back)
             wait_exchange("lowlatency combine", back.wait)
-            self._raise_if_any_failed(message, plan.back_failed(), "combine")
+            self._raise_if_any_failed(message, meta.back_failed(), "combine")
             if res._error is not None:                       # this rank's dispatch input, unagreed
                 raise InvalidInputError(res._error)
             return cast(kernels.reduce_copies(self._back, res._token_copies, None, self.dtype), res._dtype)
 
     # ------------------------------------------------------------------ shared
     def _tail(self, buffer: torch.Tensor, words: int) -> torch.Tensor:
-        """uint8 [P, 8 * words]: the first ``words`` fp64 words after the T row slots of every
+        """uint8 [P, 8 * words]: the first ``words`` fp64 words after the T token rows of every
         peer's block in ``buffer`` (a view)."""
         p = self.groups.ep_size
         start = self.max_tokens * buffer.shape[1] * buffer.element_size()
@@ -317,7 +317,7 @@ class LowLatencyDispatcher:
     def _check(self, x, topk_idx, topk_weights, recording: bool) -> str | None:
         """The normal mode's input checks (`checks.input_problem`), then this mode's own: at
         most T tokens, x in the buffers' dtype, a supported weights dtype, nothing that needs
-        gradients. The ids' values are checked by the plan (on the host, or on the device)."""
+        gradients. The ids' values are checked with the metadata (on the host, or on the device)."""
         where = self._where
         _, message = input_problem(where, x, topk_idx, topk_weights, self.hidden, self.groups.device)
         if message is not None:
@@ -337,7 +337,7 @@ class LowLatencyDispatcher:
         return None
 
     def _verdict_on_ids(self, rejected: torch.Tensor, topk_idx: torch.Tensor) -> str | None:
-        """The device plan's check of the ids' values (``rejected``, a device bool): read where
+        """`DeviceMetadata`'s check of the ids' values (``rejected``, a device bool): read where
         the ranks agree on errors (or on CPU) and turned into this rank's message; elsewhere
         asserted on the device, which reads nothing on the host (a failed assert stops the
         CUDA stream rather than letting the rank's tokens go missing silently)."""

@@ -1,5 +1,5 @@
-"""What a backend's route planning shares: the plan made on the source rank before any
-exchange (`SourcePlan`), routing weights carried as int64 metadata (`weight_bits`), and the
+"""What a backend's route planning shares: what the source rank prepares before any exchange
+(`Outgoing`), routing weights carried as int64 metadata (`weight_bits`), and the
 expansion of received rows into padded, expert-major rows (`expand_local`, `padded_positions`)."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def bits_weight(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def expand_local(local_ids: torch.Tensor, src_key: torch.Tensor | None = None, bound: int = 1):
     """Expand received rows into (row, k, local expert) triples in expert-major order.
 
-    local_ids: int64 [R, K] local expert of each slot, -1 where the slot is not for this rank.
+    local_ids: int64 [R, K] local expert of each top-k entry, -1 where the entry is not for this rank.
     Rows must arrive in (source rank, source token) order, or give ``src_key [R] < bound`` that
     sorts them so. Returns row, k, expert: int64 [M] each.
     """
@@ -44,8 +44,8 @@ def padded_positions(expert: torch.Tensor, real: torch.Tensor, padded: torch.Ten
 
 
 @dataclass
-class SourcePlan:
-    """What a backend plans on the source rank before any exchange (`Dispatcher._plan_source`).
+class Outgoing:
+    """What a backend prepares on the source rank before any exchange (`Dispatcher._outgoing`).
 
     topk_idx: int64 [N, K], after capacity drops
     counts: int64 [P, C] sent to every EP peer in the control exchange (``count_columns``)

@@ -6,7 +6,7 @@ destination) and, for a communicating hop, exchanges them with one all-to-all (o
 The last hop is local: it expands the received rows into expert-major rows, with padding.
 
 Dispatch applies the hops forward. Combine applies their transpose: each hop's all-to-all
-runs backwards and the copies of a row are summed back into it, in fp32 and in a fixed slot
+runs backwards and the copies of a row are summed back into it, in fp32 and in a fixed copy
 order, so results are reproducible bit for bit. The autograd of dispatch is combine's
 transpose and vice versa, so gradients need no extra code per backend.
 """
@@ -25,18 +25,18 @@ from ..comm.transport import Channel, LandingRuns, Transfer, TransferStats, conc
 from ..kernels.workspace import Workspace, allocate, allocate_zeros
 
 
-def number_copies(index: torch.Tensor, num_src: int, num_slots: int) -> tuple[torch.Tensor, CopyPositions]:
-    """For a gather ``index [R]`` of ``num_src`` source rows: the slot of each copy (its rank
+def number_copies(index: torch.Tensor, num_src: int, max_copies: int) -> tuple[torch.Tensor, CopyPositions]:
+    """For a gather ``index [R]`` of ``num_src`` source rows: the copy of each copy (its rank
     among the copies of its source row, in order of appearance: the fixed order in which they
     are summed back), int64 [R], and the `CopyPositions` of those copies, both from one stable
-    sort (the sort that numbers the copies also lists them by source row, in slot order)."""
+    sort (the sort that numbers the copies also lists them by source row, in copy order)."""
     order = stable_argsort(index)
     offsets = torch.zeros(num_src + 1, dtype=torch.int64, device=index.device)
     torch.cumsum(torch.bincount(index, minlength=num_src), 0, out=offsets[1:])
     source = index.index_select(0, order)
     ranked = torch.arange(index.numel(), device=index.device) - offsets.index_select(0, source)
-    slot = torch.empty_like(index).scatter_(0, order, ranked)
-    return slot, CopyPositions(num_src, num_slots, index=index, slot=slot, bags=(order, ranked, source, offsets))
+    copy = torch.empty_like(index).scatter_(0, order, ranked)
+    return copy, CopyPositions(num_src, max_copies, index=index, copy=copy, bags=(order, ranked, source, offsets))
 
 
 @dataclass(kw_only=True)
@@ -44,10 +44,10 @@ class Hop:
     """What every hop is: copies of the previous level's rows, and their sum back.
 
     index:  int64 [R] row of the previous level that each of this hop's R rows copies
-    slot:   int64 [R] which copy of its source row it is, in [0, num_slots): the order in which
+    copy:   int64 [R] which copy of its source row it is, in [0, max_copies): the order in which
             copies are summed back
-    num_src: rows of the previous level; num_slots: most copies of one source row
-    positions: the `CopyPositions` of ``index`` / ``slot`` when the planner has them at hand
+    num_src: rows of the previous level; max_copies: most copies of one source row
+    positions: the `CopyPositions` of ``index`` / ``copy`` when the planner has them at hand
         (built from them on first use otherwise)
 
     The kinds: `ExpandHop` and `InPlaceHop` (local: the last hop, into the padded expert-major
@@ -56,9 +56,9 @@ class Hop:
     """
 
     index: torch.Tensor
-    slot: torch.Tensor
+    copy: torch.Tensor
     num_src: int
-    num_slots: int
+    max_copies: int
     positions: CopyPositions | None = None
 
     communicates = False
@@ -68,18 +68,18 @@ class Hop:
         """The hop whose j-th row copies row ``index[j]`` of a level of ``num_src`` rows (at most
         ``most_copies`` copies of one row), the copies of a row numbered in order of appearance
         (`number_copies`); ``fields``: those of the hop's kind."""
-        slot, positions = number_copies(index, num_src, max(1, most_copies))
-        return cls(index=index, slot=slot, num_src=num_src, num_slots=positions.num_slots, positions=positions,
+        copy, positions = number_copies(index, num_src, max(1, most_copies))
+        return cls(index=index, copy=copy, num_src=num_src, max_copies=positions.max_copies, positions=positions,
                    **fields)
 
     def copies(self) -> CopyPositions:
         """Where each source row's copies sit among the rows of this hop (cached)."""
         if self.positions is None:
-            self.positions = CopyPositions.build(self.index, self.slot, self.num_src, self.num_slots)
+            self.positions = CopyPositions.build(self.index, self.copy, self.num_src, self.max_copies)
         return self.positions
 
     def reduce(self, rows: torch.Tensor, weights: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-        """rows [R, C] -> [num_src, C]: each source row's copies summed in fp32 in slot order,
+        """rows [R, C] -> [num_src, C]: each source row's copies summed in fp32 in copy order,
         each scaled by ``weights [R]`` first when given."""
         return kernels.reduce_copies(rows, self.copies(), weights, out_dtype)
 
@@ -116,7 +116,7 @@ class ExpandHop(Hop):
         return rows if self.out_pos is None else rows.index_select(0, self.out_pos)
 
     def destinations(self) -> torch.Tensor:
-        """int64 [num_src, num_slots]: output row of each copy of each source row (-1: none)."""
+        """int64 [num_src, max_copies]: output row of each copy of each source row (-1: none)."""
         if getattr(self, "_destinations", None) is None:
             dense = self.copies().dense()
             if self.out_pos is not None:
@@ -408,7 +408,7 @@ class Stage:
 @dataclass
 class ExpertRows:
     """What a route's plan says of its expert rows at the end: row_k int64 [M_real], the top-k
-    slot of each real expert row; row_weights [M_real] its routing weight; tokens_per_expert /
+    copy of each real expert row; row_weights [M_real] its routing weight; tokens_per_expert /
     real_tokens_per_expert int64 [E_local] rows per local expert with and without padding;
     source_weights: see `Route`."""
 
@@ -424,7 +424,7 @@ class Route:
     """The hops of one dispatch plus what the last level's rows carry.
 
     topk: K
-    plan: the backend's plan, a generator of `Stage`s (see below); None once it has run
+    stages: the backend's plan of the route, a generator of `Stage`s (see below); None once it has run
     hops: communicating hops then the last (local, expanding) hop, appended as planned
     row_k, row_weights, tokens_per_expert, real_tokens_per_expert: see `ExpertRows`
     source_weights: for routes whose first hop sends one row per (token, expert) pair, the
@@ -441,7 +441,7 @@ class Route:
     """
 
     topk: int
-    plan: Generator | None = None
+    stages: Generator | None = None
     hops: list = field(default_factory=list)
     row_k: torch.Tensor | None = None
     row_weights: torch.Tensor | None = None
@@ -464,11 +464,11 @@ class Route:
         """[N, C] -> expert rows [M, C] (dispatch). With ``async_op`` the first exchange is
         left in flight and a `Transfer` is returned; its wait() plans and runs the remaining
         hops. ``sent``: the first hop's sent rows, already gathered (see `AllToAllHop.forward`)."""
-        if self.plan is None:
+        if self.stages is None:
             first = self._step(self.hops[0], rows, sent)
             pending = later(lambda: self._run(first, self.hops[1:]))
         else:
-            stage = next(self.plan)
+            stage = next(self.stages)
             level, meta = self._start(stage, rows, sent)
             pending = later(lambda: self._plan_and_run(level, meta))
         return pending if async_op else pending.wait()
@@ -493,14 +493,14 @@ class Route:
         metadata (while the stage's rows travel), start the next stage, until the plan ends."""
         while True:
             try:
-                stage = self.plan.send(None if meta is None else meta.wait())
+                stage = self.stages.send(None if meta is None else meta.wait())
             except StopIteration as end:
                 rows: ExpertRows = end.value
                 self.row_k, self.row_weights = rows.row_k, rows.row_weights
                 self.tokens_per_expert = rows.tokens_per_expert
                 self.real_tokens_per_expert = rows.real_tokens_per_expert
                 self.source_weights = rows.source_weights
-                self.plan = None
+                self.stages = None
                 return level.wait() if isinstance(level, Transfer) else level
             level, meta = self._start(stage, level)
 

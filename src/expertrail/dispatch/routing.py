@@ -1,7 +1,7 @@
 """Routing tensors, their layouts, converters and token dropping.
 
 The routing of N tokens over E experts with top-K is ``topk_idx [N, K] int64`` (-1 means
-no expert: a dropped or unused slot) and ``topk_weights [N, K] float``. Megatron-Core uses
+no expert: a dropped or unused top-k entry) and ``topk_weights [N, K] float``. Megatron-Core uses
 the dense form ``routing_map [N, E] bool`` + ``probs [N, E] float``; both convert losslessly
 as long as a token does not name one expert twice.
 """
@@ -120,7 +120,7 @@ def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_facto
 
 def apply_capacity(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                    capacity_factor: float, drop_policy: str = "probs") -> torch.Tensor:
-    """Drop (set to -1) the (token, expert) slots beyond each expert's capacity on this rank.
+    """Drop (set to -1) the (token, expert) entries beyond each expert's capacity on this rank.
 
     ``drop_policy="probs"`` keeps each expert's highest-weight tokens (earlier token on ties);
     ``"position"`` keeps the earliest tokens. Returns the new ``topk_idx [N, K]``.
@@ -130,17 +130,17 @@ def apply_capacity(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_exper
     n, k = topk_idx.shape
     capacity = expert_capacity(n, k, num_experts, capacity_factor)
     flat = topk_idx.reshape(-1)
-    slots = torch.nonzero(flat >= 0).squeeze(1)            # (n, k) order
-    experts = flat[slots]
+    entries = torch.nonzero(flat >= 0).squeeze(1)          # (n, k) order
+    experts = flat[entries]
     if drop_policy == "probs":
-        by_weight = torch.sort(topk_weights.reshape(-1)[slots], descending=True, stable=True).indices
-        slots, experts = slots[by_weight], experts[by_weight]
+        by_weight = torch.sort(topk_weights.reshape(-1)[entries], descending=True, stable=True).indices
+        entries, experts = entries[by_weight], experts[by_weight]
     order = torch.sort(experts, stable=True).indices
-    slots, experts = slots[order], experts[order]
+    entries, experts = entries[order], experts[order]
     counts = torch.bincount(experts, minlength=num_experts)
     starts = torch.cumsum(counts, 0) - counts
     position = torch.arange(experts.numel(), device=flat.device) - starts[experts]
-    dropped = slots[position >= capacity]
+    dropped = entries[position >= capacity]
     out = flat.clone()
     out[dropped] = -1
     return out.view(n, k)

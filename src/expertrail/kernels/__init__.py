@@ -70,7 +70,7 @@ def copy_rows(rows: torch.Tensor, index: torch.Tensor, out_rows: int, destinatio
 
 def reduce_copies(rows: torch.Tensor, copies: torch_ops.CopyPositions, weights: torch.Tensor | None,
                   out_dtype: torch.dtype) -> torch.Tensor:
-    """out[i] = sum over slots s, ascending, of weights * rows[copy s of i], in fp32 (fp64 for
+    """out[i] = sum over copies s, ascending, of weights * rows[copy s of i], in fp32 (fp64 for
     fp64): the Triton kernel on its dense positions (`use_triton`), else the torch reference
     on its bags."""
     if use_triton(rows):

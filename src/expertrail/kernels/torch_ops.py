@@ -58,33 +58,33 @@ class CopyPositions:
     (each built on first use, so a path pays only for its own):
 
     - bags (the torch path, ``embedding_bag``): ``pos[offsets[i]:offsets[i + 1]]`` are the rows
-      holding source row i's copies, in ascending slot order (``slot``), and ``source`` repeats
+      holding source row i's copies, in ascending copy order (``copy``), and ``source`` repeats
       i for each of them; all int64 [copies] except ``offsets`` [num_src + 1];
-    - ``dense()`` (the Triton path): int64 [num_src, num_slots], the row of each copy or -1. It
+    - ``dense()`` (the Triton path): int64 [num_src, max_copies], the row of each copy or -1. It
       is one scatter: no sort and no host sync (the bags need both).
     """
 
-    def __init__(self, num_src: int, num_slots: int, index: torch.Tensor | None = None,
-                 slot: torch.Tensor | None = None, dense: torch.Tensor | None = None, bags: tuple | None = None):
-        self.num_src, self.num_slots = num_src, num_slots
-        self._index, self._slot, self._dense, self._bags = index, slot, dense, bags
+    def __init__(self, num_src: int, max_copies: int, index: torch.Tensor | None = None,
+                 copy: torch.Tensor | None = None, dense: torch.Tensor | None = None, bags: tuple | None = None):
+        self.num_src, self.max_copies = num_src, max_copies
+        self._index, self._copy, self._dense, self._bags = index, copy, dense, bags
 
     @classmethod
-    def build(cls, index: torch.Tensor, slot: torch.Tensor, num_src: int, num_slots: int) -> "CopyPositions":
-        """From the source row ``index [R]`` and ``slot [R]`` of each of R rows (no two rows
+    def build(cls, index: torch.Tensor, copy: torch.Tensor, num_src: int, max_copies: int) -> "CopyPositions":
+        """From the source row ``index [R]`` and ``copy [R]`` of each of R rows (no two rows
         share both)."""
-        return cls(num_src, num_slots, index=index, slot=slot)
+        return cls(num_src, max_copies, index=index, copy=copy)
 
     @classmethod
     def from_dense(cls, pos: torch.Tensor) -> "CopyPositions":
-        """From int64 [num_src, num_slots] rows of copies (-1: none)."""
+        """From int64 [num_src, max_copies] rows of copies (-1: none)."""
         return cls(pos.shape[0], pos.shape[1], dense=pos)
 
     def dense(self) -> torch.Tensor:
-        """int64 [num_src, num_slots]: the row of each copy, -1 where there is none (cached)."""
+        """int64 [num_src, max_copies]: the row of each copy, -1 where there is none (cached)."""
         if self._dense is None:
-            out = torch.full((self.num_src, self.num_slots), -1, dtype=torch.int64, device=self._index.device)
-            out[self._index, self._slot] = torch.arange(self._index.numel(), device=out.device)
+            out = torch.full((self.num_src, self.max_copies), -1, dtype=torch.int64, device=self._index.device)
+            out[self._index, self._copy] = torch.arange(self._index.numel(), device=out.device)
             self._dense = out
         return self._dense
 
@@ -93,7 +93,7 @@ class CopyPositions:
         return self._bag_form()[0]
 
     @property
-    def slot(self) -> torch.Tensor:
+    def copy(self) -> torch.Tensor:
         return self._bag_form()[1]
 
     @property
@@ -105,24 +105,24 @@ class CopyPositions:
         return self._bag_form()[3]
 
     def _bag_form(self) -> tuple:
-        """(pos, slot, source, offsets), see the class docstring (cached)."""
+        """(pos, copy, source, offsets), see the class docstring (cached)."""
         if self._bags is None:
             if self._index is None:                                     # from the dense form
                 present = self._dense >= 0
                 n, s = present.shape
-                if n and s and bool(present.all()):                     # every slot used: no search
+                if n and s and bool(present.all()):                     # every copy used: no search
                     every = torch.arange(n * s, device=present.device)
                     self._bags = (self._dense.reshape(-1), every % s, every // s,
                                   torch.arange(0, n * s + 1, s, device=present.device))
                 else:
-                    source, slot = torch.nonzero(present, as_tuple=True)    # row-major: by source, then slot
-                    self._bags = (self._dense[source, slot], slot, source, self._offsets(present.sum(1)))
+                    source, copy = torch.nonzero(present, as_tuple=True)    # row-major: by source, then copy
+                    self._bags = (self._dense[source, copy], copy, source, self._offsets(present.sum(1)))
             else:
-                index, slot = self._index, self._slot
-                key = index * max(self.num_slots, 1) + slot                 # unique per copy
-                bound = self.num_src * max(self.num_slots, 1)
+                index, copy = self._index, self._copy
+                key = index * max(self.max_copies, 1) + copy                 # unique per copy
+                bound = self.num_src * max(self.max_copies, 1)
                 if key.device.type == "cpu" and bound <= _RADIX_BOUND:
-                    order = stable_argsort(key)                              # by source row, then slot
+                    order = stable_argsort(key)                              # by source row, then copy
                 elif bound <= 4 * key.numel() + 4096:                        # sort by key with a scatter
                     at = torch.full((bound,), -1, dtype=torch.int64, device=key.device)
                     at[key] = torch.arange(key.numel(), device=key.device)
@@ -130,7 +130,7 @@ class CopyPositions:
                 else:
                     order = torch.argsort(key)
                 counts = torch.bincount(index, minlength=self.num_src)
-                self._bags = (order, slot.index_select(0, order), index.index_select(0, order),
+                self._bags = (order, copy.index_select(0, order), index.index_select(0, order),
                               self._offsets(counts))
         return self._bags
 
@@ -150,11 +150,11 @@ _WEIGHT_PARTS = {torch.bfloat16: 1, torch.float16: 2}
 
 def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tensor | None,
                   out_dtype: torch.dtype) -> torch.Tensor:
-    """out[i] = sum over slots s, ascending, of weights * rows[copy s of i].
+    """out[i] = sum over copies s, ascending, of weights * rows[copy s of i].
 
     rows [R, C], weights [R] or None -> [num_src, C] in ``out_dtype``. One fused pass
     (``embedding_bag``): each row is read once, the sum of a source row's copies is formed in
-    fp32 (fp64 for fp64) in slot order by one thread and written once, so the result is
+    fp32 (fp64 for fp64) in copy order by one thread and written once, so the result is
     bitwise reproducible. bf16 rows keep their dtype in the pass: a fp32 weight is split into
     three bf16 parts whose products with a bf16 row are exact in fp32, so the result matches
     fp32 arithmetic on widened rows (tests compare it with an fp64 sum). A fp16 weight needs
@@ -164,7 +164,7 @@ def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tens
     num_src, width = copies.num_src, rows.shape[1]
     if copies.pos.numel() == 0:
         return rows.new_zeros(num_src, width, dtype=out_dtype)
-    if copies.num_slots == 1 and weights is None:       # a permutation (with holes): no sum
+    if copies.max_copies == 1 and weights is None:       # a permutation (with holes): no sum
         if copies.pos.numel() == num_src:
             picked = take_rows(rows, copies.pos, out=allocate((num_src, width), rows.dtype, rows.device))
         else:
@@ -208,8 +208,8 @@ def _split(values: torch.Tensor, dtype: torch.dtype, parts: int) -> torch.Tensor
 
 def permute_rows(rows, dest, out_rows, zero_rows=None):
     out = rows.new_empty(out_rows, rows.shape[1])
-    src, slot = torch.nonzero(dest >= 0, as_tuple=True)
-    out[dest[src, slot]] = rows[src]
+    src, copy = torch.nonzero(dest >= 0, as_tuple=True)
+    out[dest[src, copy]] = rows[src]
     if zero_rows is not None and zero_rows.numel():
         out.index_fill_(0, zero_rows, 0)
     return out

@@ -1,8 +1,8 @@
 """Triton kernels for the local data movement (see ``kernels/__init__.py`` for the contracts).
 
 Each program handles one source row (or token) and a block of its columns: permute reads the
-row once and writes every copy; reduce reads each copy once, adds in fp32 in slot order, and
-writes the result once. Both are memory-bound by design: the slot loop is unrolled (``S`` is a
+row once and writes every copy; reduce reads each copy once, adds in fp32 in copy order, and
+writes the result once. Both are memory-bound by design: the copy loop is unrolled (``S`` is a
 compile-time constant) and branch-free (absent copies are masked), so all of a row's copies are
 in flight at once, and blocks are wide enough for 16-byte loads per thread.
 """
@@ -16,7 +16,7 @@ import triton.language as tl
 # (7168 bf16 columns, top-8) against 256 to 8192 columns at 4 to 16 warps, this was the fastest.
 BLOCK_C = 2048
 MAX_WARPS = 8
-MAX_UNROLLED_SLOTS = 32  # more slots than this: a runtime loop (one copy in flight at a time)
+MAX_UNROLLED_COPIES = 32  # more copies than this: a runtime loop (one copy in flight at a time)
 
 
 @triton.jit
@@ -121,11 +121,11 @@ def reduce_copies_dense(rows, pos, weights, out_dtype):
     if rows.shape[0] == 0 or pos.shape[1] == 0:
         return out.zero_()
     w = weights.contiguous() if weights is not None else rows      # unused pointer when no weights
-    slots = pos.shape[1]
+    most = pos.shape[1]                         # copies per output row
     grid, block, col_blocks, warps = _launch(pos.shape[0], rows.shape[1])
     _reduce_kernel[grid](
-        rows, pos, w, out, rows.shape[1], col_blocks, slots, rows.stride(0), out.stride(0), HAS_WEIGHTS=weights is not None,
-        ACC_F64=rows.dtype == torch.float64, UNROLL=slots if slots <= MAX_UNROLLED_SLOTS else 0, BLOCK=block,
+        rows, pos, w, out, rows.shape[1], col_blocks, most, rows.stride(0), out.stride(0), HAS_WEIGHTS=weights is not None,
+        ACC_F64=rows.dtype == torch.float64, UNROLL=most if most <= MAX_UNROLLED_COPIES else 0, BLOCK=block,
         num_warps=warps)
     return out
 

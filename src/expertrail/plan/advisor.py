@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from ..names import both_names, field_name
 from .catalog import Hardware, MoEModel
-from .cost import SATURATING_SMS, Layout, Routing, predict
+from .cost import SATURATING_SMS, EPLayout, Routing, predict
 from .search import architecture_of, fitting_pp
 from .simulate import domain_for
 
@@ -71,7 +71,7 @@ def valid_eps(model: MoEModel) -> list:
 
 
 def best(hw, model, tokens, ep, topk_idx, precision, sms):
-    layout = Layout(ep, domain_for(hw, ep))
+    layout = EPLayout(ep, domain_for(hw, ep))
     preds = {a: predict(hw, model, layout, a, topk_idx, sms, precision) for a in ALGORITHMS}
     name = min(preds, key=lambda a: preds[a].dispatch_s + preds[a].combine_s)
     return name, preds

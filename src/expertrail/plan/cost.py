@@ -86,7 +86,7 @@ class Routing:
 
 
 @dataclass
-class Layout:
+class EPLayout:
     ep: int
     domain: int
 
@@ -123,7 +123,7 @@ def _rank_members(topk_idx: np.ndarray, local: int, p: int) -> tuple[np.ndarray,
     return np.bincount(owner[valid], minlength=p)[:p], member[:, :p]
 
 
-def count_traffic(topk_idx: np.ndarray, model: MoEModel, layout: Layout, algorithm: str) -> Traffic:
+def count_traffic(topk_idx: np.ndarray, model: MoEModel, layout: EPLayout, algorithm: str) -> Traffic:
     """Rows on each link for rank 0 sending ``topk_idx [T, K]`` (all ranks route alike)."""
     p, d = layout.ep, layout.domain
     t = topk_idx.shape[0]
@@ -170,7 +170,7 @@ def count_traffic(topk_idx: np.ndarray, model: MoEModel, layout: Layout, algorit
     return tr
 
 
-def rows_by_link(topk_idx_per_rank: list, num_experts: int, layout: Layout, algorithm: str) -> dict:
+def rows_by_link(topk_idx_per_rank: list, num_experts: int, layout: EPLayout, algorithm: str) -> dict:
     """Rows every rank hands to collectives in one dispatch, summed over ranks, per link class
     (``self`` / ``intra`` / ``inter``), from every rank's own routing: the exact form of
     `count_traffic` (which samples one rank), as expertrail's engine sends them, so the bench
@@ -260,7 +260,7 @@ class Prediction:
     slow_link_GBps: dict | None = None
 
 
-def predict(hw: Hardware, model: MoEModel, layout: Layout, algorithm: str, topk_idx: np.ndarray,
+def predict(hw: Hardware, model: MoEModel, layout: EPLayout, algorithm: str, topk_idx: np.ndarray,
             sms: int | None = None, precision: str = "bf16", pipelined: bool = True,
             engine: bool = False) -> Prediction:
     """Predicted dispatch and combine time of ``algorithm`` for rank 0's ``topk_idx``.

@@ -27,7 +27,7 @@ from functools import lru_cache
 from ..errors import ConfigError
 from .architecture import Architecture
 from .catalog import Hardware
-from .cost import Layout, Routing, link_bandwidth, predict
+from .cost import EPLayout, Routing, link_bandwidth, predict
 from .layout import TrainingLayout, stage_layers
 from .memory import GB, layer_activation_bytes, memory, usable_GB
 from .simulate import domain_for
@@ -71,7 +71,7 @@ def dispatch_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout) -
     # Rows grow with the tokens: a sample of at most ROUTING_SAMPLE tokens, scaled, keeps large EP fast.
     tokens = layout.tokens_per_gpu
     sample = min(tokens, ROUTING_SAMPLE)
-    p = predict(hw, arch.moe_model(), Layout(layout.ep, domain), algorithm, _routing(arch, sample), sms,
+    p = predict(hw, arch.moe_model(), EPLayout(layout.ep, domain), algorithm, _routing(arch, sample), sms,
                 "fp8" if layout.precision == "fp8" and layout.flex_backend else "bf16")
     framework = FRAMEWORK_CALL_FACTOR if domain < layout.ep else 1.0
     return 2 * (p.dispatch_s + p.combine_s) * framework * tokens / sample, algorithm

@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..errors import ConfigError
 from ..names import field_name
 from .catalog import Hardware, MoEModel
-from .cost import ALGORITHMS, Layout, Routing, predict
+from .cost import ALGORITHMS, EPLayout, Routing, predict
 
 NCCL_ALGORITHMS = ("allgather", "alltoall")      # NCCL collectives: the SM count is not theirs to set
 
@@ -77,7 +77,7 @@ def simulate(hw: Hardware, model: MoEModel, tokens: int, eps: list, sms_list: li
         domain = domain_size or domain_for(hw, ep)
         for algorithm in algorithms:
             for sms in ([None] if algorithm in NCCL_ALGORITHMS else sms_list):
-                p = predict(hw, model, Layout(ep, domain), algorithm, topk_idx, sms, precision)
+                p = predict(hw, model, EPLayout(ep, domain), algorithm, topk_idx, sms, precision)
                 rows.append({"ep": ep, "domain": domain, "algorithm": algorithm,
                              "field_name": field_name(algorithm, hw.domain_size, ep), "sms": sms,
                              "dispatch_us": p.dispatch_s * 1e6, "combine_us": p.combine_s * 1e6,

@@ -307,12 +307,12 @@ def predict_backends(report: dict, links: dict, local: dict | None = None) -> No
     ``planner_bytes_match``."""
     from ..emulation.links import measured_hardware
     from ..plan.catalog import MoEModel
-    from ..plan.cost import Layout, metadata_bytes, predict, row_bytes, rows_by_link
+    from ..plan.cost import EPLayout, metadata_bytes, predict, row_bytes, rows_by_link
     cfg = report["config"]
     idx = [make_routing(cfg["routing"], cfg["tokens"], cfg["experts"], cfg["topk"], r, cfg["world"],
                         cfg["seed"])[0].numpy() for r in range(cfg["world"])]
     hw = measured_hardware(links, cfg["domain_size"], local=local)
-    layout = Layout(cfg["world"], cfg["domain_size"])
+    layout = EPLayout(cfg["world"], cfg["domain_size"])
     model = MoEModel("bench", cfg["hidden"], cfg["experts"], cfg["topk"], cfg["expert_ffn"], 1)
     precision = "fp32" if cfg["dtype"] == "fp32" else "bf16"        # fp16 rows are as wide as bf16
     if cfg.get("payload") == "fp8":

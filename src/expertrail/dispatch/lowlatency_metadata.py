@@ -1,23 +1,23 @@
-"""The lowlatency mode's per-call metadata plan, made on the host (numpy) or on the device (torch).
+"""The lowlatency mode's per-call metadata, made on the host (numpy) or on the device (torch).
 
 Each dispatch writes into every peer's block tail a header (error flag, routing weights' dtype
-code) and, per slot, which of the peer's local experts the row is for and with which weight
+code) and, per token row, which of the peer's local experts the row is for and with which weight
 (fp64 words); once the exchange lands it reads every peer's header and turns the received tables
-into the plan of the packed layout: which slot each packed row comes from, each row's weight,
+into the packed layout: which token row each packed row comes from, each row's weight,
 and the bags the combine sums. Combine's blocks carry only the header.
 
-Two planners make the same plan through one interface:
+Two implementations make the same metadata through one interface:
 
-- `HostPlan` (CPU ranks): numpy on views of the buffers' tails (shared memory, no copies). A
+- `HostMetadata` (CPU ranks): numpy on views of the buffers' tails (shared memory, no copies). A
   decode step's metadata is a few hundred numbers, and a torch call costs its dispatcher
   overhead whatever its size (5-30 us with 4 ranks on 2 cores, most of a step's CPU time:
   docs/benchmarks.md), numpy's a few us.
-- `DevicePlan` (CUDA): torch on the device, with nothing read on the host (that would be a
+- `DeviceMetadata` (CUDA): torch on the device, with nothing read on the host (that would be a
   sync), so a decode step can be captured in a CUDA graph.
 
-Both check the expert ids' values (in [-1, E), none twice in a token): the host plan on the
-host, with the message; the device plan on the device, into the header's error flag and
-`DevicePlan.rejected` (a device bool), which the dispatcher reads where it agrees on errors
+Both check the expert ids' values (in [-1, E), none twice in a token): `HostMetadata` on the
+host, with the message; `DeviceMetadata` on the device, into the header's error flag and
+`DeviceMetadata.rejected` (a device bool), which the dispatcher reads where it agrees on errors
 and asserts on the device where it does not.
 
 The tests run both on CPU and compare each with the normal mode bit for bit.
@@ -42,24 +42,24 @@ class _Plan:
     Args:
         num_experts, ep_size (P), local_experts (E_local), max_tokens (T): the dispatcher's shape.
         send_tail, recv_tail: uint8 [P, 8 * (HEADER_WORDS + 2 T E_local)] views of the dispatch
-            blocks' tails (the header, then per slot E_local expert flags and E_local weights).
+            blocks' tails (the header, then per token row E_local expert flags and E_local weights).
         back_send_tail, back_tail: uint8 [P, 8 * HEADER_WORDS] views of the combine blocks' tails.
         source_of_packed: int64 [E_local * P * T + 1], the row each packed row is gathered from
             (written by `expansion`; the last entry is a scratch entry); pair_source: int64
-            [P * T * E_local], the row each (slot, local expert) pair takes.
+            [P * T * E_local], the row each (token row, local expert) pair takes.
     """
 
     def __init__(self, num_experts: int, ep_size: int, local_experts: int, max_tokens: int,
                  send_tail: torch.Tensor, recv_tail: torch.Tensor, back_send_tail: torch.Tensor,
                  back_tail: torch.Tensor, source_of_packed: torch.Tensor, pair_source: torch.Tensor):
         self.num_experts, self.ep_size, self.local, self.max_tokens = num_experts, ep_size, local_experts, max_tokens
-        self.slots = ep_size * max_tokens                                          # P * T received slots
+        self.rows = ep_size * max_tokens                                          # P * T received token rows
         self.send_tail, self.recv_tail, self.back_send_tail, self.back_tail = send_tail, recv_tail, back_send_tail, back_tail
         self.source_of_packed, self.pair_source = source_of_packed, pair_source
 
 
-class HostPlan(_Plan):
-    """The plan in numpy on views of the tails (CPU buffers only)."""
+class HostMetadata(_Plan):
+    """The metadata in numpy on views of the tails (CPU buffers only)."""
 
     rejected = None                   # the ids are checked in `write`, with the message
 
@@ -72,13 +72,13 @@ class HostPlan(_Plan):
         self._recv_table = _reshaped(_float64_words(self.recv_tail)[:, HEADER_WORDS:], (p, t, 2, local))
         self._back_header = _float64_words(self.back_send_tail)
         self._back_received = _float64_words(self.back_tail)
-        self._before_expert = np.arange(local) * self.slots - 1       # the packed row before each expert's first
+        self._before_expert = np.arange(local) * self.rows - 1       # the packed row before each expert's first
         self._source_of_packed, self._pair_source = self.source_of_packed.numpy(), self.pair_source.numpy()
 
     def write(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, message: str | None, where: str) -> str | None:
-        """Every peer's header and slot tables from ``topk_idx [N, K]`` and ``topk_weights
+        """Every peer's header and token-row tables from ``topk_idx [N, K]`` and ``topk_weights
         [N, K]``, after checking the ids (in [-1, num_experts), none twice in a token). With an
-        error (``message``, or found here) the header says failed and every slot is empty.
+        error (``message``, or found here) the header says failed and every token row is empty.
         Returns the error message or None."""
         table = self._send_table                                                  # [P, T, 2, E_local]
         table[...] = 0
@@ -107,18 +107,18 @@ class HostPlan(_Plan):
 
     def expansion(self, weights_dtype: torch.dtype) -> tuple:
         """From the landed tables: (copies, row_weights, count), see `LowLatencyResult`, with
-        ``source_of_packed`` pointing each expert's real rows at their slots."""
-        member = (self._recv_table[:, :, 0] != 0).reshape(self.slots, self.local)    # [P*T, E_local]
+        ``source_of_packed`` pointing each expert's real rows at their token rows."""
+        member = (self._recv_table[:, :, 0] != 0).reshape(self.rows, self.local)    # [P*T, E_local]
         place = member.cumsum(0) + self._before_expert                             # each pair's packed row
-        pair = np.flatnonzero(member)                                               # by slot, then local expert
+        pair = np.flatnonzero(member)                                               # by token row, then local expert
         to = place.reshape(-1)[pair]
         self._source_of_packed[to] = self._pair_source[pair]
-        row_weights = np.zeros(self.local * self.slots + 1, dtype=_NUMPY_DTYPES.get(weights_dtype, np.float64))
+        row_weights = np.zeros(self.local * self.rows + 1, dtype=_NUMPY_DTYPES.get(weights_dtype, np.float64))
         row_weights[to] = self._recv_table[:, :, 1].reshape(-1)[pair]
-        offsets = np.zeros(self.slots + 1, dtype=np.int64)
+        offsets = np.zeros(self.rows + 1, dtype=np.int64)
         np.cumsum(member.sum(1), out=offsets[1:])
-        source, slot = np.divmod(pair, self.local)
-        copies = CopyPositions(self.slots, self.local, bags=tuple(map(torch.from_numpy, (to, slot, source, offsets))))
+        source, copy = np.divmod(pair, self.local)
+        copies = CopyPositions(self.rows, self.local, bags=tuple(map(torch.from_numpy, (to, copy, source, offsets))))
         return copies, cast(torch.from_numpy(row_weights), weights_dtype), torch.from_numpy(member.sum(0))
 
     def write_back_header(self, failed: bool) -> None:
@@ -129,8 +129,8 @@ class HostPlan(_Plan):
         return self._back_received[:, 0]
 
 
-class DevicePlan(_Plan):
-    """The plan in torch on the buffers' device, reading nothing on the host."""
+class DeviceMetadata(_Plan):
+    """The metadata in torch on the buffers' device, reading nothing on the host."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -138,15 +138,15 @@ class DevicePlan(_Plan):
         # The header bytes each call starts with: no error and the weights' dtype code, or failed.
         headers = [[0.0, code] for code in range(len(WEIGHT_DTYPES))] + [[1.0, -1.0]]
         self._headers = torch.tensor(headers, dtype=torch.float64, device=dev).view(torch.uint8)
-        self._send_table = self.send_tail[:, 8 * HEADER_WORDS:].view(p, t, 2, 8 * local)    # per slot: flags, weights
+        self._send_table = self.send_tail[:, 8 * HEADER_WORDS:].view(p, t, 2, 8 * local)    # per token row: flags, weights
         # The landed metadata as fp64 words (copies: a tail need not be 8-byte aligned).
         self._received = torch.zeros(p, self.recv_tail.shape[1] // 8, dtype=torch.float64, device=dev)
         self._back_received = torch.zeros(p, HEADER_WORDS, dtype=torch.float64, device=dev)
-        self._before_expert = torch.arange(local, device=dev) * self.slots - 1
+        self._before_expert = torch.arange(local, device=dev) * self.rows - 1
 
     def write(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, message: str | None, where: str) -> str | None:
-        """As `HostPlan.write`, checking the ids' values on the device: ids out of range or
-        listed twice in a token make the header say failed and every slot empty, and set
+        """As `HostMetadata.write`, checking the ids' values on the device: ids out of range or
+        listed twice in a token make the header say failed and every token row empty, and set
         ``rejected`` (a device bool; nothing read on the host). Returns ``message``."""
         self.rejected = None
         if message is not None:
@@ -174,10 +174,10 @@ class DevicePlan(_Plan):
         return self._received[:, 0], self._received[:, 1]
 
     def expansion(self, weights_dtype: torch.dtype) -> tuple:
-        """As `HostPlan.expansion`, with the copies in dense form (no sizes on the host)."""
-        scratch = self.local * self.slots
+        """As `HostMetadata.expansion`, with the copies in dense form (no sizes on the host)."""
+        scratch = self.local * self.rows
         tables = self._received[:, HEADER_WORDS:].view(self.ep_size, self.max_tokens, 2, self.local)
-        member = (tables[:, :, 0] != 0).view(self.slots, self.local)               # [P*T, E_local]
+        member = (tables[:, :, 0] != 0).view(self.rows, self.local)               # [P*T, E_local]
         place = member.cumsum(0).add_(self._before_expert)                         # each pair's packed row
         to = torch.where(member, place, scratch).view(-1)                          # unused pairs: the scratch entry
         row_weights = torch.zeros(scratch + 1, dtype=weights_dtype, device=member.device)
