@@ -58,6 +58,29 @@ def test_layout_counts_match_reference(tokens, experts, ep, domain):
         assert torch.equal(a, b)
 
 
+def test_compute_layout_takes_the_triton_kernel_where_asked_and_agrees():
+    """routing.compute_layout's Triton branch (on CUDA by default; here forced, interpreted)."""
+    from expertrail import kernels
+    from expertrail.dispatch.routing import compute_layout
+    g = torch.Generator().manual_seed(5)
+    idx = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(40)])
+    idx[torch.rand(40, 4, generator=g) < 0.3] = -1
+    layouts = {}
+    for mode in ("torch", "triton"):
+        previous = kernels.set_mode(mode)
+        try:
+            calls = []
+            real = kernels.layout_counts
+            kernels.layout_counts = lambda *a: calls.append(a) or real(*a)
+            layouts[mode] = compute_layout(idx, 16, 4, 2)
+        finally:
+            kernels.layout_counts = real
+            kernels.set_mode(previous)
+        assert bool(calls) == (mode == "triton")
+    for name in ("tokens_per_expert", "tokens_per_rank", "tokens_per_domain", "token_in_rank", "token_in_domain"):
+        assert torch.equal(getattr(layouts["torch"], name), getattr(layouts["triton"], name)), name
+
+
 @pytest.mark.docs
 def test_gpu_benchmark_script_runs_its_checks_on_the_cpu():
     import subprocess

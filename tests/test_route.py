@@ -76,6 +76,8 @@ def test_number_copies_gives_the_copy_numbers_and_bags_a_separate_sort_would():
     for name in ("pos", "copy", "source", "offsets"):
         assert torch.equal(getattr(positions, name), getattr(rebuilt, name)), name
     assert torch.equal(positions.dense(), rebuilt.dense())
+    bags_only = CopyPositions(50, 64, bags=(positions.pos, positions.copy, positions.source, positions.offsets))
+    assert torch.equal(bags_only.dense(), rebuilt.dense())          # the dense form from bags alone
 
 
 def test_take_rows_matches_index_select_for_every_float_width():

@@ -305,7 +305,8 @@ def fp8_payload(rank, world, backend, domain_size, scenario, dtype):
     exact, _, _ = reference_dispatch(xs, idxs, ws, experts, world)[rank]
     blocks = torch.nn.functional.pad(exact.float(), (0, 56)).view(-1, 2, 128)
     err = torch.nn.functional.pad((res.tokens.detach().float() - exact.float()).abs(), (0, 56)).view(-1, 2, 128)
-    assert (err.amax(-1) <= 2 ** -3 * blocks.abs().amax(-1)).all(), "fp8 error beyond e4m3's step of the amax"
+    rounding = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -20             # then rounded to x's dtype
+    assert (err.amax(-1) <= (1 / 28 + rounding) * blocks.abs().amax(-1)).all(), "fp8 error beyond e4m3's half step"
     packed = raw.dispatch(xs[rank], idxs[rank], ws[rank])
     assert packed.tokens.dtype == fp8.FP8 and packed.scales.shape == (packed.tokens.shape[0], 2)
     assert torch.equal(fp8.dequantize_values(packed.tokens, packed.scales, dtype), ref_tokens)

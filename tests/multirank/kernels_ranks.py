@@ -33,3 +33,15 @@ def triton_path_matches_torch(rank, world, backend, **options):
     torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(g1, g0, rtol=1e-6, atol=1e-6)
     return t0.shape[0]
+
+
+def lowlatency_under_triton(rank, world, metadata_on_host):
+    """The low-latency mode with the Triton kernels (interpreted on the CPU): its combine sums
+    through the Triton reduction on dense positions, and gives the normal mode's bits."""
+    from expertrail import kernels
+    from lowlatency_ranks import lowlatency_matches_normal
+    previous = kernels.set_mode("triton")
+    try:
+        return lowlatency_matches_normal(rank, world, torch.float32, "native", metadata_on_host)
+    finally:
+        kernels.set_mode(previous)

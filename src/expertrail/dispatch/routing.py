@@ -82,13 +82,11 @@ def compute_layout(topk_idx: torch.Tensor, num_experts: int, ep_size: int,
     """Counts of rows per expert, rank and domain for ``topk_idx [N, K]`` (contiguous placement
     unless ``rank_of_expert [E]`` is given)."""
     domain_size = ep_size if domain_size is None else domain_size
-    if topk_idx.is_cuda and rank_of_expert is None:       # the Triton kernel (contiguous placement)
-        from .. import kernels
-        if kernels.use_triton(topk_idx):
-            per_expert, per_rank, per_domain, member = kernels.layout_counts(topk_idx, num_experts, ep_size,
-                                                                             domain_size)
-            return TokenLayout(per_expert, per_rank, per_domain, member,
-                          member.view(-1, ep_size // domain_size, domain_size).any(2))
+    from .. import kernels
+    if rank_of_expert is None and kernels.use_triton(topk_idx):     # the Triton kernel (contiguous placement)
+        per_expert, per_rank, per_domain, member = kernels.layout_counts(topk_idx, num_experts, ep_size, domain_size)
+        return TokenLayout(per_expert, per_rank, per_domain, member,
+                           member.view(-1, ep_size // domain_size, domain_size).any(2))
     if rank_of_expert is None:
         rank_of_expert = torch.arange(num_experts, device=topk_idx.device) // (num_experts // ep_size)
     token_in_rank = token_membership(topk_idx, rank_of_expert, ep_size)

@@ -6,8 +6,9 @@ largest e4m3 value) and rounded to e4m3 (nearest, ties to even). A row travels a
 row, ``[H fp8 bytes | ceil(H / BLOCK) fp32 scales]``, so any transport moves it (gloo has no
 fp8 dtype) and every backend sends the same bytes: the same quantization everywhere, rows
 identical across backends. Rounding to e4m3 (3 mantissa bits) errs by at most half a step,
-2^-4 of the value's power of two, so each value is within ``2^-3 * amax`` of its block's amax
-(tests check this bound); values under 2^-9 of the amax land in e4m3's subnormals.
+2^-4 of the value's power of two: at most 16 in [256, 448], so each value is within
+``amax / 28`` of its block's amax (tests check this bound, and the bits against a reference
+written from the format's definition); values under 2^-9 of the amax land in e4m3's subnormals.
 """
 from __future__ import annotations
 

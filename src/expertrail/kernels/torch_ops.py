@@ -83,8 +83,13 @@ class CopyPositions:
     def dense(self) -> torch.Tensor:
         """int64 [num_src, max_copies]: the row of each copy, -1 where there is none (cached)."""
         if self._dense is None:
-            out = torch.full((self.num_src, self.max_copies), -1, dtype=torch.int64, device=self._index.device)
-            out[self._index, self._copy] = torch.arange(self._index.numel(), device=out.device)
+            if self._index is not None:
+                rows, at = (self._index, self._copy), torch.arange(self._index.numel(), device=self._index.device)
+            else:                                       # made from bags only
+                pos, copy, source, _ = self._bags
+                rows, at = (source, copy), pos
+            out = torch.full((self.num_src, self.max_copies), -1, dtype=torch.int64, device=at.device)
+            out[rows] = at
             self._dense = out
         return self._dense
 
