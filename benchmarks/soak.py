@@ -1,14 +1,18 @@
 """Soak: many dispatch/combine iterations with shapes changing every iteration on 4 local ranks;
 resident memory after warm-up must not grow by more than 5%.
 
-    .venv/bin/python benchmarks/soak.py [--iters 10000] [--world 4]
+    .venv/bin/python benchmarks/soak.py [--iters 10000] [--world 4] [--json PATH]
 
 Every iteration picks, from a seed shared by the ranks, the backend, the hidden size, top-k and
 alignment, and each rank its own token count (0 included); it checks combine against the
 expected sum on a cheap expert (scale by 2) every 500 iterations.
 """
 import argparse
+import datetime
+import json
+import platform
 import random
+import sys
 
 import torch
 
@@ -57,6 +61,7 @@ def main():
     p.add_argument("--iters", type=int, default=10000)
     p.add_argument("--warmup", type=int, default=500)
     p.add_argument("--world", type=int, default=4)
+    p.add_argument("--json", metavar="PATH", help="write the figures, the command, machine and date as JSON")
     args = p.parse_args()
     with LocalRanks(args.world, timeout=3600) as ranks:
         results = ranks.run(soak, args.iters, args.warmup)
@@ -67,6 +72,15 @@ def main():
         print(f"rank {rank}: RSS after warm-up {start:.1f} MB, after {args.iters} iterations {end:.1f} MB "
               f"({growth:+.1%}); every 1000: {samples}")
     print(f"worst growth {worst:+.1%} (bar: <= +5%)")
+    if args.json:
+        record = {"command": " ".join(["benchmarks/soak.py", *sys.argv[1:]]),
+                  "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+                  "date": datetime.date.today().isoformat(), "iters": args.iters, "warmup": args.warmup,
+                  "ranks": [{"rss_after_warmup_MB": start, "rss_end_MB": end, "every_1000_MB": samples}
+                            for start, end, samples in results], "worst_growth": worst}
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+        print(f"wrote {args.json}")
     raise SystemExit(0 if worst <= 0.05 else 1)
 
 
