@@ -13,6 +13,11 @@ of `SMALL` appended (argparse keeps the last value of an option); commands that 
 (`same_run`) run once, as do commands that differ only in the output files they ask for
 (`distinct_runs`), so the whole list takes a few minutes on 2 cores. The planner's commands (torch-free, milliseconds each) run in this process.
 
+Where a document shows what a command prints (the lines after a ``$ `` command in a fenced
+block, up to the next ``$ `` line; a line ``...`` stands for lines left out), the test checks
+that the command prints that: the planner's commands run at the documented sizes, in this
+process, and their output is deterministic.
+
 A command that cannot or need not run here is marked where it is shown, with the reason, in an
 HTML comment (GitHub does not render it):
 
@@ -28,6 +33,7 @@ that every marker names a reason and marks a command.
 """
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import shlex
@@ -149,6 +155,27 @@ def read_document(path: Path) -> tuple[list[Shown], list[str]]:
     return shown, problems
 
 
+def shown_outputs(path: Path) -> dict[str, list[str]]:
+    """command -> the lines a document shows it printing: in a fenced block, a ``$ `` command
+    (continuations joined, a trailing ``# exit N`` dropped) is followed by its output, up to the
+    next ``$ `` line or the end of the block."""
+    outputs, fenced, current, lines, i = {}, False, None, path.read_text().splitlines(), 0
+    while i < len(lines):
+        line = lines[i]
+        i += 1
+        if line.strip().startswith("```"):
+            fenced, current = not fenced, None
+        elif fenced and line.startswith("$ "):
+            command = line[2:].strip()
+            while command.endswith("\\") and i < len(lines):
+                command = command[:-1].rstrip() + " " + lines[i].strip()
+                i += 1
+            current = outputs.setdefault(re.sub(r"\s+#.*$", "", command).strip(), [])
+        elif fenced and current is not None:
+            current.append(line.rstrip())
+    return outputs
+
+
 def documented_commands(path: Path) -> list[Shown]:
     """(command, expected exit status, not-run reason or None) for every command a reader of
     ``path`` would copy, in order of appearance, each once."""
@@ -174,6 +201,7 @@ def runnable(command: str, tmp: Path) -> list[str]:
 
 
 READ = {doc: read_document(doc) for doc in DOCUMENTS}
+OUTPUTS_SHOWN = {command: lines for doc in DOCUMENTS for command, lines in shown_outputs(doc).items()}
 SHOWN = [entry for shown, _ in READ.values() for entry in shown]
 ALL = sorted({(entry.command, entry.status) for entry in SHOWN})
 # The commands the docs mark as not run here, and why (the first marker's reason).
@@ -311,3 +339,34 @@ def test_documented_command_runs(command, status, tmp_path, monkeypatch, capsys)
         # (launched commands may show torchrun's own logged tracebacks, e.g. an agent's exit
         # barrier racing the store host's exit; their status is what counts there)
         assert "Traceback" not in stderr, stderr[-3000:]
+    shown = OUTPUTS_SHOWN.get(command)
+    if shown:                  # the doc shows what this command prints: it prints that (the planner's are exact)
+        printed = [line.rstrip() for line in stdout.replace(str(tmp_path) + "/", "").rstrip("\n").split("\n")]
+        assert shows(shown, printed), f"{command}: the doc shows another output than the command prints now:\n" + \
+            "\n".join(difflib.unified_diff(shown, printed, "shown", "printed", lineterm=""))
+
+
+def shows(shown: list, printed: list) -> bool:
+    """Whether ``printed`` is what ``shown`` shows: the same lines, where a line ``...`` stands
+    for lines left out (the first part starts the output, the others follow in order)."""
+    while shown and not shown[-1]:
+        shown = shown[:-1]
+    parts, at = [], 0
+    for line in shown + ["..."]:
+        if line.strip() == "...":
+            parts.append(shown[at:shown.index(line, at)] if line in shown[at:] else shown[at:])
+            at += len(parts[-1]) + 1
+    start = 0
+    for n, part in enumerate(parts):
+        found = next((i for i in range(start, len(printed) - len(part) + 1) if printed[i:i + len(part)] == part), None)
+        if found is None or (n == 0 and found != 0):
+            return False
+        start = found + len(part)
+    return len(parts) > 1 or start == len(printed)
+
+
+def test_shown_output_may_leave_lines_out():
+    printed = ["a", "b", "c", "d", "e"]
+    assert shows(["a", "b", "c", "d", "e"], printed) and shows(["a", "b", "...", "d"], printed)
+    assert shows(["a", "...", "c", "...", "e", ""], printed)
+    assert not shows(["b", "...", "e"], printed) and not shows(["a", "b"], printed) and not shows(["a", "...", "x"], printed)
