@@ -52,7 +52,41 @@ def _train(record: dict) -> str:
     return _fenced("\n".join(lines))
 
 
-KINDS = {"bench": _bench, "decode": _decode, "train": _train}
+def _cluster(record: dict) -> str:
+    """`expertrail bench --nodes`'s figures against alltoall and the planner's prediction, as a
+    Markdown table (ms per dispatch + combine, medians)."""
+    rows = record["results"]
+    base = rows["alltoall"]["total_s"]["median"]
+    lines = ["| backend | measured | bare collectives | inter-node MB | vs alltoall | planner predicted | "
+             "predicted / measured | planner bytes = engine bytes |", "|---|---|---|---|---|---|---|---|"]
+    for name in [b for b in ("alltoall", "dedup", "hierarchical", "allgather") if b in rows]:
+        r = rows[name]
+        total, predicted = r["total_s"]["median"], r["predicted_total_s"]
+        versus = "1.00x" if name == "alltoall" else \
+            f"{base / total:.2f}x faster" if total <= base else f"{total / base:.2f}x slower"
+        lines.append(f"| {name} | {total * 1e3:.1f} | {r['bare_total_s']['median'] * 1e3:.1f} | "
+                     f"{r['dispatch_bytes']['inter'] / 1e6:.1f} | {versus} | {predicted * 1e3:.1f} | "
+                     f"{predicted / total:.2f} | {'yes' if r['planner_bytes_match'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _serve_sim(record: dict) -> str:
+    """`expertrail serve-sim`'s balancedness and step times, as two Markdown tables."""
+    summary = record["summary"]
+    balance, p50 = summary["balancedness_mean"], summary["step_p50_s"]
+    lines = ["| layer | time-averaged balancedness | p50 step |", "|---|---|---|",
+             f"| static (unreplicated, contiguous) | {balance['static']:.3f} | {p50['static'] * 1e3:.1f} ms |",
+             f"| rebalanced | **{balance['rebalanced']:.3f}** | {p50['rebalanced'] * 1e3:.1f} ms |", "",
+             "| step of the rebalancing layer | p50 | max |", "|---|---|---|"]
+    names = {"normal": "normal", "migrate": "migrate (plan + transfers posted)",
+             "switch": "switch (wait for the transfers)", "reweight": "re-weight (plan, nothing moves)"}
+    for kind, name in names.items():
+        lines.append(f"| {name} | {summary['rebalanced_step_p50_s'][kind] * 1e3:.1f} ms | "
+                     f"{summary['rebalanced_step_max_s'][kind] * 1e3:.1f} ms |")
+    return "\n".join(lines) + "\n"
+
+
+KINDS = {"bench": _bench, "decode": _decode, "train": _train, "cluster": _cluster, "serve-sim": _serve_sim}
 
 
 def render(kind: str, record_path: Path) -> str:
