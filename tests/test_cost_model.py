@@ -9,6 +9,7 @@ import pytest
 from expertrail.tools.cli import main
 from expertrail.errors import ConfigError
 from expertrail.plan.catalog import HARDWARE, MODELS, MoEModel, from_hf_config, load_hardware, load_model
+from expertrail.plan.calibration import KERNEL_FIGURES
 from expertrail.plan.cost import EPLayout, Routing, count_traffic, link_bandwidth, predict, row_bytes
 from expertrail.plan.simulate import parse_ints, simulate, usable_eps
 
@@ -24,8 +25,9 @@ def test_deepep_h800_intranode_normal_kernels():
     idx = Routing("grouped").sample(model, 4096)
     p = predict(HARDWARE["h800"], model, EPLayout(8, 8), "dedup", idx, sms=20, precision="fp8")
     received = count_traffic(idx, model, EPLayout(8, 8), "dedup").stages[0]["recv"]
-    assert within(received * row_bytes(model, "fp8", "dispatch") / p.dispatch_s / 1e9, 153)
-    assert within(received * row_bytes(model, "bf16", "combine") / p.combine_s / 1e9, 158)
+    published = KERNEL_FIGURES["deepep h800 intranode ep8"]
+    assert within(received * row_bytes(model, "fp8", "dispatch") / p.dispatch_s / 1e9, published["dispatch_GBps"])
+    assert within(received * row_bytes(model, "bf16", "combine") / p.combine_s / 1e9, published["combine_GBps"])
 
 
 def test_hybrid_ep_b200_ep8():
@@ -36,9 +38,10 @@ def test_hybrid_ep_b200_ep8():
     logical = count_traffic(idx, model, EPLayout(8, 8), "hierarchical").logical_rows * 7168
     bf16 = predict(HARDWARE["b200"], model, EPLayout(8, 8), "hierarchical", idx, sms=16)
     fp8 = predict(HARDWARE["b200"], model, EPLayout(8, 8), "hierarchical", idx, sms=16, precision="fp8")
-    assert within(2 * logical / bf16.dispatch_s / 1e9, 535.94)
-    assert within(logical / fp8.dispatch_s / 1e9, 409.71)
-    assert within(2 * logical / bf16.combine_s / 1e9, 530.86)
+    published = KERNEL_FIGURES["hybrid-ep b200 ep8"]
+    assert within(2 * logical / bf16.dispatch_s / 1e9, published["bf16_dispatch_GBps"])
+    assert within(logical / fp8.dispatch_s / 1e9, published["fp8_dispatch_GBps"])
+    assert within(2 * logical / bf16.combine_s / 1e9, published["combine_GBps"])
 
 
 @pytest.mark.parametrize("hardware,link,sms", [("h100", "nvlink", 8), ("h100", "nic", 4), ("gb200-nvl36", "nvlink", 16)])
@@ -248,8 +251,8 @@ def test_engine_local_rows_follow_each_backends_passes():
 # the sender's own node included, x row bytes / kernel time (DeepEP's tests/test_internode.py
 # counts `num_rdma_token_sent` over every node; its V2 README: "90 GB/s actually contains local
 # rank traffic"). Cross-node predictions are compared on the same count.
-DEEPEP_V1_H800 = {16: (43, 43), 32: (58, 57), 64: (51, 50)}      # FP8 dispatch, BF16 combine
-HYBRID_EP_H100_KERNEL_8_SMS = {16: (62.00, 76.80, 68.00), 32: (51.30, 54.50, 56.40), 64: (46.63, 50.55, 51.03)}
+DEEPEP_V1_H800 = KERNEL_FIGURES["deepep h800 internode"]["by_ep"]              # FP8 dispatch, BF16 combine
+HYBRID_EP_H100_KERNEL_8_SMS = KERNEL_FIGURES["hybrid-ep h100 internode"]["by_ep"]
 
 
 @pytest.mark.parametrize("ep", [16, 32, 64])

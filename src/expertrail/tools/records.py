@@ -86,7 +86,14 @@ def _serve_sim(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-KINDS = {"bench": _bench, "decode": _decode, "train": _train, "cluster": _cluster, "serve-sim": _serve_sim}
+def _calibration(record: dict) -> str:
+    """The published training runs against `expertrail estimate` (plan.calibration; the
+    record is its data file, the predictions are made now)."""
+    from ..plan.calibration import table
+    return table()
+
+
+KINDS = {"calibration": _calibration, "bench": _bench, "decode": _decode, "train": _train, "cluster": _cluster, "serve-sim": _serve_sim}
 
 
 def render(kind: str, record_path: Path) -> str:
