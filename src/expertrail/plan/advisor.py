@@ -117,7 +117,7 @@ def overlap_advice(stage: str, comm: float, compute: float) -> tuple:
 
 
 def plan(hw: Hardware, model: MoEModel, tokens: int = 4096, ep: int | None = None, stage: str = "bringup",
-         precision: str = "bf16", routing: str = "uniform", gpus: int = 256) -> dict:
+         precision: str = "bf16", routing: str = "uniform", gpus: int = 256, arch=None) -> dict:
     """Everything `expertrail plan` prints, as data. EP sizes are checked for memory with the
     estimator (`search.fitting_pp`: the fewest pipeline stages with which a reference run on
     ``gpus`` GPUs fits) when the catalog knows the whole model."""
@@ -140,7 +140,7 @@ def plan(hw: Hardware, model: MoEModel, tokens: int = 4096, ep: int | None = Non
                       "best_algorithm": name, "field_name": field_name(name, hw.domain_size, e),
                       "dispatch_us": preds[name].dispatch_s * 1e6, "dispatch_combine_us": comm * 1e6,
                       "expert_gemm_us": compute * 1e6, "verdict": verdict(comm, compute)})
-    arch = architecture_of(model)
+    arch = arch or architecture_of(model)          # a catalog model's, or the one given (a config.json's)
     for row in table:
         row["fits_at_pp"], row["memory_GB"] = None, None
         if arch is not None and gpus % row["ep"] == 0:

@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
-from .catalog import MoEModel
+from .catalog import MoEModel, hf_config
+from .catalog import from_hf_config as hf_moe_model
 
 
 @dataclass(frozen=True)
@@ -192,11 +193,36 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
     return arch
 
 
+def from_hf_config(cfg: dict, name: str = "hf-model") -> Architecture:
+    """The whole-model shape of a transformers config.json (DeepSeek-V2/V3 and Kimi-K2 / Moonlight
+    with multi-latent attention, Qwen3-MoE, Mixtral and others with grouped-query attention)."""
+    if isinstance(cfg.get("text_config"), dict) and "hidden_size" not in cfg:
+        cfg = cfg["text_config"]
+    moe = hf_moe_model(cfg, name)                       # the MoE part, with its checks
+    hidden, heads = cfg["hidden_size"], cfg.get("num_attention_heads") or 1
+    dense = cfg.get("first_k_dense_replace", 0) or 0
+    shared = cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * moe.moe_ffn
+    return Architecture(
+        name=cfg.get("model_type", name), layers=cfg["num_hidden_layers"], dense_layers=dense, hidden=hidden,
+        ffn=cfg.get("intermediate_size") or moe.moe_ffn, moe_ffn=moe.moe_ffn, experts=moe.num_experts, topk=moe.topk,
+        shared_ffn=shared, heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads, vocab=cfg.get("vocab_size") or 32000,
+        mtp_layers=cfg.get("num_nextn_predict_layers") or 0, q_lora=cfg.get("q_lora_rank") or 0,
+        kv_lora=cfg.get("kv_lora_rank") or 0, qk_nope=cfg.get("qk_nope_head_dim") or 0,
+        qk_rope=cfg.get("qk_rope_head_dim") or 0, v_head=cfg.get("v_head_dim") or 0,
+        num_groups=moe.num_groups, group_topk=moe.group_topk)
+
+
 def load_architecture(name: str | None) -> Architecture | None:
+    """A catalog name, a Hugging Face config.json, or a Hugging Face model directory (its
+    config.json); None for None (the configuration spells the model out)."""
     if name is None:
         return None
-    if name not in ARCHITECTURES:
-        raise ConfigError(f"--model {name!r}: choose one of {', '.join(ARCHITECTURES)}, or leave --model out and give "
-                          "the model's Megatron fields (num_layers, hidden_size, num_attention_heads, num_moe_experts, "
-                          "moe_ffn_hidden_size, ...)")
-    return ARCHITECTURES[name]
+    if name in ARCHITECTURES:
+        return ARCHITECTURES[name]
+    found = hf_config(name)
+    if found is None:
+        raise ConfigError(f"--model {name!r}: choose one of {', '.join(ARCHITECTURES)}, a Hugging Face config.json or "
+                          "model directory, or leave --model out and give the model's Megatron fields (num_layers, "
+                          "hidden_size, num_attention_heads, num_moe_experts, moe_ffn_hidden_size, ...)")
+    return from_hf_config(*found)

@@ -146,24 +146,35 @@ def load_hardware(name_or_file: str) -> Hardware:
     return _build(Hardware, data, str(path))
 
 
-def load_model(name_or_file: str) -> MoEModel:
-    """A catalog name, a YAML/JSON file with MoEModel fields, a Hugging Face config.json, or
-    a Hugging Face model directory (its config.json)."""
-    if name_or_file in MODELS:
-        return MODELS[name_or_file]
+def hf_config(name_or_file: str) -> tuple[dict, str] | None:
+    """(config.json's contents, a name) of a Hugging Face model directory or config.json; None
+    when ``name_or_file`` is neither (a catalog name, a YAML/JSON file of other fields)."""
     path = Path(name_or_file)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ConfigError(f"--model {name_or_file!r} is a directory without a config.json: give a Hugging Face "
                               f"model directory, its config.json, a YAML/JSON file, or one of {', '.join(MODELS)}")
-        return from_hf_config(read_mapping(path / "config.json", "--model"), path.name)
+        return read_mapping(path / "config.json", "--model"), path.name
+    if path.is_file():
+        data = read_mapping(path, "--model")
+        if "hidden_size" in data or isinstance(data.get("text_config"), dict):
+            return data, path.parent.name if path.name == "config.json" and path.parent.name else path.stem
+    return None
+
+
+def load_model(name_or_file: str) -> MoEModel:
+    """A catalog name, a YAML/JSON file with MoEModel fields, a Hugging Face config.json, or
+    a Hugging Face model directory (its config.json)."""
+    if name_or_file in MODELS:
+        return MODELS[name_or_file]
+    found = hf_config(name_or_file)
+    if found is not None:
+        return from_hf_config(*found)
+    path = Path(name_or_file)
     if not path.is_file():
         raise ConfigError(f"--model {name_or_file!r}: choose one of {', '.join(MODELS)}, a YAML/JSON file, "
                           "a Hugging Face config.json or model directory")
-    data = read_mapping(path, "--model")
-    if "hidden_size" in data:
-        return from_hf_config(data, path.parent.name if path.name == "config.json" and path.parent.name else path.stem)
-    return _build(MoEModel, data, str(path))
+    return _build(MoEModel, read_mapping(path, "--model"), str(path))
 
 
 def from_hf_config(cfg: dict, name: str = "hf-model") -> MoEModel:

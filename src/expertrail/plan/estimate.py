@@ -143,6 +143,7 @@ def _no_recompute(layout: TrainingLayout) -> TrainingLayout:
 
 def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     """Everything `expertrail estimate` prints, as data."""
+    layout = layout.for_model(arch.layers)
     problems = layout.problems(arch.experts, arch.layers)
     if problems:
         raise ConfigError("; ".join(problems))
@@ -199,6 +200,7 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
                    "recompute_modules": list(layout.recompute_modules), "dispatcher": layout.dispatcher,
                    "flex_backend": layout.flex_backend, "algorithm": algorithm, "ep_overlap": layout.ep_overlap},
         "assumed": list(layout.assumed),
+        "not_modelled": list(layout.not_modelled),
         "fits": fits, "peak_memory_GB": busiest.total_GB, "usable_memory_GB": usable, "hbm_GB": hw.hbm_GB,
         "memory": {"busiest_rank": busiest.rank, "weights_GB": busiest.weights_GB,
                    "gradients_GB": busiest.gradients_GB, "optimizer_GB": busiest.optimizer_GB,
@@ -278,4 +280,6 @@ def format_estimate(r: dict) -> str:
     lines.append(f"wall: {r['wall']}: {r['wall_reason']}")
     if r["assumed"]:
         lines.append(f"assumed (not in the configuration): {', '.join(r['assumed'])}")
+    if r.get("not_modelled"):
+        lines.append(f"not modelled (set, but the estimate leaves them out): {', '.join(r['not_modelled'])}")
     return "\n".join(lines)

@@ -16,6 +16,12 @@ from ..errors import ConfigError
 RECIPE_DEFAULTS = {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True}
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 PIPELINE_STAGE_MARKS = {"E": "embedding", "t": "layer", "m": "mtp", "L": "loss"}
+# Fields that change a run's memory or time which the estimate does not model: named in its
+# output when a configuration sets them, never silently ignored.
+NOT_MODELLED = ("use_megatron_fsdp", "data_parallel_sharding_strategy", "fine_grained_activation_offloading",
+                "offload_modules", "cpu_offloading", "cpu_offloading_num_layers", "optimizer_cpu_offload",
+                "optimizer_offload_fraction", "delay_wgrad_compute", "moe_router_dtype", "cuda_graph_scope",
+                "moe_router_force_load_balancing")
 
 
 @dataclass(frozen=True)
@@ -46,11 +52,15 @@ class TrainingLayout:
     precision_aware_optimizer: bool = False
     optimizer_state_bytes: int = 8          # Adam's two moments, per parameter
     main_grad_bytes: int = 4
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
+    first_stage_layers: int | None = None   # decoder layers on the first / last pipeline rank (all its
+    last_stage_layers: int | None = None    # virtual stages), Megatron's decoder_first/last_pipeline_num_layers
+    embedding_in_split: bool = False        # account_for_embedding_in_pipeline_split: the embedding takes a layer's slot
+    loss_in_split: bool = False             # account_for_loss_in_pipeline_split: the loss takes a layer's slot
+    layers_per_virtual_stage: int | None = None   # num_layers_per_virtual_pipeline_stage (sets VPP)
     layout_string: str | None = None
     cuda_graphs: bool = False
     assumed: tuple = field(default=(), compare=False)
+    not_modelled: tuple = field(default=(), compare=False)   # NOT_MODELLED fields the configuration sets
 
     @property
     def dp(self) -> int:
@@ -83,8 +93,15 @@ class TrainingLayout:
                        "expert_model_parallel_size x expert_tensor_parallel_size dividing GPUs / PP")
         if experts % self.ep:
             out.append(f"EP {self.ep} does not divide the {experts} experts: choose a divisor")
-        if self.pp * self.vpp > layers:
-            out.append(f"PP {self.pp} x VPP {self.vpp} exceeds the {layers} layers: fewer stages")
+        slots = layers + self.embedding_in_split + self.loss_in_split
+        if self.pp * self.vpp > slots:
+            counted = " (with the embedding and loss counted as layers)" if slots > layers else ""
+            out.append(f"PP {self.pp} x VPP {self.vpp} exceeds the {slots} layers{counted}: fewer stages")
+        for name, count in (("decoder_first_pipeline_num_layers", self.first_stage_layers),
+                            ("decoder_last_pipeline_num_layers", self.last_stage_layers)):
+            if count is not None and count % self.vpp:
+                out.append(f"{name}={count} is the layers of a whole pipeline rank, split over its VPP {self.vpp} "
+                           f"virtual stages: give a multiple of {self.vpp}")
         if self.global_batch and self.dp and self.global_batch % (self.micro_batch * max(1, self.dp)):
             out.append(f"global_batch_size {self.global_batch} is not a multiple of micro_batch_size "
                        f"{self.micro_batch} x DP {self.dp}: choose a multiple")
@@ -137,9 +154,13 @@ class TrainingLayout:
             state = sizes.get(get("exp_avg_dtype", "fp32"), 4) + sizes.get(get("exp_avg_sq_dtype", "fp32"), 4)
             grads = sizes.get(get("main_grads_dtype", "fp32"), 4)
         graphs = get("cuda_graph_impl", None) not in (None, "none") or bool(get("enable_cuda_graph", False))
+        pp = size("pipeline_model_parallel_size")
+        vpp = size("virtual_pipeline_model_parallel_size") if v.get("virtual_pipeline_model_parallel_size") else \
+            size("num_virtual_stages_per_pipeline_rank") if v.get("num_virtual_stages_per_pipeline_rank") else 1
+        per_virtual = size("num_layers_per_virtual_pipeline_stage") if v.get("num_layers_per_virtual_pipeline_stage") \
+            else None
         layout = cls(
-            gpus=gpus, tp=tp, pp=size("pipeline_model_parallel_size"),
-            vpp=size("virtual_pipeline_model_parallel_size") if v.get("virtual_pipeline_model_parallel_size") else 1,
+            gpus=gpus, tp=tp, pp=pp, vpp=vpp, layers_per_virtual_stage=per_virtual,
             cp=size("context_parallel_size"), ep=size("expert_model_parallel_size"),
             etp=size("expert_tensor_parallel_size", tp) if v.get("expert_tensor_parallel_size") else tp,
             micro_batch=size("micro_batch_size"), global_batch=v.get("global_batch_size"),
@@ -156,8 +177,27 @@ class TrainingLayout:
             optimizer_state_bytes=state, main_grad_bytes=grads,
             first_stage_layers=v.get("decoder_first_pipeline_num_layers"),
             last_stage_layers=v.get("decoder_last_pipeline_num_layers"),
-            layout_string=v.get("pipeline_model_parallel_layout"), cuda_graphs=graphs, assumed=tuple(assumed))
+            embedding_in_split=bool(get("account_for_embedding_in_pipeline_split", False)),
+            loss_in_split=bool(get("account_for_loss_in_pipeline_split", False)),
+            layout_string=v.get("pipeline_model_parallel_layout"), cuda_graphs=graphs, assumed=tuple(assumed),
+            not_modelled=tuple(f for f in NOT_MODELLED if v.get(f) not in (None, False, "no_shard", "none", [])))
         return layout
+
+    def for_model(self, layers: int) -> "TrainingLayout":
+        """This layout once the model's layer count is known: ``num_layers_per_virtual_pipeline_stage``
+        sets VPP (the layers of a pipeline rank over the layers of one of its virtual stages)."""
+        from dataclasses import replace
+        if self.layers_per_virtual_stage is None or self.vpp > 1:
+            return self
+        slots = layers + self.embedding_in_split + self.loss_in_split
+        per_rank = slots // self.pp
+        if slots % self.pp:
+            raise ConfigError(f"num_layers_per_virtual_pipeline_stage needs the {slots} layers to split evenly over "
+                              f"PP {self.pp} (as Megatron requires); give virtual_pipeline_model_parallel_size instead")
+        if per_rank % self.layers_per_virtual_stage:
+            raise ConfigError(f"num_layers_per_virtual_pipeline_stage={self.layers_per_virtual_stage} does not divide the "
+                              f"{per_rank} layers of each of the PP {self.pp} ranks: choose a divisor")
+        return replace(self, vpp=per_rank // self.layers_per_virtual_stage)
 
 
 def stage_layers(layout: TrainingLayout, layers: int, mtp_layers: int, dense_layers: int = 0) -> list:
@@ -166,7 +206,10 @@ def stage_layers(layout: TrainingLayout, layers: int, mtp_layers: int, dense_lay
     (``E`` the embedding, ``t`` a layer, ``m`` an MTP layer, ``L`` the loss, ``|`` between
     stages, ``(..)*N`` and ``X*N`` repeats; virtual stage i lives on rank i mod PP), else even
     splits over the PP x VPP virtual stages with ``decoder_first/last_pipeline_num_layers``
-    taken out first. The model's first ``dense_layers`` layers are its dense ones."""
+    (the first / last pipeline rank's layers, split evenly over its virtual stages) taken out
+    first, and the embedding and the loss counted as a layer each where
+    ``account_for_embedding/loss_in_pipeline_split`` say so (Megatron's even split of the slots).
+    The model's first ``dense_layers`` layers are its dense ones."""
     pp, vpp = layout.pp, layout.vpp
     if layout.layout_string:
         stages = _expand_layout(layout.layout_string)
@@ -178,18 +221,8 @@ def stage_layers(layout: TrainingLayout, layers: int, mtp_layers: int, dense_lay
             raise ConfigError(f"pipeline_model_parallel_layout holds {sum(counts)} layers; the model has {layers}")
         marks = [("E" in st, "L" in st, st.count("m")) for st in stages]
     else:
-        first, last = layout.first_stage_layers, layout.last_stage_layers
+        counts = _even_split(layout, layers)
         n = pp * vpp
-        inner = n - (first is not None) - (last is not None)
-        rest = layers - (first or 0) - (last or 0)
-        if rest < 0 or (inner == 0 and rest) or (inner and rest < inner):
-            raise ConfigError(f"decoder_first/last_pipeline_num_layers ({first}, {last}) do not leave the other stages "
-                              f"layers to split ({layers} layers, PP {pp} x VPP {vpp})")
-        counts = [rest // inner + (i < rest % inner) for i in range(inner)] if inner else []
-        if first is not None:
-            counts.insert(0, first)
-        if last is not None:
-            counts.append(last)
         marks = [(i == 0, i == n - 1, mtp_layers if i == n - 1 else 0) for i in range(n)]
     ranks = [[0, 0, False, False, 0] for _ in range(pp)]
     start = 0
@@ -202,6 +235,37 @@ def stage_layers(layout: TrainingLayout, layers: int, mtp_layers: int, dense_lay
         r[4] += mtp
         start += count
     return [tuple(r) for r in ranks]
+
+
+def _even_split(layout: TrainingLayout, layers: int) -> list:
+    """Decoder layers of each of the PP x VPP virtual stages, in order (virtual stage i on rank
+    i mod PP): the first / last pipeline rank's given layers split evenly over its virtual
+    stages; the rest, with the embedding and loss slots where they count, as evenly as Megatron
+    splits them (the first stages take one more)."""
+    pp, vpp = layout.pp, layout.vpp
+    n = pp * vpp
+    fixed = {}                                        # virtual stage -> layers it is given
+    for count, rank, name in ((layout.first_stage_layers, 0, "first"), (layout.last_stage_layers, pp - 1, "last")):
+        if count is None:
+            continue
+        if count % vpp:
+            raise ConfigError(f"decoder_{name}_pipeline_num_layers={count} must be a multiple of VPP {vpp}: it is the "
+                              "layers of a whole pipeline rank, split over its virtual stages")
+        for chunk in range(vpp):
+            fixed[chunk * pp + rank] = count // vpp
+    free = [i for i in range(n) if i not in fixed]
+    slots = layers - sum(fixed.values()) + (layout.embedding_in_split and 0 in free) + \
+        (layout.loss_in_split and n - 1 in free)
+    if slots < 0 or (not free and slots) or (free and slots < len(free)):
+        raise ConfigError(f"decoder_first/last_pipeline_num_layers ({layout.first_stage_layers}, "
+                          f"{layout.last_stage_layers}) do not leave the other stages layers to split ({layers} layers, "
+                          f"PP {pp} x VPP {vpp})")
+    even = {i: slots // len(free) + (k < slots % len(free)) for k, i in enumerate(free)} if free else {}
+    if layout.embedding_in_split and 0 in even:
+        even[0] -= 1                                  # the embedding took a layer's slot
+    if layout.loss_in_split and n - 1 in even:
+        even[n - 1] -= 1                              # the loss took a layer's slot
+    return [fixed.get(i, even.get(i, 0)) for i in range(n)]
 
 
 def _expand_layout(text: str) -> list:

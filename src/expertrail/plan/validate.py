@@ -68,7 +68,7 @@ POSITIVE = {
     "moe_router_num_groups", "moe_router_group_topk", DOMAIN_FIELD, "moe_deepep_num_sms", "moe_hybridep_num_sms",
     "moe_flex_dispatcher_num_sms", "num_layers", "hidden_size", "ffn_hidden_size", "moe_ffn_hidden_size",
     "num_attention_heads", "micro_batch_size", "global_batch_size", "seq_length", "recompute_num_layers",
-    "num_layers_per_virtual_pipeline_stage",
+    "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
 }
 NON_NEGATIVE = {"mtp_num_layers", "moe_shared_expert_intermediate_size"}
 
@@ -380,9 +380,12 @@ RULES = [
          lambda c: _version(c["torch_version"]) >= (2, 6)),
     Rule("ep-overlap-vpp", "EP overlap with pipeline parallelism needs virtual pipeline stages",
          ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"),
-         "set virtual_pipeline_model_parallel_size when pipeline_model_parallel_size > 1",
+         "set virtual_pipeline_model_parallel_size (or num_virtual_stages_per_pipeline_rank, or "
+         "num_layers_per_virtual_pipeline_stage) when pipeline_model_parallel_size > 1",
          lambda c: _overlap(c) and int(c["pipeline_model_parallel_size"]) > 1,
-         lambda c: c.given("virtual_pipeline_model_parallel_size")),
+         lambda c: any(c.given(f) for f in ("virtual_pipeline_model_parallel_size",
+                                            "num_virtual_stages_per_pipeline_rank",
+                                            "num_layers_per_virtual_pipeline_stage"))),
     Rule("ep-overlap-recompute", "EP overlap does not work with full recompute",
          ("recompute_granularity", "recompute_method", "recompute_num_layers"),
          "use selective recompute (recompute_granularity='selective') and unset recompute_method / "

@@ -44,6 +44,11 @@ def _estimate_inputs(args, config: list) -> tuple:
         raise ExpertrailError(f"give at most one config file, got {files}")
     values = read_file(files[0]) if files else {}
     values.update(pairs)
+    # A value of the wrong kind (moe_ffn_hidden_size=2k) is refused as validate refuses it,
+    # before the estimator would compute with it.
+    wrong = [v for v in validate(values) if v.rule == "field-value"]
+    if wrong:
+        raise ExpertrailError("\n".join(v.format() for v in wrong))
     hw = load_hardware(args.hardware)
     arch = from_fields(load_architecture(args.model), values)
     values.setdefault("num_moe_experts", arch.experts)

@@ -68,8 +68,12 @@ def run(args) -> int:
     from ...plan.output import dumps
     if args.fit:
         return _run_fit(args)
+    from ...plan.architecture import from_hf_config
+    from ...plan.catalog import hf_config
     hw, model = load_hardware(args.hardware), load_model(args.model)
-    result = plan(hw, model, args.tokens, args.ep, args.stage, args.precision, args.routing, gpus=args.gpus or 256)
+    found = hf_config(args.model)                  # a config.json: its whole shape, for the memory check
+    result = plan(hw, model, args.tokens, args.ep, args.stage, args.precision, args.routing, gpus=args.gpus or 256,
+                  arch=from_hf_config(*found) if found else None)
     if args.emit:
         print(emit(result, model, args.emit))
     elif args.json:

@@ -1,0 +1,90 @@
+"""The planner reads what users write: Megatron's pipeline fields as Megatron means them, Hugging
+Face config.json models everywhere, wrong values refused by name, and unmodelled fields named."""
+import json
+
+import pytest
+
+from expertrail.errors import ConfigError
+from expertrail.plan.architecture import ARCHITECTURES, load_architecture
+from expertrail.plan.catalog import HARDWARE
+from expertrail.plan.estimate import estimate
+from expertrail.plan.layout import TrainingLayout, stage_layers
+from expertrail.tools.cli import main
+
+QWEN, DSV3 = ARCHITECTURES["qwen3-235b-a22b"], ARCHITECTURES["deepseek-v3"]
+
+
+def test_embedding_and_loss_take_a_layer_slot_as_megatron_splits_them():
+    """PP 32 x VPP 3 of a 94-layer model: 96 slots with the embedding and the loss counted."""
+    fields = {"pipeline_model_parallel_size": 32, "virtual_pipeline_model_parallel_size": 3,
+              "expert_model_parallel_size": 8}
+    plain = TrainingLayout.from_fields(fields, 256)
+    assert plain.problems(QWEN.experts, QWEN.layers) == ["PP 32 x VPP 3 exceeds the 94 layers: fewer stages"]
+    counted = TrainingLayout.from_fields(dict(fields, account_for_embedding_in_pipeline_split=True,
+                                              account_for_loss_in_pipeline_split=True), 256)
+    assert counted.problems(QWEN.experts, QWEN.layers) == []
+    ranks = stage_layers(counted, QWEN.layers, 0)
+    assert sum(r[0] for r in ranks) == 94 and ranks[0][0] == 2 and ranks[-1][0] == 2 and ranks[1][0] == 3
+    assert ranks[0][2] and ranks[-1][3]                    # the embedding on the first rank, the loss on the last
+
+
+def test_first_and_last_pipeline_layers_are_a_whole_ranks_layers():
+    """decoder_first/last_pipeline_num_layers count the layers of the first / last pipeline rank,
+    over all its virtual stages, and must divide by VPP."""
+    fields = {"pipeline_model_parallel_size": 4, "virtual_pipeline_model_parallel_size": 4,
+              "decoder_first_pipeline_num_layers": 12, "decoder_last_pipeline_num_layers": 16,
+              "expert_model_parallel_size": 32}
+    ranks = stage_layers(TrainingLayout.from_fields(fields, 256), DSV3.layers, 0, DSV3.dense_layers)
+    assert [r[0] for r in ranks] == [12, 17, 16, 16]
+    bad = TrainingLayout.from_fields(dict(fields, decoder_last_pipeline_num_layers=17), 256)
+    assert any("decoder_last_pipeline_num_layers=17" in p and "multiple of 4" in p
+               for p in bad.problems(DSV3.experts, DSV3.layers))
+
+
+def test_virtual_stages_given_as_stages_per_rank_or_layers_per_stage():
+    base = {"pipeline_model_parallel_size": 4, "expert_model_parallel_size": 32}
+    assert TrainingLayout.from_fields(dict(base, num_virtual_stages_per_pipeline_rank=4), 256).vpp == 4
+    layers = TrainingLayout.from_fields(dict(base, num_layers_per_virtual_pipeline_stage=6), 256)
+    assert layers.for_model(48).vpp == 2 and layers.for_model(96).vpp == 4
+    with pytest.raises(ConfigError, match="does not divide the 12 layers"):
+        TrainingLayout.from_fields(dict(base, num_layers_per_virtual_pipeline_stage=5), 256).for_model(48)
+
+
+def test_validate_counts_virtual_stages_given_either_way_for_ep_overlap(capsys):
+    common = ["validate", "--pipeline-model-parallel-size", "4", "--overlap-moe-expert-parallel-comm",
+              "--expert-model-parallel-size", "8", "--moe-token-dispatcher-type", "alltoall", "--bf16",
+              "--num-experts", "64", "--moe-router-topk", "8"]
+    assert main(common + ["--num-virtual-stages-per-pipeline-rank", "4"]) == 0
+    assert main(common + ["--num-layers-per-virtual-pipeline-stage", "2"]) == 0
+    assert main(common) == 1 and "ep-overlap-vpp" in capsys.readouterr().out
+
+
+def test_estimate_refuses_a_value_of_the_wrong_kind_by_name(capsys):
+    assert main(["estimate", "--hardware", "h100", "--gpus", "256", "--model", "deepseek-v3",
+                 "--moe-ffn-hidden-size", "2k"]) == 2
+    assert "moe_ffn_hidden_size must be a whole number" in capsys.readouterr().err
+
+
+def test_fields_the_estimate_does_not_model_are_named(capsys):
+    assert main(["estimate", "--hardware", "h100", "--gpus", "256", "--model", "deepseek-v3",
+                 "--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "32", "--use-megatron-fsdp",
+                 "--fine-grained-activation-offloading", "--offload-modules", "moe_act"]) == 0
+    out = capsys.readouterr().out
+    assert "not modelled (set, but the estimate leaves them out): use_megatron_fsdp, " \
+           "fine_grained_activation_offloading, offload_modules" in out
+
+
+def test_a_hugging_face_config_is_a_model_for_estimate_and_plan(tmp_path, capsys):
+    config = {"model_type": "qwen3_moe", "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64,
+              "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+              "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    arch = load_architecture(str(tmp_path))
+    assert {k: v for k, v in vars(arch).items() if k != "name"} == {k: v for k, v in vars(QWEN).items() if k != "name"}
+    layout = TrainingLayout(gpus=256, tp=2, pp=8, vpp=4, ep=32, precision="fp8", global_batch=2048,
+                            dispatcher="flex", flex_backend="deepep")
+    assert estimate(arch, HARDWARE["h100"], layout)["tflops_per_gpu"] == \
+        pytest.approx(estimate(QWEN, HARDWARE["h100"], layout)["tflops_per_gpu"])
+    assert main(["plan", "--hardware", "h100", "--model", str(tmp_path), "--ep", "32"]) == 0
+    assert "memory: fits from PP" in capsys.readouterr().out          # the memory check ran
+    assert main(["plan", "--fit", "--gpus", "256", "--hardware", "h100", "--model", str(tmp_path), "--top", "1"]) == 0
