@@ -127,13 +127,14 @@ def _replicated_tensors(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-def _agree_on_structure(named_blocks: list[tuple[str, nn.Module]], groups: EPGroups) -> None:
+def _agree_on_structure(named_blocks: list[tuple[str, nn.Module]], groups: EPGroups, patched: int = 0) -> None:
     """Raise ConfigMismatchError on every rank unless all ranks of the EP group found the same
-    blocks (paths, classes, tensor names, shapes, dtypes). Collective; run before any check
-    that may raise on one rank only, so that such a check raises on all ranks alike."""
+    blocks (paths, classes, tensor names, shapes, dtypes) and the same number ``patched`` of
+    blocks made expert parallel already. Collective; run before any check that may raise on
+    one rank only, so that such a check raises on all ranks alike."""
     text = ";".join(f"{path}:{type(b).__name__}:" + ",".join(f"{n}{tuple(t.shape)}{t.dtype}" for n, t in _replicated_tensors(b))
                     for path, b in named_blocks)
-    groups.check_same({"MoE blocks found": len(named_blocks),
+    groups.check_same({"expert-parallel blocks already there": patched, "MoE blocks found": len(named_blocks),
                        "their paths, classes and weight shapes (crc32)": zlib.crc32(text.encode())},
                       "the model being made expert parallel")
 
@@ -381,12 +382,11 @@ def patch_model(model: nn.Module, groups: EPGroups, backend: str = "alltoall", c
                           "replace in place: use ExpertParallelMoE(block, groups) instead")
     targets = [(name, m) for name, m in model.named_modules() if is_sparse_moe_block(m)]
     patched = _patched_blocks(model)
-    groups.check_same({"expert-parallel blocks already there": len(patched)}, "the model being made expert parallel")
+    _agree_on_structure(targets, groups, len(patched))      # collective: from here on every rank raises alike
     if patched:
         raise ConfigError(f"{type(model).__name__} is already expert parallel ({len(patched)} blocks patched, e.g. "
                           f"{patched[0][0] or 'the model itself'}): call patch_model once per model; to change the "
                           "backend or EP size, unpatch_model(model) first, then patch it again")
-    _agree_on_structure(targets, groups)       # collective: from here on every rank raises alike
     if not targets:
         legacy = [name for name, m in model.named_modules()
                   if hasattr(m, "gate") and isinstance(getattr(m, "experts", None), nn.ModuleList)]

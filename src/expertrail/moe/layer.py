@@ -21,6 +21,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ..dispatch import Dispatcher
 from ..errors import ConfigError
@@ -53,13 +54,12 @@ def expert_parallel_moe(dispatcher: Dispatcher, x: torch.Tensor, topk_idx: torch
     return y if shared_out is None else y + shared_out
 
 
-# DDP's synced parameters (their ids), per DDP module: read once, checked at every forward.
-_DDP_SYNCED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# Per DDP module, read once: the ids of the parameters it syncs, and the ranks it runs over.
+_DDP_SEEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _active_ddp():
     """The DistributedDataParallel module whose forward is running, or None."""
-    from torch.nn.parallel import DistributedDataParallel
     active = getattr(DistributedDataParallel, "_get_active_ddp_module", None)
     return active() if active is not None else None
 
@@ -71,15 +71,15 @@ def _ddp_weight_grad_scale(dispatcher: Dispatcher, experts: GroupedExperts) -> f
     ddp = _active_ddp()
     if ddp is None:
         return 1.0
-    if ddp not in _DDP_SYNCED:
-        _DDP_SYNCED[ddp] = {id(p) for p in ddp._module_parameters}
-    if any(id(p) in _DDP_SYNCED[ddp] for p in experts.parameters()):
+    if ddp not in _DDP_SEEN:
+        _DDP_SEEN[ddp] = ({id(p) for p in ddp._module_parameters}, dist.get_process_group_ranks(ddp.process_group))
+    synced, ddp_ranks = _DDP_SEEN[ddp]
+    if any(id(p) in synced for p in experts.parameters()):
         raise ConfigError("DistributedDataParallel syncs this MoE layer's expert parameters: it broadcast rank 0's "
                           "experts to every rank at construction and would average gradients of different experts. "
                           "Call expertrail.exclude_experts_from_ddp(model) before DistributedDataParallel(model) "
                           "(hf.patch_model does it), then build the model and DDP again")
     groups = dispatcher.groups
-    ddp_ranks = dist.get_process_group_ranks(ddp.process_group)
     if sorted(ddp_ranks) != sorted(groups.ep_ranks):
         raise ConfigError(f"DistributedDataParallel runs over ranks {ddp_ranks[:8]}{'...' if len(ddp_ranks) > 8 else ''} "
                           f"but the MoE layer's EP group is {list(groups.ep_ranks)}: DDP leaves the experts alone, so "

@@ -16,12 +16,12 @@ def under_torchrun() -> bool:
 _CLUSTER_OPTIONS = ("--nodes", "--ranks-per-node", "--inter-link")
 
 
-def on_cluster(args, argv: list) -> int:
+def on_cluster(args) -> int:
     """`bench` / `train` with ``--nodes N``: bring an emulated cluster up, run this same
     command on it under torchrun (one launcher per node), tear it down."""
     from ..emulation.cluster import Cluster
     inner, skip = [], False
-    for arg in argv:                      # the same options, less the cluster's own
+    for arg in args.argv_seen:            # the same options, less the cluster's own
         if skip:
             skip = False
             continue
@@ -62,13 +62,12 @@ def after_interrupt(cluster, kept: bool = False) -> Interrupted:
     return Interrupted(f"cluster {cluster.prefix} torn down")
 
 
-def emulated(**more) -> dict | None:
-    """For a report: the emulated cluster this rank runs on (the environment `emulation.cluster`
-    gives its ranks) and ``more``; None outside one."""
+def note_emulated(report: dict, **more) -> None:
+    """On an emulated cluster, put in ``report["emulated"]`` the cluster this rank runs on (the
+    environment `emulation.cluster` gives its ranks) and ``more``; elsewhere nothing."""
     name = os.environ.get("EXPERTRAIL_CLUSTER")
-    if not name:
-        return None
-    return {"cluster": name, "inter_link": os.environ.get("EXPERTRAIL_INTER_LINK", "?"), **more}
+    if name:
+        report["emulated"] = {"cluster": name, "inter_link": os.environ.get("EXPERTRAIL_INTER_LINK", "?"), **more}
 
 
 class Ranks:

@@ -7,7 +7,7 @@ import sys
 
 from ...errors import ConfigError
 from ..arguments import ROUTING_HELP, backend_list, check_experts, cluster_arguments, given
-from ..ranks import Ranks, emulated, on_cluster, under_torchrun
+from ..ranks import Ranks, note_emulated, on_cluster, under_torchrun
 
 DECODE_ITERS = 100
 
@@ -114,7 +114,7 @@ def run(args) -> int:
             world, domain, ranks = args.world, args.domain_size, f"--world {args.world}"
         check(cfg, world, domain, ranks, decode=args.decode)
         if args.nodes:
-            return on_cluster(args, list(args.argv_seen))
+            return on_cluster(args)
     if args.decode:
         return _run_decode(args, cfg)
     from ..bench import bench_rank
@@ -137,8 +137,7 @@ def _run_decode(args, cfg) -> int:
         cfg.world = ranks.world
         report = ranks.run(decode_rank, cfg)
         if ranks.reports:
-            if emulated():
-                report["emulated"] = emulated()
+            note_emulated(report)
             print(format_decode(report))
             if args.json:
                 with open(args.json, "w") as f:
@@ -159,9 +158,8 @@ def _measure_and_predict(report: dict, cfg, args) -> None:
     links = measure_links(groups)
     report["links"] = links
     report["local_passes"] = local = measure_local_passes(groups.device, DTYPES[cfg.dtype], hidden=cfg.hidden)
-    if emulated():
-        report["emulated"] = emulated(nodes=int(os.environ.get("EXPERTRAIL_NODES", cfg.world // groups.domain_size)),
-                                      ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", groups.domain_size)))
+    note_emulated(report, nodes=int(os.environ.get("EXPERTRAIL_NODES", cfg.world // groups.domain_size)),
+                  ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", groups.domain_size)))
     predict_backends(report, links, local)
     if args.emit_hardware and dist.get_rank() == 0:
         write_hardware(measured_hardware(links, cfg.domain_size, local=local), args.emit_hardware)

@@ -8,7 +8,7 @@ import sys
 from ...errors import ConfigError
 from ...names import BACKEND_NAMES as BACKENDS
 from ..arguments import backend_list, check_experts, cluster_arguments, positive_int
-from ..ranks import Ranks, emulated, on_cluster, under_torchrun
+from ..ranks import Ranks, note_emulated, on_cluster, under_torchrun
 
 
 def add_parser(sub) -> None:
@@ -83,7 +83,7 @@ def run(args) -> int:
     cfg = config_of(args)
     if args.nodes and not under_torchrun():     # checked before the cluster comes up (local runs report per backend)
         check(cfg, args.nodes * args.ranks_per_node, f"--nodes {args.nodes} x --ranks-per-node {args.ranks_per_node}")
-        return on_cluster(args, list(args.argv_seen))
+        return on_cluster(args)
     from ..train import timeline_spans, train_rank, train_reference
     runs, crashed, spans, rc = {}, {}, None, 0
     reference = None if under_torchrun() else train_reference(cfg, args.world)
@@ -138,8 +138,7 @@ def _train_report(cfg, reference: list, runs: dict, crashed: dict, spans, args, 
             failures.append(f"{b}: the loss did not fall by 10% ({r['losses'][0]:.4f} -> {r['losses'][-1]:.4f})")
     if args.json:
         report["crashed"] = crashed
-        if emulated():
-            report["emulated"] = emulated(ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
+        note_emulated(report, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     if spans is not None:
