@@ -15,13 +15,19 @@ Checks made at patch time, so that a patched model is never silently wrong:
 - every rank of the EP group holds the same router, shared experts and full expert tensors
   (a checksum compared across ranks), since each rank keeps only its slice of the experts.
 
+Checkpoints at real sizes: `from_pretrained` and `save_pretrained` (moe/hf_checkpoint.py, re-exported
+here) read and write only each rank's share of a Hugging Face checkpoint. A patched model's
+``generate`` runs with ``synced_gpus=True``, so ranks that finish early keep taking part.
+
 Saving: a patched model's ``state_dict()`` is this rank's shard (expert tensors of
 ``E_local`` rows, plus ``_extra_state`` naming the rows); `full_state_dict` gathers the
-checkpoint of the unpatched model, and `unpatch_model` turns the blocks back.
+checkpoint of the unpatched model on every rank (small models), and `unpatch_model` turns the
+blocks back.
 """
 from __future__ import annotations
 
 import copy
+import functools
 import zlib
 
 import torch
@@ -411,16 +417,33 @@ def patch_model(model: nn.Module, groups: EPGroups, backend: str = "alltoall", c
         _replace(model, name, ExpertParallelMoE(block, groups, backend, check_weights=False, num_chunks=num_chunks,
                                                 replicas=placement, **dispatcher_options))
     exclude_experts_from_ddp(model)
+    # Instance attributes, until unpatch_model.
     if callable(getattr(model, "save_pretrained", None)):
-        model.save_pretrained = _refuse_save_pretrained          # until unpatch_model (an instance attribute)
+        model.save_pretrained = _refuse_save_pretrained
+    if callable(getattr(model, "generate", None)):
+        model.generate = _synced_generate(model.generate)
     return len(targets)
 
 
 def _refuse_save_pretrained(*args, **kwargs):
     raise ConfigError("save_pretrained on a patched model would write this rank's experts only, a checkpoint that "
-                      "fails when loaded: gather the unpatched model's state with expertrail.hf.full_state_dict(model) "
-                      "(collective) and save that from one rank, or unpatch_model(model) (collective) and then call "
-                      "save_pretrained on one rank")
+                      "fails when loaded: call expertrail.hf.save_pretrained(model, directory) on every rank (each "
+                      "writes its own experts), or gather the unpatched model's state with "
+                      "expertrail.hf.full_state_dict(model) (collective, small models) and save that from one rank, "
+                      "or unpatch_model(model) (collective) and then call save_pretrained on one rank")
+
+
+def _synced_generate(generate):
+    """``generate`` with ``synced_gpus=True`` unless the caller says otherwise: a rank whose
+    sequences are done keeps running forward passes (transformers' own loop: an all_reduce
+    of a "finished" flag over the default process group each step) until every rank is, so
+    the MoE layers' exchanges never miss a rank. Every rank of the default group must call it."""
+    @functools.wraps(generate)
+    def synced(*args, **kwargs):
+        kwargs.setdefault("synced_gpus", True)
+        return generate(*args, **kwargs)
+    synced.expertrail_synced = True
+    return synced
 
 
 def _patched_blocks(model: nn.Module) -> list[tuple[str, ExpertParallelMoE]]:
@@ -433,6 +456,19 @@ def _agree_on_patched(blocks: list[tuple[str, ExpertParallelMoE]], what: str) ->
         g = blocks[0][1].groups
         g.check_same({"patched MoE blocks": len(blocks), "their paths and shapes (crc32)": zlib.crc32(shapes.encode())},
                      what)
+
+
+def replicated_drift(model: nn.Module, blocks: list[tuple[str, ExpertParallelMoE]],
+                     state: dict | None = None) -> list[tuple[str, list[list[int]]]]:
+    """(key, global ranks grouped by the copy they hold) of every entry of ``model``'s state
+    dict but the experts (routers, shared experts, attention, embeddings...) whose bytes
+    differ across the EP group of ``blocks`` (its patched blocks, non-empty). Collective: one
+    all-gather of two ints per tensor. Plain tensors are compared; subclasses (DTensor) not."""
+    state = model.state_dict() if state is None else state
+    sharded = {f"{name}.{key}" if name else key for name, _ in blocks
+               for key in ("experts.gate_up_proj", "experts.down_proj", "_extra_state")}
+    return differing([(k, t) for k, t in state.items() if k not in sharded and type(t) is torch.Tensor],
+                     blocks[0][1].groups)
 
 
 def full_state_dict(model: nn.Module, check_replicas: bool = True) -> dict[str, torch.Tensor]:
@@ -455,11 +491,9 @@ def full_state_dict(model: nn.Module, check_replicas: bool = True) -> dict[str, 
     state = model.state_dict()
     if not blocks:
         return state
-    sharded = {f"{name}.{key}" if name else key for name, _ in blocks
-               for key in ("experts.gate_up_proj", "experts.down_proj", "_extra_state")}
     if check_replicas:
         groups = blocks[0][1].groups
-        drift = differing([(k, t) for k, t in state.items() if k not in sharded and type(t) is torch.Tensor], groups)
+        drift = replicated_drift(model, blocks, state)
         if drift:
             lines = [f"  {key} (ranks holding the same copy: {', '.join(map(str, copies))})" for key, copies in drift]
             raise ConfigMismatchError(
@@ -490,6 +524,12 @@ def unpatch_model(model: nn.Module) -> int:
         _replace(model, name, block.unpatch())
     if vars(model).get("save_pretrained") is _refuse_save_pretrained:
         del model.save_pretrained
+    if getattr(vars(model).get("generate"), "expertrail_synced", False):
+        del model.generate
     if blocks:
         exclude_experts_from_ddp(model)        # the experts are plain parameters again: DDP may sync them
     return len(blocks)
+
+
+# Loading and saving at real sizes live in their own module, which builds on this one.
+from .hf_checkpoint import from_pretrained, save_pretrained  # noqa: E402,F401
