@@ -122,6 +122,9 @@ class Architecture:
 ARCHITECTURES = {a.name: a for a in [
     Architecture("deepseek-v3", 61, 3, 7168, 18432, 2048, 256, 8, 2048, 128, 128, 128, 129280,
                  q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128, num_groups=8, group_topk=4),
+    # Kimi-K2 (moonshotai/Kimi-K2-Base config.json): DeepSeek-V3's shape with 384 experts, 64 heads, one dense layer.
+    Architecture("kimi-k2", 61, 1, 7168, 18432, 2048, 384, 8, 2048, 64, 64, 128, 163840,
+                 q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128),
     Architecture("qwen3-235b-a22b", 94, 0, 4096, 12288, 1536, 128, 8, 0, 64, 4, 128, 151936),
     Architecture("qwen3-30b-a3b", 48, 0, 2048, 6144, 768, 128, 8, 0, 32, 4, 128, 151936),
     # Its linear-attention layers are counted as full attention here (an upper bound).

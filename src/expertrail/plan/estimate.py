@@ -32,7 +32,11 @@ from .layout import TrainingLayout, stage_layers
 from .memory import GB, layer_activation_bytes, memory, usable_GB
 from .simulate import domain_for
 
-GEMM_EFFICIENCY = {"bf16": 0.5, "fp8": 0.3}   # of the dense peak of that precision
+GEMM_EFFICIENCY = {"bf16": 0.47, "fp8": 0.26}   # of the dense peak of that precision (calibration.fit)
+# Sustained speed of a system's tensor cores against GB200's at the same datasheet peak (clocks under its
+# power limit, Blackwell Ultra's faster softmax exponentials): scales GEMMs and attention (calibration.fit).
+# Systems not named here (measured machines, user catalogs) run at 1.0.
+SYSTEM_SPEED = {"gb200-nvl72": 1.0, "gb300-nvl72": 1.30, "b200": 0.72, "b300": 0.99, "h100": 0.91}
 GROUPED_HALF_ROWS = 128                          # rows per expert at which a grouped GEMM reaches half of that
 ATTENTION_EFFICIENCY = 0.45                      # fused attention, forward and backward, of the BF16 peak
 ELEMENTWISE_PASSES = 6                           # HBM passes over a layer's activations, forward + backward
@@ -77,8 +81,12 @@ def dispatch_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout) -
     return 2 * (p.dispatch_s + p.combine_s) * framework * tokens / sample, algorithm
 
 
+def _speed(hw: Hardware) -> float:
+    return SYSTEM_SPEED.get(hw.name, 1.0)
+
+
 def _gemm_seconds(flops: float, hw: Hardware, precision: str, rows_per_expert: float | None = None) -> float:
-    peak = (hw.fp8_TFLOPS if precision == "fp8" and hw.fp8_TFLOPS else hw.bf16_TFLOPS) * 1e12
+    peak = (hw.fp8_TFLOPS if precision == "fp8" and hw.fp8_TFLOPS else hw.bf16_TFLOPS) * 1e12 * _speed(hw)
     eff = GEMM_EFFICIENCY[precision if hw.fp8_TFLOPS else "bf16"]
     if rows_per_expert is not None:
         eff *= rows_per_expert / (rows_per_expert + GROUPED_HALF_ROWS)
@@ -92,7 +100,7 @@ def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe:
     rows = t * arch.topk * layout.etp * layout.ep / arch.experts
     dense = _gemm_seconds(3 * t * (f["attention_gemm"] + f["dense_mlp"]), hw, layout.precision)
     experts = _gemm_seconds(3 * t * f["experts"], hw, layout.precision, rows) if moe else 0.0
-    core = 3 * t * f["attention_core"] / (hw.bf16_TFLOPS * 1e12 * ATTENTION_EFFICIENCY)
+    core = 3 * t * f["attention_core"] / (hw.bf16_TFLOPS * 1e12 * ATTENTION_EFFICIENCY * _speed(hw))
     full_acts = sum(layer_activation_bytes(arch, _no_recompute(layout), moe).values())
     elementwise = ELEMENTWISE_PASSES * full_acts / (hw.hbm_TBps * 1e12)
     compute = dense + experts + core + elementwise
