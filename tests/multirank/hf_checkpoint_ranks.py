@@ -133,6 +133,7 @@ def generate_like_the_whole_model(rank, world, path, backend="alltoall"):
         assert torch.equal(got, want), (sample, got, want)
         out.append(got.shape[1] - ids.shape[1])
     # An end-of-sequence token that rank 0's greedy run meets early: it stops, the others go on.
+    ids = ids[:1]
     greedy = reference.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     eos = int(greedy[0, ids.shape[1] + 1]) if rank == 0 else -1
     kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=eos if rank == 0 else 2)
@@ -171,4 +172,42 @@ def load_expecting_error(rank, world, path, how):
     groups = groups_for(None, 2)
     if how == "unreadable_on_one_rank":
         path = path if rank != 2 else path + "-missing"
-    return from_pretrained(path, groups)
+    from_pretrained(path, groups)
+
+
+def write_bad_checkpoints(dirs: dict[str, str], root: str) -> dict[str, str]:
+    """Broken copies of the Qwen3-MoE checkpoint: how -> directory."""
+    import shutil
+
+    from safetensors.torch import save_file
+    good = dirs["qwen3_moe"]
+    out = {}
+
+    def copy(how, edit_config=None, edit_index=None):
+        out[how] = os.path.join(root, how)
+        shutil.copytree(good, out[how])
+        if edit_config:
+            cfg = json.loads(Path(out[how], "config.json").read_text())
+            edit_config(cfg)
+            Path(out[how], "config.json").write_text(json.dumps(cfg))
+        if edit_index:
+            index = json.loads(Path(out[how], "model.safetensors.index.json").read_text())
+            edit_index(index["weight_map"])
+            Path(out[how], "model.safetensors.index.json").write_text(json.dumps(index))
+
+    def drop(weight_map):              # one expert's up projection and a norm are not listed
+        del weight_map["model.layers.1.mlp.experts.5.up_proj.weight"], weight_map["model.norm.weight"]
+
+    def add(weight_map):
+        save_file({"model.layers.0.mlp.extra_bias": torch.zeros(8)}, os.path.join(out["extra"], "extra.safetensors"))
+        weight_map["model.layers.0.mlp.extra_bias"] = "extra.safetensors"
+
+    copy("missing", edit_index=drop)
+    copy("extra", edit_index=add)
+    copy("shapes", edit_config=lambda c: c.update(moe_intermediate_size=24))
+    copy("six_experts", edit_config=lambda c: c.update(num_local_experts=6))
+    # Qwen3-MoE's config.json over Mixtral's tensors: a checkpoint of another model.
+    out["other_model"] = os.path.join(root, "other_model")
+    shutil.copytree(dirs["mixtral"], out["other_model"])
+    shutil.copy(os.path.join(good, "config.json"), out["other_model"])
+    return out

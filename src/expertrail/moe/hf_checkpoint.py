@@ -88,6 +88,8 @@ class Checkpoint:
         for file in files:
             with safe_open(str(self.path / file), framework="pt") as f:
                 for key in f.keys():
+                    if weight_map is not None and weight_map.get(key) != file:
+                        continue            # as transformers: the index says which tensors there are
                     s = f.get_slice(key)
                     self.tensors[key] = (file, tuple(s.get_shape()), s.get_dtype())
         if weight_map is not None:
@@ -233,6 +235,8 @@ def _sources(model: nn.Module, blocks: dict[str, ExpertParallelMoE], ckpt: Check
     if wrong:
         problems.append("tensors whose shapes do not match the config: " + "; ".join(wrong[:6])
                         + (" ..." if len(wrong) > 6 else ""))
+    if extra and missing:
+        problems.append("tensors missing and extra at once: the files hold another model than config.json describes")
     if problems:
         raise ConfigError(f"the checkpoint at {ckpt.path} does not fit the model its config.json describes:\n"
                           + "\n".join(f"  {p}" for p in problems) + "\nUse a checkpoint saved from this model "
@@ -327,6 +331,8 @@ def from_pretrained(path: str | os.PathLike, groups: EPGroups, backend: str = "a
     what = "expertrail.hf.from_pretrained"
     config = ckpt = problem = None
     try:
+        if not Path(path).is_dir():       # a hub name is not read here: download it first
+            raise FileNotFoundError(f"no directory {str(path)!r} on this rank")
         config = AutoConfig.from_pretrained(str(path))
         ckpt = Checkpoint(path)
     except Exception as err:      # any reason this rank cannot read it: every rank must hear of it
@@ -446,8 +452,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, max_sha
             if first_slot is not None and first_slot[e] != block.first_expert + i:
                 continue                    # a replica: the expert's first slot writes it
             row = gate_up.element_size() * f * gate_up.shape[2]
-            for role, view in (("gate", lambda i=i: gate_up[i, :f]), ("up", lambda i=i: gate_up[i, f:]),
-                               ("down", lambda i=i: down[i])):
+            for role, view in (("gate", lambda w=gate_up[i, :f]: w), ("up", lambda w=gate_up[i, f:]: w),
+                               ("down", lambda w=down[i]: w)):
                 tensors[apply_renamings(f"{path}.experts.{e}.{names[role]}", reverse)] = (row, view)
     files = _shards([(n, size) for n, (size, _) in tensors.items()], limit)
     directory = Path(save_directory)
