@@ -8,18 +8,27 @@ same call (`_floor`). Backends and the bare collectives alternate round by round
 all alike. Prints the mean time per call and its ratio to the bare collectives.
 
 ``--soak N`` instead runs N calls with token counts changing every call and prints the
-resident memory (RSS) when the dispatcher's buffer pool last grew (its high-water mark) and at
-the end: growth since should stay under 2%.
+resident memory (RSS) when the dispatcher's buffer pool last grew (its high-water mark), at
+fractions of the calls and at the end, and the growth since the pool's last growth.
 
-    .venv/bin/python benchmarks/user_process.py [--dtype fp32|bf16] [--tokens 4096] [--soak 1000]
+    .venv/bin/python benchmarks/user_process.py [--dtype fp32|bf16] [--tokens 4096] [--soak 1000] [--json PATH]
+
+``--json PATH`` writes the record docs/results/ keeps (the command, the machine, the date, the
+arguments, every rank's results and the summary printed); ``python -m expertrail.tools.records``
+prints the same tables from it.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
+import shlex
 import socket
 import statistics
+import sys
+import tempfile
 import time
 
 import torch
@@ -132,7 +141,43 @@ def _worker(rank, world, port, args, out_path):
     dist.destroy_process_group()
 
 
-def main(argv=None) -> int:
+def machine() -> dict:
+    """What the figures were measured on: the CPU model and core count, memory, torch."""
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 platform.processor() or platform.machine())
+    with open("/proc/meminfo") as f:
+        mem_kib = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
+    return {"cpu": model, "cores": os.cpu_count(), "memory_GiB": round(mem_kib / 2**20, 1), "torch": torch.__version__,
+            "python": platform.python_version(), "os": platform.platform()}
+
+
+def run(args) -> dict:
+    """Spawn the 4 ranks and return the record: the command, machine, date, arguments, every
+    rank's results and the summary the script prints."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fd, out_path = tempfile.mkstemp(prefix="user_process_", suffix=".json")
+    os.close(fd)
+    try:
+        mp.spawn(_worker, args=(4, port, args, out_path), nprocs=4)
+        with open(out_path) as f:
+            per_rank = json.load(f)
+    finally:
+        os.unlink(out_path)
+    record = {"command": " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/user_process.py",
+                                                            *(args.argv or [])]),
+              "machine": machine(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "args": {k: v for k, v in vars(args).items() if k not in ("json", "argv")}, "world": 4,
+              "per_rank": per_rank}
+    if not args.soak:       # the slowest rank sets the pace
+        mean = {name: max(r[name] for r in per_rank) for name in per_rank[0]}
+        record["summary"] = {"mean_s": mean, "ratio_to_bare": {name: t / mean["bare"] for name, t in mean.items()},
+                             "ratio_to_floor": {name: t / mean["floor"] for name, t in mean.items()}}
+    return record
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--tokens", type=int, default=4096)
@@ -142,34 +187,21 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--backends", nargs="+", default=["alltoall", "dedup", "hierarchical"])
     p.add_argument("--soak", type=int, default=0, help="calls with changing token counts; report RSS")
-    p.add_argument("--json", help="write the per-rank results here")
-    args = p.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out_path = args.json or f"/tmp/user_process_{os.getpid()}.json"
-    mp.spawn(_worker, args=(4, port, args, out_path), nprocs=4)
-    with open(out_path) as f:
-        per_rank = json.load(f)
-    if not args.json:
-        os.unlink(out_path)
-    if args.soak:
-        print(f"{args.soak} calls of {args.backends[0]}, {args.dtype}, tokens changing every call")
-        marks = list(per_rank[0]["rss_at"])
-        print("| rank | pool's last growth (call) | pool MB | RSS then (MB) | RSS at " + " / ".join(marks)
-              + " of the calls (MB) | growth since the pool's last growth |")
-        print("|---|---|---|---|---|---|")
-        for r, res in enumerate(per_rank):
-            print(f"| {r} | {res['high_water_call']} | {res['pool_MB']:.0f} | {res['rss_at_high_water'] / 2**20:.0f} | "
-                  + " / ".join(f"{v / 2**20:.0f}" for v in res["rss_at"].values())
-                  + f" | {100 * res['growth_after_high_water']:+.2f}% |")
-        return 0
-    mean = {name: max(r[name] for r in per_rank) for name in per_rank[0]}    # the slowest rank sets the pace
-    print(f"4 ranks, {args.tokens} tokens/rank, hidden {args.hidden}, {args.experts} experts, top-{args.topk}, "
-          f"{args.dtype}, default allocator, mean of {args.iters}")
-    print("| call | ms | x bare |\n|---|---|---|")
-    for name, t in mean.items():
-        print(f"| {name} | {1e3 * t:.1f} | {t / mean['bare']:.2f} |")
+    p.add_argument("--json", help="write the record (command, machine, date, arguments, per-rank results, summary) "
+                                  "here")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    record = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+            f.write("\n")
+    from expertrail.tools.records import user_process_soak_table, user_process_table
+    print(user_process_soak_table(record) if args.soak else user_process_table(record), end="")
     return 0
 
 

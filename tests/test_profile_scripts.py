@@ -1,4 +1,5 @@
 """The CPU profiling probes that docs/benchmarks.md cites run and print their tables (tiny sizes)."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,38 @@ def test_combine_flags_times_combine_with_and_without_its_agreement():
     assert lines[1].split()[:2] == ["combine", "no"]
     values = [float(v) for v in lines[2].split()]
     assert len(values) == 4 and all(v > 0 for v in values)
+
+
+def test_user_process_record_shows_what_it_printed(tmp_path):
+    from expertrail.tools.records import user_process_table
+    path = tmp_path / "up.json"
+    lines = _run("user_process.py", "--tokens", "64", "--hidden", "16", "--iters", "2", "--backends", "alltoall",
+                 "--json", str(path))
+    record = json.loads(path.read_text())
+    assert record["command"].startswith(".venv/bin/python benchmarks/user_process.py --tokens 64")
+    assert record["machine"]["cores"] > 0 and record["date"] and len(record["per_rank"]) == 4
+    assert "\n".join(lines) + "\n" == user_process_table(record)
+    assert [line.split("|")[1].strip() for line in lines[3:]] == ["bare", "floor", "alltoall"]
+
+
+PEER = '''import os
+print("torch 0 megatron-core 0")
+for dtype, ms in (("float32", 30.0), ("bfloat16", 20.0)):
+    for kind in ("alltoall", "allgather"):
+        print(f"[timing] megatron {kind:9s} dispatch+scale+combine T={os.environ['BENCH_TOKENS']}/rank "
+              f"H={os.environ['BENCH_HIDDEN']} E=16 topk=2 EP=4 torch.{dtype}: {ms:.1f} ms/iter")
+'''
+
+
+def test_against_megatron_reads_the_peers_timings_beside_user_process(tmp_path):
+    from expertrail.tools.records import against_megatron_table
+    peer, path = tmp_path / "peer.py", tmp_path / "against.json"
+    peer.write_text(PEER)
+    lines = _run("against_megatron.py", "--peer-python", sys.executable, "--peer-script", str(peer), "--tokens", "64",
+                 "--hidden", "16", "--iters", "2", "--json", str(path))
+    record = json.loads(path.read_text())
+    assert record["peer"]["ms"] == {"alltoall": {"fp32": 30.0, "bf16": 20.0}, "allgather": {"fp32": 30.0, "bf16": 20.0}}
+    assert "BENCH_TOKENS=64" in record["peer"]["command"] and set(record["expertrail"]) == {"fp32", "bf16"}
+    assert "\n".join(lines) + "\n" == against_megatron_table(record)
+    assert [line.split("|")[1].strip() for line in lines[3:]] == ["fp32", "bf16"]
+    assert lines[3].split("|")[2].strip().startswith("30.0 ms")

@@ -93,7 +93,67 @@ def _calibration(record: dict) -> str:
     return table()
 
 
-KINDS = {"calibration": _calibration, "bench": _bench, "decode": _decode, "train": _train, "cluster": _cluster, "serve-sim": _serve_sim}
+def user_process_table(record: dict) -> str:
+    """`benchmarks/user_process.py`'s table: the mean ms per call of the slowest rank, and its
+    ratio to the bare collectives and to the floor."""
+    a, summary = record["args"], record["summary"]
+    lines = [f"{record['world']} ranks, {a['tokens']} tokens/rank, hidden {a['hidden']}, {a['experts']} experts, "
+             f"top-{a['topk']}, {a['dtype']}, default allocator, mean of {a['iters']} calls (slowest rank)",
+             "| call | ms | x bare | x floor |", "|---|---|---|---|"]
+    for name, t in summary["mean_s"].items():
+        lines.append(f"| {name} | {1e3 * t:.1f} | {summary['ratio_to_bare'][name]:.2f} | "
+                     f"{summary['ratio_to_floor'][name]:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def user_process_soak_table(record: dict) -> str:
+    """`benchmarks/user_process.py --soak`'s table: per rank, the pool's last growth and the
+    resident memory then and at fractions of the calls."""
+    a, per_rank = record["args"], record["per_rank"]
+    marks = list(per_rank[0]["rss_at"])
+    lines = [f"{a['soak']} calls of {a['backends'][0]}, {a['dtype']}, {a['tokens'] // 2 + 1}-{a['tokens']} "
+             "tokens/rank changing every call",
+             "| rank | pool's last growth (call) | pool MB | RSS then (MB) | RSS at " + " / ".join(marks)
+             + " of the calls (MB) | growth since the pool's last growth |", "|---|---|---|---|---|---|"]
+    for r, res in enumerate(per_rank):
+        lines.append(f"| {r} | {res['high_water_call']} | {res['pool_MB']:.0f} | {res['rss_at_high_water'] / 2**20:.0f} | "
+                     + " / ".join(f"{v / 2**20:.0f}" for v in res["rss_at"].values())
+                     + f" | {100 * res['growth_after_high_water']:+.2f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def _user_process(record: dict) -> str:
+    return _fenced(user_process_table(record))
+
+
+def _user_process_soak(record: dict) -> str:
+    return _fenced(user_process_soak_table(record))
+
+
+def against_megatron_table(record: dict) -> str:
+    """`benchmarks/against_megatron.py`'s table: Megatron-Core's alltoall dispatcher and
+    expertrail's `alltoall`, ms per dispatch -> scale -> combine, beside the bare collectives
+    timed with expertrail's run."""
+    a = next(iter(record["expertrail"].values()))["args"]
+    lines = [f"{record['peer']['versions']}; 4 ranks, {a['tokens']} tokens/rank, hidden {a['hidden']}, "
+             f"{a['experts']} experts, top-{a['topk']}; mean of {record['iters']} calls",
+             "| | Megatron-Core alltoall | expertrail alltoall | bare collectives | Megatron-Core / expertrail |",
+             "|---|---|---|---|---|"]
+    for dtype, ours in record["expertrail"].items():
+        mean = ours["summary"]["mean_s"]
+        bare, er, mc = 1e3 * mean["bare"], 1e3 * mean["alltoall"], record["peer"]["ms"]["alltoall"][dtype]
+        lines.append(f"| {dtype} | {mc:.1f} ms ({mc / bare:.2f}x bare) | {er:.1f} ms ({er / bare:.2f}x bare) | "
+                     f"{bare:.1f} ms | {mc / er:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def _against_megatron(record: dict) -> str:
+    return _fenced(against_megatron_table(record))
+
+
+KINDS = {"calibration": _calibration, "bench": _bench, "decode": _decode, "train": _train, "cluster": _cluster, "serve-sim": _serve_sim,
+         "user-process": _user_process, "user-process-soak": _user_process_soak,
+         "against-megatron": _against_megatron}
 
 
 def render(kind: str, record_path: Path) -> str:
