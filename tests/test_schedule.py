@@ -1,8 +1,12 @@
 """`expertrail.comm.schedule` on one process: turn taking, errors, delayed work."""
+import threading
+import time
+
 import pytest
 import torch
 
 from expertrail.comm import schedule
+from expertrail.comm.transport import Transfer
 
 
 def test_tasks_take_turns_at_switch_points_and_return_their_results():
@@ -50,20 +54,57 @@ def test_the_first_error_is_raised_after_every_task_ended():
     assert ended == [True]
 
 
+class _SlowWork:
+    """A posted exchange that lands once ``landed`` is set (or after 5 s)."""
+
+    def __init__(self):
+        self.landed, self.returned, self.waits = threading.Event(), threading.Event(), 0
+
+    def wait(self):
+        self.waits += 1
+        self.landed.wait(5)
+        self.returned.set()
+
+    def land_now(self):
+        """Let it land, and give the waiting thread time to say so."""
+        self.landed.set()
+        self.returned.wait(5)
+        time.sleep(0.2)
+
+
 def test_work_is_deferred_only_inside_a_task_with_delayed_weight_gradients():
     done = []
     assert not schedule.defer(lambda: done.append("now"))          # no task: the caller does it
     assert schedule.run_interleaved([lambda: schedule.defer(lambda: done.append("later"))]) == [False]
 
     def task():
-        assert schedule.defer(lambda: done.append("at the switch point"))
-        assert done == []
+        assert schedule.defer(lambda: done.append("first"))
+        assert schedule.defer(lambda: (done.append("second"), work.land_now()))
+        assert schedule.defer(lambda: done.append("third"))
         schedule.switch_point()
-        assert done == ["at the switch point"]
+        assert done == []                            # nothing waits yet: nothing runs
+        # an exchange in flight: the queue runs in order until it has landed, then waits
+        got = schedule.wait_exchange("rows", lambda: transfer.wait() or "rows", watch=transfer)
+        assert got == "rows" and done == ["first", "second"] and work.waits == 1   # waited for once only
         return schedule.defer(lambda: done.append("at the end"))
     done.clear()
+    work = _SlowWork()
+    transfer = Transfer(works=[work])
     assert schedule.run_interleaved([task], delay_wgrad=True) == [True]
-    assert done == ["at the switch point", "at the end"]
+    assert done == ["first", "second", "third", "at the end"]
+
+
+def test_deferred_work_runs_in_order_across_calls_sharing_a_queue():
+    """train_micro_batches' queue: work queued by one call may fill the next call's waits; a
+    call finishes only the work queued before it began."""
+    done = []
+    deferred = schedule._Deferred()
+    schedule.run_interleaved([lambda: schedule.defer(lambda: done.append("B0"))], True, deferred=deferred)
+    assert done == [] and len(deferred.items) == 1                 # left for the next call's waits
+    schedule.run_interleaved([lambda: schedule.defer(lambda: done.append("B1"))], True, deferred=deferred)
+    assert done == ["B0"]                                            # queued before: finished
+    deferred.run_until(deferred.added)
+    assert done == ["B0", "B1"]
 
 
 def test_delayed_weight_gradients_are_the_same_bits():

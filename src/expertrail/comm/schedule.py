@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 import time
 from typing import Any, Callable
 
@@ -97,35 +98,59 @@ class _Turns:
             self.cond.notify_all()
 
 
-class _Task:
-    """This thread's place among the tasks: the turns, its index, its deferred work."""
+class _Deferred:
+    """Weight gradients handed to `defer`, run in the order they came (so every parameter
+    accumulates its micro-batches' gradients in micro-batch order): one at a time in the gaps
+    where the task holding the turn waits for an exchange still in flight (`wait_exchange`),
+    the rest when the tasks end (`run_interleaved`) or at the end of the step
+    (`train_micro_batches`)."""
 
-    def __init__(self, turns: _Turns, index: int, delay_wgrad: bool, lane: str):
-        self.turns, self.index, self.lane = turns, index, lane
-        self.deferred: list | None = [] if delay_wgrad else None
-        self.since = time.perf_counter()          # when this task last got the turn
+    def __init__(self):
+        self.items: deque = deque()
+        self.added = self.done = 0
 
-    def run_deferred(self) -> None:
+    def add(self, work: Callable[[], None]) -> None:
+        self.items.append(work)
+        self.added += 1
+
+    def run_one(self) -> None:
+        work = self.items.popleft()
+        self.done += 1
         with torch.no_grad():               # as in a backward: gradients are plain tensors
-            while self.deferred:
-                self.deferred.pop(0)()
+            work()
+
+    def run_until(self, count: int) -> None:
+        """Run the queued work until ``count`` items in all have run."""
+        while self.done < count and self.items:
+            self.run_one()
+
+
+class _Task:
+    """This thread's place among the tasks: the turns, its index, where its deferred work goes."""
+
+    def __init__(self, turns: _Turns, index: int, deferred: _Deferred | None, lane: str):
+        self.turns, self.index, self.lane = turns, index, lane
+        self.deferred = deferred
+        self.since = time.perf_counter()          # when this task last got the turn
 
 
 def switch_point() -> None:
-    """Called right after an exchange is posted and before it is waited for: run this task's
-    deferred weight gradients, then let the other task run until its own switch point. A no-op
-    outside `run_interleaved` (one micro-batch, the usual case)."""
+    """Called right after an exchange is posted and before it is waited for: let the other task
+    run until its own switch point. A no-op outside `run_interleaved` (one micro-batch, the
+    usual case)."""
     task = getattr(_local, "task", None)
     if task is not None:
-        task.run_deferred()
         _record(task.lane, "run", "", task.since)
         task.turns.pass_on(task.index)
         task.since = time.perf_counter()
 
 
-def wait_exchange(what: str, wait: Callable[[], Any], give_turn: bool = True) -> Any:
+def wait_exchange(what: str, wait: Callable[[], Any], give_turn: bool = True, watch=None) -> Any:
     """``wait()`` for an exchange just posted, after a `switch_point` (another task runs while it
     travels); on a `Timeline` its span from posted to landed is recorded as ``what``.
+
+    watch: the exchange's `transport.Transfer`. While it has not landed, the deferred weight gradients of the step (any task's, in order) run here, so a
+    wait that would leave the cores idle computes them instead.
 
     give_turn=False: wait without a switch point, for exchanges of a few numbers (dispatch
     counts, the router's loads). Such an exchange lands in milliseconds, while a turn given
@@ -134,19 +159,34 @@ def wait_exchange(what: str, wait: Callable[[], Any], give_turn: bool = True) ->
     posted = time.perf_counter()
     if give_turn:
         switch_point()
-    result = wait()
     task = getattr(_local, "task", None)
+    if task is not None and task.deferred is not None and task.deferred.items and watch is not None:
+        _fill_until_landed(task.deferred, watch)
+    result = wait()
     _record(task.lane if task is not None else getattr(_local, "lane", "main"), "exchange", what, posted)
     return result
 
 
+def _fill_until_landed(deferred: _Deferred, watch) -> None:
+    """Run deferred work until ``watch`` (a `transport.Transfer`) has landed: a helper thread
+    waits for it (gloo says a receive is complete only once waited for)."""
+    landed, failure = threading.Event(), []
+    _waiter().jobs.put((watch, landed, failure))
+    while not landed.is_set() and deferred.items:
+        deferred.run_one()
+    landed.wait()
+    if failure:
+        raise failure[0]
+
+
 def defer(work: Callable[[], None]) -> bool:
-    """Queue ``work`` (a weight gradient) for this task's next switch point; False, and
-    nothing queued, when weight gradients are not delayed here (the caller does it now)."""
+    """Queue ``work`` (a weight gradient) to fill a later wait for an exchange (`_Deferred`);
+    False, and nothing queued, when weight gradients are not delayed here (the caller does it
+    now)."""
     task = getattr(_local, "task", None)
     if task is None or task.deferred is None:
         return False
-    task.deferred.append(work)
+    task.deferred.add(work)
     return True
 
 
@@ -179,21 +219,56 @@ class _Worker(threading.Thread):
 _workers: list[_Worker] = []
 
 
-def run_interleaved(tasks: list[Callable[[], Any]], delay_wgrad: bool = False, lanes: list | None = None) -> list:
+class _Waiter(threading.Thread):
+    """Waits for posted works on behalf of the task holding the turn, which meanwhile runs
+    deferred work (`_fill_until_landed`); kept for the life of the process."""
+
+    def __init__(self):
+        super().__init__(name="expertrail-waiter", daemon=True)
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.start()
+
+    def run(self) -> None:
+        while True:
+            transfer, landed, failure = self.jobs.get()
+            try:
+                transfer.land()
+            except BaseException as err:       # raised by the task that waits
+                failure.append(err)
+            landed.set()
+
+
+_waiters: list[_Waiter] = []
+
+
+def _waiter() -> _Waiter:
+    if not _waiters:
+        _waiters.append(_Waiter())
+    return _waiters[0]
+
+
+def run_interleaved(tasks: list[Callable[[], Any]], delay_wgrad: bool = False, lanes: list | None = None,
+                    deferred: _Deferred | None = None) -> list:
     """Run ``tasks`` taking turns at their switch points (task 0 first); returns their results.
 
     Task 0 runs on the calling thread, the others on worker threads, each under the caller's
     grad and inference modes; one runs at a time. With ``delay_wgrad`` the delayable weight
-    gradients of a task (those its backwards hand to `defer`) are computed at its switch points
-    and before it ends. If tasks raise,
-    the first one's (in task order) error is raised once all have ended. Tasks must reach their
-    switch points in the same order on every rank of a group (the same code does). lanes: the
-    tasks' names on a `Timeline`. Not from inside a task.
+    gradients of the tasks (those their backwards hand to `defer`) fill the tasks' waits for
+    exchanges in flight, and what is left runs once every task has ended. ``deferred`` (with
+    ``delay_wgrad``): a queue shared with the calls before and after this one, where work
+    queued by this call may stay for the next call's waits (`train_micro_batches`); only the
+    work queued before this call is finished at its end. If tasks raise, the first one's (in
+    task order) error is raised once all have ended. Tasks must reach their switch points in
+    the same order on every rank of a group (the same code does). lanes: the tasks' names on a
+    `Timeline`. Not from inside a task.
     """
     if getattr(_local, "task", None) is not None:
         raise RuntimeError("run_interleaved was called from inside one of its own tasks; run the inner work directly")
     if not tasks:
         return []
+    own_queue = delay_wgrad and deferred is None
+    queue_ = (_Deferred() if own_queue else deferred) if delay_wgrad else None
+    queued_before = queue_.added if queue_ is not None else 0
     turns = _Turns(len(tasks))
     results: list = [None] * len(tasks)
     errors: list = [None] * len(tasks)
@@ -201,11 +276,10 @@ def run_interleaved(tasks: list[Callable[[], Any]], delay_wgrad: bool = False, l
 
     def body(i: int) -> None:
         turns.wait_for(i)
-        _local.task = task = _Task(turns, i, delay_wgrad, lanes[i] if lanes else f"task {i}")
+        _local.task = task = _Task(turns, i, queue_, lanes[i] if lanes else f"task {i}")
         try:
             with torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
                 results[i] = tasks[i]()
-                task.run_deferred()
         except BaseException as err:            # handed to the caller below
             errors[i] = err
         finally:
@@ -223,7 +297,14 @@ def run_interleaved(tasks: list[Callable[[], Any]], delay_wgrad: bool = False, l
         event.wait()
     first = next((e for e in errors if e is not None), None)
     if first is not None:
+        if queue_ is not None:
+            queue_.items.clear()
         raise first
+    if queue_ is not None:
+        start = time.perf_counter()
+        queue_.run_until(queue_.added if own_queue else queued_before)
+        if lanes:
+            _record(lanes[-1], "run", "", start)
     return results
 
 
@@ -256,6 +337,7 @@ def train_micro_batches(forward: Callable[[Any], torch.Tensor], micro_batches: l
         _local.lane = "main"
 
     last = len(micro_batches) - 1
+    deferred = _Deferred() if delay_wgrad else None
     if not overlap:
         for i in range(last + 1):
             alone(fwd, i, f"F{i}")
@@ -263,8 +345,13 @@ def train_micro_batches(forward: Callable[[Any], torch.Tensor], micro_batches: l
     elif micro_batches:
         alone(fwd, 0, "F0")
         for i in range(1, last + 1):
-            run_interleaved([lambda i=i: fwd(i), lambda i=i: bwd(i - 1)], delay_wgrad, [f"F{i}", f"B{i - 1}"])
-        run_interleaved([lambda: bwd(last)], delay_wgrad, [f"B{last}"])
+            run_interleaved([lambda i=i: fwd(i), lambda i=i: bwd(i - 1)], delay_wgrad, [f"F{i}", f"B{i - 1}"],
+                            deferred)
+        run_interleaved([lambda: bwd(last)], delay_wgrad, [f"B{last}"], deferred)
+        if deferred is not None:
+            start = time.perf_counter()
+            deferred.run_until(deferred.added)
+            _record(f"B{last}", "run", "", start)
     return [loss.detach() for loss in losses]
 
 

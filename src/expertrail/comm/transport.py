@@ -37,6 +37,17 @@ class Transfer:
         self._result, self._works, self._then = result, list(works), then
         self.own_rows = own_rows
 
+    def land(self) -> None:
+        """Wait for the exchanges posted so far (nested Transfers' too) without running
+        ``then`` (which may post more): what a helper thread may do while the caller computes.
+        A gloo point-to-point work must be waited for once only, so they are dropped here."""
+        for work in self._works:
+            if isinstance(work, Transfer):
+                work.land()
+            else:
+                work.wait()
+        self._works = [work for work in self._works if isinstance(work, Transfer)]
+
     def wait(self):
         for work in self._works:
             work.wait()

@@ -29,7 +29,7 @@ class DispatchFunction(torch.autograd.Function):
             rows_back = route.transpose_async(grad_tokens, out_dtype=ctx.x_dtype) \
                 if ctx.needs_input_grad[0] and ctx.tokens_differentiable else None
             # Delayed weight gradients and another micro-batch run while the rows travel.
-            grad_x = wait_exchange("dispatch backward", rows_back.wait) if rows_back is not None else None
+            grad_x = wait_exchange("dispatch backward", rows_back.wait, watch=rows_back) if rows_back is not None else None
             grad_w = route.weights_transpose(grad_weights) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None, None
 
@@ -49,7 +49,7 @@ class CombineFunction(torch.autograd.Function):
         expert_out, weights = ctx.saved_tensors
         with ctx.route.running("combine backward"):
             rows_out = ctx.route.forward(grad_y.contiguous(), async_op=True)
-            grad_rows = wait_exchange("combine backward", rows_out.wait)
+            grad_rows = wait_exchange("combine backward", rows_out.wait, watch=rows_out)
         if weights is None:
             return grad_rows.to(expert_out.dtype), None, None, None
         acc = torch.promote_types(torch.float32, weights.dtype)

@@ -127,7 +127,7 @@ class Dispatcher:
         sent = self._gather_first(wire, outgoing) if outgoing else None
         # A few numbers: waited for without giving the turn to another micro-batch (`schedule`).
         recv_counts, headers = wait_exchange("dispatch counts", lambda: self.agreement.finish_dispatch(control, message),
-                                             give_turn=False)
+                                             give_turn=False, watch=control)
         with torch.no_grad():
             route = self._route(topk_weights.detach(), outgoing, recv_counts, headers)
             route.groups, route.workspace = self.groups, self.workspace
@@ -135,7 +135,8 @@ class Dispatcher:
         control_bytes = recv_counts.numel() * 8 + headers.nbytes
         wire_bytes = wire.shape[1] * wire.element_size()
         pending = _in_flight("dispatch", route, lambda: self._dispatch_result(
-            x, topk_weights, route, transfer.wait(), wire_bytes, control_bytes, headers.needs_grad))   # agreed
+            x, topk_weights, route, transfer.wait(), wire_bytes, control_bytes, headers.needs_grad),   # agreed
+            watch=transfer)
         return pending if async_op else pending.wait()
 
     def _dispatch_result(self, x, topk_weights, route: Route, rows, row_bytes: int, control_bytes: int,
@@ -199,7 +200,8 @@ class Dispatcher:
         with torch.no_grad():
             transfer = res.route.transpose_async(rows, weights, at_source=at_source,
                                                  agree=lambda: self.agreement.finish_combine(flags, message))
-        pending = _in_flight("combine", res.route, lambda: CombineFunction.apply(rows, weights, res.route, transfer))
+        pending = _in_flight("combine", res.route, lambda: CombineFunction.apply(rows, weights, res.route, transfer),
+                             watch=transfer)
         return pending if async_op else pending.wait()
 
     def moe(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, experts,
@@ -276,10 +278,11 @@ class Dispatcher:
                 f"capacity_factor={self.config.capacity_factor})")
 
 
-def _in_flight(verb: str, route: Route, finish) -> Transfer:
-    """A dispatch or combine whose rows are in flight: ``wait()`` runs ``finish`` (once) on the
-    route's group, where another micro-batch may run while the rows travel (`schedule`)."""
+def _in_flight(verb: str, route: Route, finish, watch: Transfer) -> Transfer:
+    """A dispatch or combine whose rows (``watch``) are in flight: ``wait()`` runs ``finish``
+    (once) on the route's group, where another micro-batch may run while the rows travel
+    (`schedule`)."""
     def rest(_):
         with route.running(f"{verb} (wait)"):
-            return wait_exchange(verb, finish)
+            return wait_exchange(verb, finish, watch=watch)
     return Transfer(then=rest)

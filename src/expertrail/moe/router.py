@@ -18,6 +18,7 @@ from torch import nn
 
 from ..errors import ConfigError, InvalidInputError
 from ..comm.schedule import wait_exchange
+from ..comm.transport import Transfer
 
 
 @dataclass
@@ -188,8 +189,8 @@ class TopKRouter(nn.Module):
             # averaging expects.
             loads = torch.cat([tokens_per_expert.float(), torch.tensor([float(num_tokens)], device=idx.device)])
             if self.load_group is not None:     # one small all-reduce: waited for without giving the turn away
-                work = dist.all_reduce(loads, group=self.load_group, async_op=True)
-                wait_exchange("router loads", work.wait, give_turn=False)
+                work = Transfer(works=[dist.all_reduce(loads, group=self.load_group, async_op=True)])
+                wait_exchange("router loads", work.wait, give_turn=False, watch=work)
             counts, total = loads[:-1], loads[-1]
             fraction = counts / (total * c.topk)
             out["global_aux_loss"] = c.global_aux_loss_coeff * c.num_experts * (probs.mean(0) * fraction).sum()
