@@ -15,6 +15,7 @@ from expertrail.plan.catalog import HARDWARE
 from expertrail.plan.cost import Routing
 from expertrail.plan.estimate import estimate
 from expertrail.plan.layout import TrainingLayout
+from expertrail.plan.memory import usable_GB
 from expertrail.plan.simulate import simulate
 
 DSV3, QWEN = ARCHITECTURES["deepseek-v3"], ARCHITECTURES["qwen3-235b-a22b"]
@@ -42,7 +43,8 @@ def test_published_runs_fit_and_keep_their_documented_error(run_id):
 def test_gb200_and_h100_layouts_of_one_model_in_the_published_order():
     """The distinct layouts of one model on GB200 / H100 come out in the published order."""
     ranks = calibration.ranking_groups()
-    for key in (("deepseek-v3", "gb200-nvl72"), ("qwen3-235b-a22b", "gb200-nvl72"), ("qwen3-235b-a22b", "h100")):
+    for key in (("deepseek-v3", "gb200-nvl72", "Bridge"), ("qwen3-235b-a22b", "gb200-nvl72", "Bridge"),
+                ("qwen3-235b-a22b", "h100", "Bridge")):
         assert ranks[key] == pytest.approx(1.0), (key, ranks[key])
 
 
@@ -157,3 +159,44 @@ def test_plan_fit_lists_fitting_layouts_that_validate(capsys):
     assert main(["validate", *flags, "hardware=h100", "world_size=64"]) == 0
     assert main(["plan", "--fit", "--gpus", "8", "--hardware", "h100", "--model", "deepseek-v3"]) == 1
     assert "no layout of deepseek-v3 fits 8 x h100" in capsys.readouterr().out
+
+
+def test_terms_add_up_to_the_step():
+    """estimate --json's terms_s: GEMM, attention, elementwise, recompute, EP, TP, pipeline, bubble,
+    DP, optimizer (and FSDP, offload where set) sum to the step."""
+    for fields in (dict(tp=2, pp=8, vpp=4, ep=32, global_batch=2048, precision="fp8"),
+                   dict(pp=4, ep=8, global_batch=1024, fsdp="optim_grads_params", offload_modules=("moe_act",),
+                        optimizer_offload=1.0, ep_overlap=True, delay_wgrad=True)):
+        r = run("h100", QWEN, **fields)
+        assert sum(r["terms_s"].values()) == pytest.approx(r["step_time_s"], rel=1e-9)
+        assert {"gemm", "attention", "elementwise", "ep", "pp_bubble", "dp", "optimizer"} <= set(r["terms_s"])
+    assert r["terms_s"]["fsdp"] >= 0 and r["terms_s"]["offload"] >= 0 and r["terms_s"]["optimizer_offload"] > 0
+
+
+def test_fsdp_shards_more_with_each_strategy():
+    base = dict(pp=1, ep=8, tp=2, micro_batch=4, global_batch=2048, recompute="full", recompute_method="uniform")
+    totals = [run("h100", QWEN, fsdp=s, **base)["peak_memory_GB"] for s in
+              (None, "optim", "optim_grads", "optim_grads_params")]
+    assert totals == sorted(totals, reverse=True) and totals[-1] < usable_GB(80)
+    # A published Megatron-FSDP run (Megatron-MoE-ModelZoo, 256 H100, TP 2 EP 8, no PP) fits only sharded.
+    assert not run("h100", QWEN, **base)["fits"] and run("h100", QWEN, fsdp="optim_grads_params", **base)["fits"]
+
+
+def test_activation_offloading_moves_its_modules_tensors():
+    base = dict(pp=4, vpp=6, ep=64, micro_batch=3, global_batch=3072, precision="fp8", fp8_recipe="mxfp8",
+                recompute="selective", recompute_modules=("moe_act", "layernorm"))
+    plain = run("gb200-nvl72", QWEN, **base)
+    moved = run("gb200-nvl72", QWEN, offload_modules=("expert_fc1", "moe_act"), **base)
+    assert moved["memory"]["activations_GB"] < plain["memory"]["activations_GB"] - 20
+    assert not plain["fits"] and moved["fits"]       # ModelZoo: "activation offloading required"
+
+
+def test_ep_overlap_hides_only_what_the_other_micro_batch_covers():
+    from expertrail.plan.estimate import ep_overlap_exposed
+    assert ep_overlap_exposed(0.0, 1.0, 1.0, True, 0.15) == 0.0
+    assert ep_overlap_exposed(4.0, 30.0, 30.0, True, 0.0) == 0.0                 # covered, no SM cost
+    assert ep_overlap_exposed(4.0, 30.0, 30.0, True, 0.15) == pytest.approx(4.0 * 0.15 / 0.85)
+    # A chunk shorter than its exchange leaves the rest exposed.
+    assert ep_overlap_exposed(4.0, 0.0, 0.0, False, 0.0) == pytest.approx(4.0)
+    assert ep_overlap_exposed(4.0, 1.5, 3.0, True, 0.0) == pytest.approx(
+        ep_overlap_exposed(4.0, 1.5, 3.0, False, 0.0))                          # wgrad moves, the sum stays

@@ -67,11 +67,31 @@ def test_estimate_refuses_a_value_of_the_wrong_kind_by_name(capsys):
 
 def test_fields_the_estimate_does_not_model_are_named(capsys):
     assert main(["estimate", "--hardware", "h100", "--gpus", "256", "--model", "deepseek-v3",
-                 "--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "32", "--use-megatron-fsdp",
-                 "--fine-grained-activation-offloading", "--offload-modules", "moe_act"]) == 0
+                 "--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "32", "--cpu-offloading",
+                 "--cpu-offloading-num-layers", "2", "--moe-router-dtype", "fp32"]) == 0
     out = capsys.readouterr().out
-    assert "not modelled (set, but the estimate leaves them out): use_megatron_fsdp, " \
-           "fine_grained_activation_offloading, offload_modules" in out
+    assert "not modelled (set, but the estimate leaves them out): cpu_offloading, cpu_offloading_num_layers, " \
+           "moe_router_dtype" in out
+
+
+def test_megatron_fsdp_and_offloading_are_read_not_named(tmp_path, capsys):
+    """Megatron-FSDP, fine-grained activation offloading, CPU optimizer offload and delayed
+    weight gradients change the estimate; none is left on the not-modelled line."""
+    base = ["estimate", "--hardware", "h100", "--gpus", "256", "--model", "deepseek-v3", "--json", str(tmp_path / "e.json"),
+            "--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "32", "--global-batch-size", "1024",
+            "--virtual-pipeline-model-parallel-size", "2"]
+    extra = ["--use-megatron-fsdp", "--fine-grained-activation-offloading", "--offload-modules", "moe_act",
+             "--optimizer-cpu-offload", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
+             "--moe-token-dispatcher-type", "flex"]
+    assert main(base) == 0
+    plain = json.loads((tmp_path / "e.json").read_text())
+    assert main(base + extra) == 0
+    assert "not modelled" not in capsys.readouterr().out
+    r = json.loads((tmp_path / "e.json").read_text())
+    for part in ("weights", "gradients", "activations"):                          # sharded over DP; offloaded
+        assert r["memory"][f"{part}_GB"] < plain["memory"][f"{part}_GB"], part
+    assert r["memory"]["optimizer_GB"] == 0.0                                      # all of it on the host
+    assert r["terms_s"]["optimizer_offload"] > 0 and "data_parallel_sharding_strategy=optim_grads_params" in r["assumed"]
 
 
 def test_a_hugging_face_config_is_a_model_for_estimate_and_plan(tmp_path, capsys):

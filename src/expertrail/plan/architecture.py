@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
-from .catalog import MoEModel, hf_config
+from .catalog import MoEModel, hf_config, hf_dense_layers
 from .catalog import from_hf_config as hf_moe_model
 
 
@@ -198,16 +198,24 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
 
 def from_hf_config(cfg: dict, name: str = "hf-model") -> Architecture:
     """The whole-model shape of a transformers config.json (DeepSeek-V2/V3 and Kimi-K2 / Moonlight
-    with multi-latent attention, Qwen3-MoE, Mixtral and others with grouped-query attention)."""
+    with multi-latent attention; Qwen3-MoE, Qwen3-Next, Mixtral, GPT-OSS and Llama 4 with
+    grouped-query attention). Dense layers are placed first (`hf_dense_layers` counts them;
+    Llama 4 and Qwen interleave them, which moves layers between pipeline ranks, not their
+    sum); Qwen3-Next's linear-attention layers and GPT-OSS's sliding-window layers are counted
+    as full attention (an upper bound of their FLOPs)."""
     if isinstance(cfg.get("text_config"), dict) and "hidden_size" not in cfg:
         cfg = cfg["text_config"]
     moe = hf_moe_model(cfg, name)                       # the MoE part, with its checks
     hidden, heads = cfg["hidden_size"], cfg.get("num_attention_heads") or 1
-    dense = cfg.get("first_k_dense_replace", 0) or 0
+    dense = hf_dense_layers(cfg)
     shared = cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * moe.moe_ffn
+    if str(cfg.get("model_type", "")).startswith("llama4"):
+        shared = moe.moe_ffn                            # Llama 4: one shared expert beside the routed ones
+    # The dense MLP's width: Llama 4's intermediate_size_mlp (its intermediate_size is an expert's).
+    ffn = cfg.get("intermediate_size_mlp") or cfg.get("intermediate_size") or moe.moe_ffn
     return Architecture(
         name=cfg.get("model_type", name), layers=cfg["num_hidden_layers"], dense_layers=dense, hidden=hidden,
-        ffn=cfg.get("intermediate_size") or moe.moe_ffn, moe_ffn=moe.moe_ffn, experts=moe.num_experts, topk=moe.topk,
+        ffn=ffn, moe_ffn=moe.moe_ffn, experts=moe.num_experts, topk=moe.topk,
         shared_ffn=shared, heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or hidden // heads, vocab=cfg.get("vocab_size") or 32000,
         mtp_layers=cfg.get("num_nextn_predict_layers") or 0, q_lora=cfg.get("q_lora_rank") or 0,

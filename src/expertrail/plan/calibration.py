@@ -61,6 +61,7 @@ FITTED_ON = {
     "cost.FP8_ROW_OVERHEAD_S": ["hybrid-ep b200 ep8"],
     "estimate.GEMM_EFFICIENCY": _FIT_ROWS,
     "estimate.SYSTEM_SPEED": _FIT_ROWS,
+    "estimate.GEMM_HALF_DIM": _FIT_ROWS,
     "estimate.GROUPED_HALF_ROWS": "the shape of the advisor's expert-GEMM curve",
     "estimate.ATTENTION_EFFICIENCY": "assumption (fused attention)",
     "estimate.ELEMENTWISE_PASSES": "assumption",
@@ -68,26 +69,34 @@ FITTED_ON = {
     "estimate.TP_OVERLAP_HIDES": "assumption",
     "estimate.DP_EXPOSED": "assumption",
     "estimate.FRAMEWORK_CALL_FACTOR": ["hybrid-ep h100 internode"],
+    "estimate.OVERLAP_COMM_SMS": "Megatron's and DeepEP's default moe_deepep_num_sms (20), Hybrid-EP's 16",
+    "estimate.HOST_LINK_GBPS": "datasheets (NVLink-C2C 900 GB/s both ways, PCIe Gen5 x16 64 GB/s), 80% achieved: assumption",
+    "estimate.CPU_ADAM_PARAMS_PER_S": "assumption (a host Adam step over a GPU's share of the cores)",
 }
-# The constants `fit` fits: GEMM efficiency per precision and each system's speed against GB200's (GB200 = 1).
+# The constants `fit` fits: GEMM efficiency per precision, each system's speed against GB200's
+# (GB200 = 1) and the GEMM width at half efficiency.
 FITTED_SYSTEMS = ("gb300-nvl72", "b200", "b300", "h100")
 
 
 def layout_of(run: dict):
-    """The `TrainingLayout` of a published run (Megatron's flex dispatcher, HybridEP on NVL72,
-    DeepEP on 8-GPU nodes)."""
+    """The `TrainingLayout` of a published run (unless the row says otherwise, Megatron's flex
+    dispatcher, HybridEP on NVL72, DeepEP on 8-GPU nodes)."""
     from .catalog import HARDWARE
     from .layout import TrainingLayout
     fields = dict(run["layout"])
-    fields["recompute_modules"] = tuple(fields.get("recompute_modules", ()))
-    backend = "hybridep" if HARDWARE[run["system"]].domain_size > 8 else "deepep"
-    return TrainingLayout(dispatcher="flex", flex_backend=backend, **fields)
+    for key in ("recompute_modules", "offload_modules"):
+        fields[key] = tuple(fields.get(key, ()))
+    fields.setdefault("dispatcher", "flex")
+    if fields["dispatcher"] == "flex":
+        fields.setdefault("flex_backend", "hybridep" if HARDWARE[run["system"]].domain_size > 8 else "deepep")
+    return TrainingLayout(**fields)
 
 
 def constants() -> dict:
     """The fitted constants as estimate.py holds them."""
     from . import estimate
-    return {"gemm": dict(estimate.GEMM_EFFICIENCY), "speed": dict(estimate.SYSTEM_SPEED)}
+    return {"gemm": dict(estimate.GEMM_EFFICIENCY), "speed": dict(estimate.SYSTEM_SPEED),
+            "half_dim": estimate.GEMM_HALF_DIM}
 
 
 def _estimate(run_id: str, consts: dict | None = None) -> dict:
@@ -97,13 +106,13 @@ def _estimate(run_id: str, consts: dict | None = None) -> dict:
     from .architecture import ARCHITECTURES
     from .catalog import HARDWARE
     run = TRAINING_RUNS[run_id]
-    saved = est.GEMM_EFFICIENCY, est.SYSTEM_SPEED
+    saved = est.GEMM_EFFICIENCY, est.SYSTEM_SPEED, est.GEMM_HALF_DIM
     if consts is not None:
-        est.GEMM_EFFICIENCY, est.SYSTEM_SPEED = consts["gemm"], consts["speed"]
+        est.GEMM_EFFICIENCY, est.SYSTEM_SPEED, est.GEMM_HALF_DIM = consts["gemm"], consts["speed"], consts["half_dim"]
     try:
         return est.estimate(ARCHITECTURES[run["model"]], HARDWARE[run["system"]], layout_of(run))
     finally:
-        est.GEMM_EFFICIENCY, est.SYSTEM_SPEED = saved
+        est.GEMM_EFFICIENCY, est.SYSTEM_SPEED, est.GEMM_HALF_DIM = saved
 
 
 @lru_cache(maxsize=None)
@@ -127,58 +136,77 @@ def _decompose(run_id: str, consts: dict) -> tuple:
     efficiency and speed 1, A attention at speed 1, F the rest (memory-bound work, exposed
     communication, bubble's share of those, optimizer); exact while the same rank stays the
     slowest and the GPU, not the host, sets the pace."""
+    from .architecture import ARCHITECTURES
     run = TRAINING_RUNS[run_id]
     r = _estimate(run_id, consts)
     st, parts = r["step"], r["step"]["micro_batch_parts_s"]
     precision = run["layout"]["precision"]
-    eff, speed = consts["gemm"][precision], consts["speed"].get(run["system"], 1.0)
+    arch = ARCHITECTURES[run["model"]]
+    width = min(arch.hidden, arch.moe_ffn)
+    eff = consts["gemm"][precision] * width / (width + consts["half_dim"])
+    speed = consts["speed"].get(run["system"], 1.0)
     scale = (st["micro_batches_s"] + st["bubble_s"]) / st["gpu_s"] if st["gpu_s"] >= st["host_s"] else 0.0
     gemm = scale * (parts["gemm"] + parts["recompute"]) * eff * speed
     attention = scale * parts["attention"] * speed
     rest = r["step_time_s"] - gemm / (eff * speed) - attention / speed
     published_step = r["step_time_s"] * r["tokens_per_s_per_gpu"] / run["published_tokens_per_s"]
-    return precision, run["system"], gemm, attention, rest, published_step
+    return precision, run["system"], gemm, attention, rest, published_step, width
+
+
+# The widths `fit` tries for estimate.GEMM_HALF_DIM (0: no width term).
+HALF_DIMS = (0.0, 64.0, 128.0, 256.0, 384.0, 512.0, 768.0, 1024.0, 1536.0, 2048.0, 3072.0, 4096.0)
 
 
 def fit(run_ids=None, rounds: int = 3) -> dict:
-    """GEMM efficiency per precision and each system's speed (`FITTED_SYSTEMS`, GB200 = 1) that
-    minimise the summed absolute log error of the predicted step over ``run_ids`` (the fit
-    rows by default): least absolute deviations, so one run the model cannot explain does not
-    drag a constant. Each round decomposes every run's step at the current constants
-    (`_decompose`) and fits by coordinate search on the decomposition; the next round
-    decomposes again at the result."""
+    """GEMM efficiency per precision, each system's speed (`FITTED_SYSTEMS`, GB200 = 1) and the
+    GEMM width at half efficiency (one of `HALF_DIMS`) that minimise the summed absolute log
+    error of the predicted step over ``run_ids`` (the fit rows by default): least absolute
+    deviations, so one run the model cannot explain does not drag a constant. Each round
+    decomposes every run's step at the current constants (`_decompose`); on that
+    decomposition every width of `HALF_DIMS` gets its best efficiencies and speeds by
+    coordinate search (steps narrowing from 0.5 to 0.005 in log), and the width with the
+    smallest error wins; the next round decomposes again at the result."""
     import numpy as np
     ids = list(run_ids if run_ids is not None else _FIT_ROWS)
-    consts = {"gemm": {"bf16": 0.5, "fp8": 0.3}, "speed": {"gb200-nvl72": 1.0, **{s: 1.0 for s in FITTED_SYSTEMS}}}
+    consts = {"gemm": {"bf16": 0.5, "fp8": 0.3}, "speed": {"gb200-nvl72": 1.0, **{s: 1.0 for s in FITTED_SYSTEMS}},
+              "half_dim": 0.0}
     names = [("gemm", "bf16"), ("gemm", "fp8")] + [("speed", s) for s in FITTED_SYSTEMS]
     for _ in range(rounds):
         rows = [_decompose(rid, consts) for rid in ids]
         prec = np.array([r[0] for r in rows])
         system = np.array([r[1] for r in rows])
-        g, a, f, pub = (np.array([r[i] for r in rows]) for i in (2, 3, 4, 5))
-        theta = np.log([consts[k][n] for k, n in names])
+        g, a, f, pub, width = (np.array([r[i] for r in rows]) for i in (2, 3, 4, 5, 6))
+        masks = [system == s for s in FITTED_SYSTEMS]
 
-        def loss(th):
-            eff = np.where(prec == "fp8", np.exp(th[1]), np.exp(th[0]))
+        def loss(th, half):
+            eff = np.where(prec == "fp8", np.exp(th[1]), np.exp(th[0])) * width / (width + half)
             speed = np.ones(len(rows))
-            for i, s in enumerate(FITTED_SYSTEMS):
-                speed = np.where(system == s, np.exp(th[2 + i]), speed)
+            for i, mask in enumerate(masks):
+                speed = np.where(mask, np.exp(th[2 + i]), speed)
             return float(np.abs(np.log((g / (eff * speed) + a / speed + f) / pub)).sum())
 
-        for _sweep in range(40):
-            before = loss(theta)
-            for i in range(len(theta)):
-                grid = theta[i] + np.linspace(-0.5, 0.5, 201)
-                values = []
-                for x in grid:
-                    th = theta.copy()
-                    th[i] = x
-                    values.append(loss(th))
-                best = int(np.argmin(values))
-                if values[best] < values[len(grid) // 2] - 1e-12:     # a constant no row moves stays put
-                    theta[i] = grid[best]
-            if before - loss(theta) < 1e-9:
-                break
+        best = None
+        for half in HALF_DIMS:
+            theta = np.log([consts[k][n] for k, n in names])
+            for step in (0.5, 0.1, 0.02, 0.005):
+                for _sweep in range(20):
+                    before = loss(theta, half)
+                    for i in range(len(theta)):
+                        grid = theta[i] + step * np.linspace(-1, 1, 21)
+                        values = []
+                        for x in grid:
+                            th = theta.copy()
+                            th[i] = x
+                            values.append(loss(th, half))
+                        k = int(np.argmin(values))
+                        if values[k] < values[10] - 1e-12:         # a constant no row moves stays put
+                            theta[i] = grid[k]
+                    if before - loss(theta, half) < 1e-9:
+                        break
+            value = loss(theta, half)
+            if best is None or value < best[0] - 1e-9:
+                best = (value, half, theta)
+        _, consts["half_dim"], theta = best
         for (k, n), v in zip(names, np.exp(theta)):
             consts[k][n] = float(v)
     return consts
@@ -218,15 +246,20 @@ def spearman(x: list, y: list) -> float:
     return cov / (sx * sy) if sx and sy else float("nan")
 
 
+def source_of(run: dict) -> str:
+    """The publication a run comes from: "ModelZoo" (Megatron-MoE-ModelZoo) or "Bridge"."""
+    return "ModelZoo" if run["container"] == "ModelZoo" else "Bridge"
+
+
 def ranking_groups() -> dict:
-    """{(model, system): Spearman correlation of predicted and published throughput} over the
-    distinct layouts of one model on one system (two or more; a layout published in several
-    containers counts once, at its mean throughput; OUTLIERS left out)."""
+    """{(model, system, source): Spearman correlation of predicted and published throughput}
+    over the distinct layouts of one model on one system in one publication (two or more; a
+    layout published in several containers counts once, at its mean throughput; OUTLIERS left out)."""
     import json
     groups = {}
     for rid, run in TRAINING_RUNS.items():
         if rid not in OUTLIERS:
-            layouts = groups.setdefault((run["model"], run["system"]), {})
+            layouts = groups.setdefault((run["model"], run["system"], source_of(run)), {})
             layouts.setdefault(json.dumps(run["layout"], sort_keys=True), []).append(rid)
     out = {}
     for key, layouts in groups.items():
@@ -234,6 +267,15 @@ def ranking_groups() -> dict:
             published = [sum(TRAINING_RUNS[r]["published_tokens_per_s"] for r in ids) / len(ids) for ids in layouts.values()]
             out[key] = spearman([predicted(ids[0])["tokens_per_s_per_gpu"] for ids in layouts.values()], published)
     return out
+
+
+def _ranks_with_counts() -> dict:
+    import json
+    counts = {}
+    for rid, run in TRAINING_RUNS.items():
+        if rid not in OUTLIERS:
+            counts.setdefault((run["model"], run["system"], source_of(run)), set()).add(json.dumps(run["layout"], sort_keys=True))
+    return {key: (rho, len(counts[key])) for key, rho in ranking_groups().items()}
 
 
 def table() -> str:
@@ -258,7 +300,7 @@ def table() -> str:
         lines.append(f"- {split.replace('_', '-')}: {s['runs']} runs, {s['within_25']:.0%} within 25% "
                      f"({s['within_15']:.0%} within 15%), median absolute error {s['median_abs_pct']:.1f}%, "
                      f"{s['fit']} of {s['runs']} predicted to fit")
-    ranks = ranking_groups()
-    lines.append("- ranking, layouts of one model on one system (Spearman): " + ", ".join(
-        f"{models[m]} {names[s]} {rho:+.2f}" for (m, s), rho in sorted(ranks.items())))
+    ranks = _ranks_with_counts()
+    lines.append("- ranking, layouts of one model on one system in one publication (Spearman): " + ", ".join(
+        f"{models[m]} {names[s]} ({src}, {n} layouts) {rho:+.2f}" for (m, s, src), (rho, n) in sorted(ranks.items())))
     return "\n".join(lines) + "\n"

@@ -177,23 +177,45 @@ def load_model(name_or_file: str) -> MoEModel:
     return _build(MoEModel, read_mapping(path, "--model"), str(path))
 
 
+def hf_dense_layers(cfg: dict) -> int:
+    """Layers of a transformers config.json with a dense MLP instead of experts: DeepSeek's
+    ``first_k_dense_replace``; Qwen-MoE's ``decoder_sparse_step`` (every k-th layer MoE) and
+    ``mlp_only_layers``; Llama 4's ``interleave_moe_layer_step`` or ``moe_layers``."""
+    layers = cfg["num_hidden_layers"]
+    if cfg.get("first_k_dense_replace"):
+        return cfg["first_k_dense_replace"]
+    if isinstance(cfg.get("moe_layers"), list):
+        return layers - len(cfg["moe_layers"])
+    step = cfg.get("interleave_moe_layer_step") or cfg.get("decoder_sparse_step") or 1
+    moe = set(range(step - 1, layers, step)) - set(cfg.get("mlp_only_layers") or [])
+    return layers - len(moe)
+
+
+def hf_topk(cfg: dict):
+    return cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
+
+
 def from_hf_config(cfg: dict, name: str = "hf-model") -> MoEModel:
-    """The MoE shape of a transformers config.json (Qwen3-MoE, Mixtral, DeepSeek-V3 styles)."""
+    """The MoE shape of a transformers config.json (DeepSeek-V2/V3, Kimi-K2, Moonlight,
+    Qwen3-MoE, Qwen3-Next, Mixtral, GPT-OSS, Llama 4 styles)."""
     if isinstance(cfg.get("text_config"), dict) and "hidden_size" not in cfg:
         cfg = cfg["text_config"]                     # multimodal wrappers keep the LM in text_config
     experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
     if not experts:
         raise ConfigError(f"{name}: config.json has no n_routed_experts / num_experts / num_local_experts: not MoE")
-    missing = [k for k in ("hidden_size", "num_experts_per_tok", "num_hidden_layers") if not cfg.get(k)]
+    missing = [k for k in ("hidden_size", "num_hidden_layers") if not cfg.get(k)]
+    if not hf_topk(cfg):
+        missing.append("num_experts_per_tok")
     ffn = cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
     if not ffn:
         missing.append("moe_intermediate_size")
     if missing:
         raise ConfigError(f"{name}: config.json lacks {', '.join(missing)}; the planner needs them")
-    dense_layers = cfg.get("first_k_dense_replace", 0) or 0
+    dense_layers = hf_dense_layers(cfg)
+    shared = cfg.get("n_shared_experts") or (1 if cfg.get("shared_expert_intermediate_size") else 0) or \
+        (1 if str(cfg.get("model_type", "")).startswith("llama4") else 0)
     model = MoEModel(name=cfg.get("model_type", name), hidden=cfg["hidden_size"], num_experts=experts,
-                     topk=cfg["num_experts_per_tok"], moe_ffn=ffn, layers=cfg["num_hidden_layers"] - dense_layers,
-                     shared_experts=cfg.get("n_shared_experts") or (1 if cfg.get("shared_expert_intermediate_size") else 0),
-                     num_groups=cfg.get("n_group"), group_topk=cfg.get("topk_group"))
+                     topk=hf_topk(cfg), moe_ffn=ffn, layers=cfg["num_hidden_layers"] - dense_layers,
+                     shared_experts=shared, num_groups=cfg.get("n_group"), group_topk=cfg.get("topk_group"))
     _check(model, f"{name} config.json")
     return model

@@ -7,18 +7,21 @@ pipeline rank, the busiest rank setting the pace:
            + exposed data-parallel communication + optimizer step
 
 A micro-batch's time on a rank is, per layer, GEMMs at an achievable fraction of the GPU's
-dense peak (`GEMM_EFFICIENCY`; routed experts lose more with few rows per expert), core
-attention in BF16 (`ATTENTION_EFFICIENCY`), memory-bound work (norms, activations,
-permutes: `ELEMENTWISE_PASSES` over the layer's activations at HBM speed), recomputed
-forwards, and the communication left exposed: dispatch + combine from the cost model
-(`cost.predict`, forward and backward) less what EP overlap hides behind the other
-micro-batch's compute, TP's all-gathers / reduce-scatters, CP's key-value exchange beyond the
-attention it hides behind, and the pipeline's sends. A host that launches kernels more
-slowly than the GPU runs them sets the pace instead (`HOST_S_PER_LAYER`).
+dense peak (`GEMM_EFFICIENCY`, times `width_factor` for the model's narrowest GEMM width and
+the system's sustained speed `SYSTEM_SPEED`; routed experts lose more with few rows per
+expert), core attention in BF16 (`ATTENTION_EFFICIENCY`), memory-bound work (norms,
+activations, permutes: `ELEMENTWISE_PASSES` over the layer's activations at HBM speed),
+recomputed forwards, and the communication left exposed: dispatch + combine from the cost
+model (`cost.predict`, forward and backward), of which EP overlap hides what the other
+micro-batch's compute chunks cover (`ep_overlap_exposed`), TP's all-gathers / reduce-scatters,
+CP's key-value exchange beyond the attention it hides behind, Megatron-FSDP's per-layer
+collectives beyond the layer's compute (`fsdp_seconds`), activation offloading's copies beyond
+it, and the pipeline's sends. A host that launches kernels more slowly than the GPU runs them
+sets the pace instead (`HOST_S_PER_LAYER`). `terms_s` splits the step into these terms.
 
 TFLOPS per GPU are model FLOPs (`Architecture.flops_per_token`, Megatron-Core's count) per
-step over the step time and the GPUs. The constants are calibrated on the published runs of
-docs/cost-model.md.
+step over the step time and the GPUs. The fitted constants come from `calibration.fit` on the
+fit rows of docs/cost-model.md's published runs; the held-out rows show their error.
 """
 from __future__ import annotations
 
@@ -29,14 +32,16 @@ from .architecture import Architecture
 from .catalog import Hardware
 from .cost import EPLayout, Routing, link_bandwidth, predict
 from .layout import TrainingLayout, stage_layers
-from .memory import GB, layer_activation_bytes, memory, usable_GB
+from . import layout as layout_fields
+from .memory import GB, layer_activation_bytes, memory, offloaded_bytes, usable_GB
 from .simulate import domain_for
 
-GEMM_EFFICIENCY = {"bf16": 0.47, "fp8": 0.26}   # of the dense peak of that precision (calibration.fit)
+GEMM_EFFICIENCY = {"bf16": 0.86, "fp8": 0.55}   # of the dense peak of that precision, before width_factor (calibration.fit)
 # Sustained speed of a system's tensor cores against GB200's at the same datasheet peak (clocks under its
 # power limit, Blackwell Ultra's faster softmax exponentials): scales GEMMs and attention (calibration.fit).
 # Systems not named here (measured machines, user catalogs) run at 1.0.
-SYSTEM_SPEED = {"gb200-nvl72": 1.0, "gb300-nvl72": 1.30, "b200": 0.72, "b300": 0.99, "h100": 0.91}
+SYSTEM_SPEED = {"gb200-nvl72": 1.0, "gb300-nvl72": 1.22, "b200": 0.69, "b300": 0.86, "h100": 0.89}
+GEMM_HALF_DIM = 1536.0                           # a model's GEMMs run at d / (d + this) of it, d its narrowest width (calibration.fit)
 GROUPED_HALF_ROWS = 128                          # rows per expert at which a grouped GEMM reaches half of that
 ATTENTION_EFFICIENCY = 0.45                      # fused attention, forward and backward, of the BF16 peak
 ELEMENTWISE_PASSES = 6                           # HBM passes over a layer's activations, forward + backward
@@ -49,6 +54,13 @@ DP_EXPOSED = {True: 0.1, False: 1.0}             # share of gradient / parameter
 # inside a domain it is calibrated on Torch-API figures already).
 FRAMEWORK_CALL_FACTOR = 1.25
 ROUTING_SAMPLE = 1024
+# EP overlap: SMs the dispatcher's kernels hold while the other micro-batch computes beside them
+# (DeepEP's and Megatron's default moe_deepep_num_sms 20, Hybrid-EP's 16; NCCL's all-to-all about as many).
+OVERLAP_COMM_SMS = {"deepep": 20, "hybridep": 16, None: 20}
+# Host link per GPU, each way, for activation and optimizer offloading: NVLink-C2C on Grace
+# systems (900 GB/s both ways), PCIe Gen5 x16 (64 GB/s) elsewhere; 80% of it achieved.
+HOST_LINK_GBPS = {"gb200-nvl72": 360.0, "gb300-nvl72": 360.0, "gb200-nvl36": 360.0, None: 50.0}
+CPU_ADAM_PARAMS_PER_S = 1e9                      # host Adam step, parameters per second per GPU's share of the cores
 
 
 def algorithm_for(layout: TrainingLayout, domain: int) -> str:
@@ -85,9 +97,18 @@ def _speed(hw: Hardware) -> float:
     return SYSTEM_SPEED.get(hw.name, 1.0)
 
 
-def _gemm_seconds(flops: float, hw: Hardware, precision: str, rows_per_expert: float | None = None) -> float:
+def width_factor(arch: Architecture) -> float:
+    """The share of GEMM_EFFICIENCY a model's GEMMs reach for their width: d / (d + GEMM_HALF_DIM),
+    d the narrower of the hidden size and an expert's width (Qwen3-30B's 768-wide experts run
+    further from the peak than DeepSeek-V3's 2048-wide ones)."""
+    d = min(arch.hidden, arch.moe_ffn)
+    return d / (d + GEMM_HALF_DIM)
+
+
+def _gemm_seconds(flops: float, hw: Hardware, precision: str, rows_per_expert: float | None = None,
+                  width: float = 1.0) -> float:
     peak = (hw.fp8_TFLOPS if precision == "fp8" and hw.fp8_TFLOPS else hw.bf16_TFLOPS) * 1e12 * _speed(hw)
-    eff = GEMM_EFFICIENCY[precision if hw.fp8_TFLOPS else "bf16"]
+    eff = GEMM_EFFICIENCY[precision if hw.fp8_TFLOPS else "bf16"] * width
     if rows_per_expert is not None:
         eff *= rows_per_expert / (rows_per_expert + GROUPED_HALF_ROWS)
     return flops / (peak * eff)
@@ -98,8 +119,11 @@ def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe:
     t = layout.tokens_per_gpu
     f = arch.layer_flops(layout.seq, moe)
     rows = t * arch.topk * layout.etp * layout.ep / arch.experts
-    dense = _gemm_seconds(3 * t * (f["attention_gemm"] + f["dense_mlp"]), hw, layout.precision)
-    experts = _gemm_seconds(3 * t * f["experts"], hw, layout.precision, rows) if moe else 0.0
+    w = width_factor(arch)
+    attn_gemm = _gemm_seconds(3 * t * f["attention_gemm"], hw, layout.precision, width=w)
+    dense_mlp = _gemm_seconds(3 * t * f["dense_mlp"], hw, layout.precision, width=w)
+    dense = attn_gemm + dense_mlp
+    experts = _gemm_seconds(3 * t * f["experts"], hw, layout.precision, rows, width=w) if moe else 0.0
     core = 3 * t * f["attention_core"] / (hw.bf16_TFLOPS * 1e12 * ATTENTION_EFFICIENCY * _speed(hw))
     full_acts = sum(layer_activation_bytes(arch, _no_recompute(layout), moe).values())
     elementwise = ELEMENTWISE_PASSES * full_acts / (hw.hbm_TBps * 1e12)
@@ -113,7 +137,7 @@ def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe:
         if "mla_up_proj" in drop and arch.mla:
             up = 2 * t * (arch.q_lora * arch.heads * (arch.qk_nope + arch.qk_rope)
                           + arch.kv_lora * arch.heads * (arch.qk_nope + arch.v_head))
-            recompute += _gemm_seconds(up, hw, layout.precision)
+            recompute += _gemm_seconds(up, hw, layout.precision, width=w)
         if "core_attn" in drop:
             recompute += core / 3
         if moe and "moe" in drop:
@@ -123,13 +147,23 @@ def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe:
         if "layernorm" in drop:
             recompute += elementwise / ELEMENTWISE_PASSES / 4
         if not moe and "mlp" in drop:
-            recompute += _gemm_seconds(t * f["dense_mlp"], hw, layout.precision)
+            recompute += _gemm_seconds(t * f["dense_mlp"], hw, layout.precision, width=w)
         if moe and "shared_experts" in drop and arch.shared_ffn:
-            recompute += _gemm_seconds(t * 6 * arch.hidden * arch.shared_ffn, hw, layout.precision)
+            recompute += _gemm_seconds(t * 6 * arch.hidden * arch.shared_ffn, hw, layout.precision, width=w)
     comm = {}
     if moe and ep_comm:
-        window = compute + recompute if layout.ep_overlap and layout.micro_batches >= 2 else 0.0
-        comm["ep"] = max(0.0, ep_comm - window)
+        if layout.ep_overlap and layout.micro_batches >= 2:
+            attention_side = attn_gemm + core + elementwise / 2 + recompute
+            mlp_side = experts + dense_mlp + elementwise / 2
+            sms = layout.dispatcher_sms or OVERLAP_COMM_SMS.get(layout.flex_backend, OVERLAP_COMM_SMS[None])
+            comm["ep"] = ep_overlap_exposed(ep_comm, attention_side, mlp_side, layout.delay_wgrad, sms / hw.sms)
+        else:
+            comm["ep"] = ep_comm
+    if layout.fsdp:
+        comm["fsdp"] = max(0.0, fsdp_seconds(arch, hw, layout, moe) - compute - recompute)
+    if layout.offload_modules:
+        moved = offloaded_bytes(arch, layout, moe) / (HOST_LINK_GBPS.get(hw.name, HOST_LINK_GBPS[None]) * 1e9)
+        comm["offload"] = max(0.0, moved - (compute + recompute) / 3) + max(0.0, moved - 2 * (compute + recompute) / 3)
     if layout.tp > 1:
         link = "nvlink" if layout.tp <= hw.domain_size else "nic"
         size = layout.seq * layout.micro_batch / layout.cp * arch.hidden * 2
@@ -142,6 +176,38 @@ def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe:
         cp = 3 * (layout.cp - 1) * t * layout.tp * kv_dim * 2 / layout.tp / link_bandwidth(hw, link, None)
         comm["cp"] = max(0.0, cp - core)
     return {"gemm": dense + experts, "attention": core, "elementwise": elementwise, "recompute": recompute, **comm}
+
+
+def ep_overlap_exposed(ep_comm: float, attention: float, mlp: float, delay_wgrad: bool, sm_share: float) -> float:
+    """What EP overlap leaves of a layer's dispatch + combine (forward and backward, ``ep_comm``)
+    in Megatron's combined 1F1B, the forward of one micro-batch beside the backward of another:
+    each of the four exchanges runs beside one compute chunk of the other micro-batch (forward
+    dispatch beside the backward MLP; backward combine beside the forward attention; backward
+    dispatch beside the forward MLP; forward combine beside the backward attention). A forward
+    chunk is a third of that side's compute, a backward two thirds; ``delay_wgrad`` moves the
+    experts' weight gradients (a third) from beside the forward dispatch to beside the backward
+    one. What a chunk cannot cover stays exposed, and while they overlap the compute runs on the
+    SMs the exchange leaves it (``sm_share`` of them held by the dispatcher's kernels)."""
+    q = ep_comm / 4
+    pairs = ((q, mlp / 3 if delay_wgrad else 2 * mlp / 3), (q, attention / 3),
+             (q, 2 * mlp / 3 if delay_wgrad else mlp / 3), (q, 2 * attention / 3))
+    exposed = sum(max(0.0, c - w) for c, w in pairs)
+    overlapped = sum(min(c, w) for c, w in pairs)
+    return exposed + overlapped * sm_share / (1 - sm_share)
+
+
+def fsdp_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe: bool) -> float:
+    """Megatron-FSDP's collectives of one layer and micro-batch: the weights all-gathered for the
+    forward and again for the backward (``optim_grads_params``), the gradients reduce-scattered
+    (``optim_grads`` and ``optim_grads_params``), over DP x CP for dense parameters and expert-DP
+    for the routed experts; the link is the NIC once the group leaves the NVLink domain."""
+    shards = layout_fields.FSDP_SHARDS.get(layout.fsdp, ())
+    dense = (arch.moe_layer_dense_params() if moe else arch.dense_layer_params()) / layout.tp
+    experts = arch.experts // layout.ep * arch.expert_params() / layout.etp if moe else 0.0
+    moved = dense * (1 - 1 / max(1, layout.dp * layout.cp)) + experts * (1 - 1 / max(1, layout.edp))
+    per_param = (2 * 2 if "weights" in shards else 0) + (layout.main_grad_bytes if "gradients" in shards else 0)
+    link = "nic" if layout.gpus // layout.pp > hw.domain_size else "nvlink"
+    return moved * per_param / link_bandwidth(hw, link, None)
 
 
 def _no_recompute(layout: TrainingLayout) -> TrainingLayout:
@@ -163,7 +229,7 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     moe_layer = layer_seconds(arch, hw, layout, True, ep_comm)
     dense_layer = layer_seconds(arch, hw, layout, False, 0.0)
     t = layout.tokens_per_gpu
-    output_s = _gemm_seconds(3 * t * 2 * arch.embedding_params() / 1, hw, "bf16")
+    output_s = _gemm_seconds(3 * t * 2 * arch.embedding_params() / 1, hw, "bf16", width=width_factor(arch))
     host_per_layer = HOST_S_PER_LAYER[layout.cuda_graphs]
     pp_link = "nic" if layout.gpus // layout.pp >= hw.domain_size and layout.gpus > hw.domain_size else "nvlink"
     pp_send = 2 * t * arch.hidden * 2 / link_bandwidth(hw, pp_link, None) * layout.vpp if layout.pp > 1 else 0.0
@@ -192,13 +258,30 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     dp_bytes = dense_params * (1 - expert_share) * (layout.main_grad_bytes + 2) * (1 - 1 / max(1, layout.dp * layout.cp)) \
         + dense_params * expert_share * (layout.main_grad_bytes + 2) * (1 - 1 / layout.edp)
     dp_s = dp_bytes / bw * DP_EXPOSED[layout.overlap_grad_reduce]
+    if "gradients" in layout_fields.FSDP_SHARDS.get(layout.fsdp, ()):
+        dp_s = 0.0                                    # reduce-scattered every micro-batch (the fsdp part)
     optimizer_s = busiest.optimizer_GB * GB * 3 / (hw.hbm_TBps * 1e12)
+    offload_optimizer_s = 0.0
+    if layout.optimizer_offload:
+        # The host's share: gradients down, weights back up, and the host's Adam step.
+        params = busiest.optimizer_params * layout.optimizer_offload
+        host = HOST_LINK_GBPS.get(hw.name, HOST_LINK_GBPS[None]) * 1e9
+        offload_optimizer_s = params * (layout.main_grad_bytes + 2) / host + params / CPU_ADAM_PARAMS_PER_S
+        optimizer_s += offload_optimizer_s
     step = m * slowest["micro_batch_s"] + bubble + dp_s + optimizer_s
     tokens = m * layout.micro_batch * layout.seq * layout.dp
     model_flops = tokens * arch.flops_per_token(layout.seq)
     tflops = model_flops / step / layout.gpus / 1e12
     fits = busiest.total_GB <= usable
     parts = slowest["parts"]
+    # The step by term: each micro-batch part over every micro-batch, then the bubble, the
+    # host's excess over the GPU where launches set the pace, data-parallel traffic, optimizer.
+    terms = {k: m * v for k, v in parts.items()}
+    terms["pp_bubble"] = bubble
+    terms["host_bound"] = m * max(0.0, slowest["host_s"] - slowest["gpu_s"])
+    terms["dp"] = dp_s
+    terms["optimizer"] = optimizer_s - offload_optimizer_s
+    terms["optimizer_offload"] = offload_optimizer_s
     result = {
         "model": arch.name, "hardware": hw.name, "gpus": layout.gpus,
         "layout": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": layout.cp, "dp": layout.dp,
@@ -223,6 +306,7 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
                  "optimizer_s": optimizer_s, "slowest_rank": slowest["rank"],
                  "micro_batch_parts_s": dict(parts), "host_s": slowest["host_s"], "gpu_s": slowest["gpu_s"],
                  "ep_comm_per_layer_s": ep_comm},
+        "terms_s": terms,
     }
     result["wall"], result["wall_reason"] = wall(result, busiest, usable)
     return result

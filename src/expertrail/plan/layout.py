@@ -18,10 +18,13 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 PIPELINE_STAGE_MARKS = {"E": "embedding", "t": "layer", "m": "mtp", "L": "loss"}
 # Fields that change a run's memory or time which the estimate does not model: named in its
 # output when a configuration sets them, never silently ignored.
-NOT_MODELLED = ("use_megatron_fsdp", "data_parallel_sharding_strategy", "fine_grained_activation_offloading",
-                "offload_modules", "cpu_offloading", "cpu_offloading_num_layers", "optimizer_cpu_offload",
-                "optimizer_offload_fraction", "delay_wgrad_compute", "moe_router_dtype", "cuda_graph_scope",
+NOT_MODELLED = ("cpu_offloading", "cpu_offloading_num_layers", "moe_router_dtype", "cuda_graph_scope",
                 "moe_router_force_load_balancing")
+# Megatron-FSDP's data_parallel_sharding_strategy: what each rank keeps 1/DP of.
+FSDP_SHARDS = {"no_shard": (), "optim": ("optimizer",), "optim_grads": ("optimizer", "gradients"),
+               "optim_grads_params": ("optimizer", "gradients", "weights")}
+# Fine-grained activation offloading's offload_modules: the tensors of layer_activation_bytes each moves to the host.
+OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class TrainingLayout:
     flex_backend: str | None = None
     dispatcher_sms: int | None = None
     ep_overlap: bool = False
+    delay_wgrad: bool = False               # delay_wgrad_compute: expert weight gradients beside the dispatch's backward
     tp_comm_overlap: bool = False
     distributed_optimizer: bool = True
     overlap_grad_reduce: bool = True
@@ -59,6 +63,9 @@ class TrainingLayout:
     layers_per_virtual_stage: int | None = None   # num_layers_per_virtual_pipeline_stage (sets VPP)
     layout_string: str | None = None
     cuda_graphs: bool = False
+    fsdp: str | None = None                 # Megatron-FSDP's data_parallel_sharding_strategy (None: not FSDP)
+    offload_modules: tuple = ()             # fine-grained activation offloading's modules
+    optimizer_offload: float = 0.0          # optimizer_cpu_offload: share of the optimizer states on the host
     assumed: tuple = field(default=(), compare=False)
     not_modelled: tuple = field(default=(), compare=False)   # NOT_MODELLED fields the configuration sets
 
@@ -154,6 +161,23 @@ class TrainingLayout:
             state = sizes.get(get("exp_avg_dtype", "fp32"), 4) + sizes.get(get("exp_avg_sq_dtype", "fp32"), 4)
             grads = sizes.get(get("main_grads_dtype", "fp32"), 4)
         graphs = get("cuda_graph_impl", None) not in (None, "none") or bool(get("enable_cuda_graph", False))
+        fsdp = None
+        if get("use_megatron_fsdp", False) or get("use_custom_fsdp", False):
+            if "data_parallel_sharding_strategy" not in v:
+                assumed.append("data_parallel_sharding_strategy=optim_grads_params")
+            fsdp = v.get("data_parallel_sharding_strategy", "optim_grads_params")
+            if fsdp not in FSDP_SHARDS:
+                raise ConfigError(f"data_parallel_sharding_strategy={fsdp!r}: choose among {', '.join(FSDP_SHARDS)}")
+        offload = ()
+        if get("fine_grained_activation_offloading", False):
+            offload = get("offload_modules", None) or ()
+            if isinstance(offload, str):
+                offload = offload.replace(",", " ").split()
+            unknown = [f"offload_modules={m}" for m in offload if m not in OFFLOAD_MODULES]
+            offload = [m for m in offload if m in OFFLOAD_MODULES]
+        else:
+            unknown = []
+        optimizer_offload = float(get("optimizer_offload_fraction", 1.0)) if get("optimizer_cpu_offload", False) else 0.0
         pp = size("pipeline_model_parallel_size")
         vpp = size("virtual_pipeline_model_parallel_size") if v.get("virtual_pipeline_model_parallel_size") else \
             size("num_virtual_stages_per_pipeline_rank") if v.get("num_virtual_stages_per_pipeline_rank") else 1
@@ -170,6 +194,7 @@ class TrainingLayout:
             recompute_layers=int(get("recompute_num_layers", 1) or 1),
             dispatcher=dispatcher, flex_backend=backend, dispatcher_sms=sms,
             ep_overlap=bool(get("overlap_moe_expert_parallel_comm", False)),
+            delay_wgrad=bool(get("delay_wgrad_compute", False)),
             tp_comm_overlap=bool(get("tp_comm_overlap", False)),
             distributed_optimizer=bool(get("use_distributed_optimizer", True)),
             overlap_grad_reduce=bool(get("overlap_grad_reduce", True)),
@@ -179,8 +204,9 @@ class TrainingLayout:
             last_stage_layers=v.get("decoder_last_pipeline_num_layers"),
             embedding_in_split=bool(get("account_for_embedding_in_pipeline_split", False)),
             loss_in_split=bool(get("account_for_loss_in_pipeline_split", False)),
-            layout_string=v.get("pipeline_model_parallel_layout"), cuda_graphs=graphs, assumed=tuple(assumed),
-            not_modelled=tuple(f for f in NOT_MODELLED if v.get(f) not in (None, False, "no_shard", "none", [])))
+            layout_string=v.get("pipeline_model_parallel_layout"), cuda_graphs=graphs, fsdp=fsdp,
+            offload_modules=tuple(offload), optimizer_offload=optimizer_offload, assumed=tuple(assumed),
+            not_modelled=tuple(f for f in NOT_MODELLED if v.get(f) not in (None, False, "no_shard", "none", [])) + tuple(unknown))
         return layout
 
     def for_model(self, layers: int) -> "TrainingLayout":

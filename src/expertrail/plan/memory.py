@@ -14,13 +14,22 @@ recompute drops the tensors of its modules, full recompute keeps each checkpoint
 input. The interleaved 1F1B schedule keeps on pipeline rank r, before its first backward,
 (PP - r - 1) x 2 + (VPP - 1) x PP + 1 chunks of micro-batches (each chunk a 1/VPP share of
 the rank's layers); without VPP, min(micro-batches, PP - r) whole micro-batches.
+
+Megatron-FSDP (``data_parallel_sharding_strategy``) keeps 1/DP of what it shards (optimizer
+states; with ``optim_grads`` the gradients; with ``optim_grads_params`` the weights too), DP
+being DP x CP for dense parameters and expert-DP for the routed experts, plus the unsharded
+working set: two layers' weights (the one computing and the one prefetched) and one layer's
+gradients before their reduce-scatter. Fine-grained activation offloading moves the tensors of
+its ``offload_modules`` to the host; two layers' worth stay on the GPU (one going out, one
+coming back). ``optimizer_cpu_offload`` keeps its share of the optimizer states (FP32 main
+weights and moments) on the host.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .architecture import Architecture
-from .layout import TrainingLayout, stage_layers
+from .layout import FSDP_SHARDS, TrainingLayout, stage_layers
 
 GB = 1e9
 RESERVE_FIXED_GB = 2.0          # CUDA context, NCCL communicators and their buffers
@@ -63,6 +72,35 @@ def layer_activation_bytes(arch: Architecture, layout: TrainingLayout, moe: bool
     return parts
 
 
+def offloaded_bytes(arch: Architecture, layout: TrainingLayout, moe: bool) -> float:
+    """Bytes of one layer's saved activations (per micro-batch, one GPU) that fine-grained
+    activation offloading moves to the host: each of ``offload_modules`` takes its tensors of
+    `layer_activation_bytes` (norm inputs, QKV input, core attention's inputs, the output
+    projection's input, expert FC1's input, the activation function's input)."""
+    if not layout.offload_modules:
+        return 0.0
+    h, t = arch.hidden, layout.tokens_per_gpu
+    gemm_in = 1 if layout.precision == "fp8" else 2
+    parts = layer_activation_bytes(arch, layout, moe)
+    drop = set(layout.recompute_modules) if layout.recompute == "selective" else set()
+    proj_in = arch.heads * ((arch.v_head if arch.mla else arch.head_dim) * gemm_in + 4) * t
+    out = 0.0
+    for module in layout.offload_modules:
+        if module in ("attn_norm", "mlp_norm"):
+            out += parts["norms"] / 2
+        elif module == "qkv_linear":
+            out += parts.get("norm_outputs", 0.0) / 2
+        elif module == "core_attn":
+            out += max(0.0, parts["attention"] - proj_in)
+        elif module == "attn_proj":
+            out += proj_in
+        elif module == "expert_fc1" and moe and "experts" in parts:
+            out += arch.topk * t * layout.etp * h * gemm_in
+        elif module == "moe_act" and moe and "experts" in parts and "moe_act" not in drop:
+            out += arch.topk * t * 2 * arch.moe_ffn * 2
+    return out
+
+
 def in_flight_chunks(layout: TrainingLayout, rank: int) -> float:
     """Layers' worth of activations rank ``rank`` holds at its peak, per layer it owns."""
     pp, vpp, m = layout.pp, layout.vpp, layout.micro_batches
@@ -84,6 +122,7 @@ class StageMemory:
     activations_GB: float
     dispatcher_GB: float
     in_flight: float
+    optimizer_params: float = 0.0   # parameters whose optimizer states this rank keeps (before CPU offload)
 
     @property
     def total_GB(self) -> float:
@@ -99,13 +138,34 @@ def stage_memory(arch: Architecture, layout: TrainingLayout, rank: int, stage: t
     experts = (moe_layers + mtp) * (arch.experts // layout.ep) * arch.expert_params() / layout.etp
     dense += mtp * (arch.moe_layer_dense_params() + 2 * arch.hidden * arch.hidden) / layout.tp
     main = 4 + layout.optimizer_state_bytes
-    if layout.distributed_optimizer:
-        optimizer = dense * main / (layout.dp * layout.cp) + experts * main / layout.edp
+    shards = FSDP_SHARDS.get(layout.fsdp, ()) if layout.fsdp else ()
+    dense_dp, expert_dp = layout.dp * layout.cp, layout.edp
+    if layout.distributed_optimizer or "optimizer" in shards:
+        optimizer = dense * main / dense_dp + experts * main / expert_dp
     else:
         optimizer = (dense + experts) * main
+    optimizer_params = optimizer / main
+    optimizer *= 1 - layout.optimizer_offload
+    # One layer's parameters (for FSDP's unsharded working set).
+    per_layer = (arch.moe_layer_dense_params() / layout.tp + arch.experts // layout.ep * arch.expert_params() / layout.etp
+                 if moe_layers else arch.dense_layer_params() / layout.tp)
+    if "weights" in shards:
+        weights = (dense / dense_dp + experts / expert_dp + 2 * per_layer) * 2
+    else:
+        weights = (dense + experts) * 2
+    if "gradients" in shards:
+        gradients = (dense / dense_dp + experts / expert_dp + per_layer) * layout.main_grad_bytes
+    else:
+        gradients = (dense + experts) * layout.main_grad_bytes
     per_moe = sum(layer_activation_bytes(arch, layout, True).values())
     per_dense = sum(layer_activation_bytes(arch, layout, False).values())
     flight = in_flight_chunks(layout, rank)
+    if layout.offload_modules and layout.recompute != "full":
+        # Offloaded tensors leave the GPU but for two layers' worth (one going out, one coming back).
+        off_moe, off_dense = offloaded_bytes(arch, layout, True), offloaded_bytes(arch, layout, False)
+        kept_layers = flight * (moe_layers + dense_layers + mtp)
+        per_moe -= off_moe * max(0.0, 1 - 2 / kept_layers) if kept_layers else 0.0
+        per_dense -= off_dense * max(0.0, 1 - 2 / kept_layers) if kept_layers else 0.0
     if layout.recompute == "full":
         kept = layout.tokens_per_gpu * arch.hidden * 2
         if layout.recompute_method == "block":
@@ -122,8 +182,8 @@ def stage_memory(arch: Architecture, layout: TrainingLayout, rank: int, stage: t
         act += flight * layout.tokens_per_gpu * arch.hidden * 2
     if has_output:
         act += (1 + mtp) * layout.seq * layout.micro_batch / layout.cp * arch.vocab / layout.tp * LOGITS_BYTES
-    return StageMemory(rank, layers, (dense + experts) * 2 / GB, (dense + experts) * layout.main_grad_bytes / GB,
-                       optimizer / GB, act / GB, dispatcher_GB(arch, layout, domain), flight)
+    return StageMemory(rank, layers, weights / GB, gradients / GB, optimizer / GB, act / GB,
+                       dispatcher_GB(arch, layout, domain), flight, optimizer_params)
 
 
 def dispatcher_GB(arch: Architecture, layout: TrainingLayout, domain: int) -> float:

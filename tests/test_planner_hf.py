@@ -1,0 +1,83 @@
+"""A Hugging Face config.json of every supported MoE family is a model for the planner: the
+field names each family's config uses, as minimal dicts."""
+import pytest
+
+from expertrail.plan.architecture import ARCHITECTURES, from_hf_config
+from expertrail.plan.catalog import HARDWARE
+from expertrail.plan.estimate import estimate
+from expertrail.plan.layout import TrainingLayout
+
+MLA = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+FAMILIES = {
+    "deepseek_v2": ({"model_type": "deepseek_v2", "hidden_size": 5120, "num_hidden_layers": 60, "num_attention_heads": 128,
+                     "intermediate_size": 12288, "moe_intermediate_size": 1536, "n_routed_experts": 160,
+                     "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "n_group": 8,
+                     "topk_group": 3, "vocab_size": 102400, **MLA},
+                    dict(experts=160, topk=6, dense_layers=1, shared_ffn=3072, kv_lora=512, num_groups=8)),
+    "deepseek_v3": ({"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+                     "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+                     "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "n_group": 8,
+                     "topk_group": 4, "vocab_size": 129280, **MLA},
+                    {k: getattr(ARCHITECTURES["deepseek-v3"], k) for k in
+                     ("layers", "dense_layers", "hidden", "ffn", "moe_ffn", "experts", "topk", "shared_ffn", "heads",
+                      "vocab", "q_lora", "kv_lora", "num_groups", "group_topk")}),
+    "kimi_k2": ({"model_type": "kimi_k2", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 64,
+                 "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 384,
+                 "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1, "n_group": 1,
+                 "topk_group": 1, "vocab_size": 163840, **MLA},
+                {k: getattr(ARCHITECTURES["kimi-k2"], k) for k in
+                 ("layers", "dense_layers", "hidden", "ffn", "moe_ffn", "experts", "topk", "shared_ffn", "heads", "vocab")}),
+    "moonlight": ({"model_type": "deepseek_v3", "hidden_size": 2048, "num_hidden_layers": 27, "num_attention_heads": 16,
+                   "intermediate_size": 11264, "moe_intermediate_size": 1408, "n_routed_experts": 64,
+                   "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "n_group": 1,
+                   "topk_group": 1, "vocab_size": 163840, "q_lora_rank": None, "kv_lora_rank": 512,
+                   "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128},
+                  dict(experts=64, topk=6, dense_layers=1, shared_ffn=2816, q_lora=0, kv_lora=512)),
+    "qwen3_moe": ({"model_type": "qwen3_moe", "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64,
+                   "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+                   "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                   "vocab_size": 151936},
+                  {k: v for k, v in vars(ARCHITECTURES["qwen3-235b-a22b"]).items() if k != "name"}),
+    "qwen3_next": ({"model_type": "qwen3_next", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 16,
+                    "num_key_value_heads": 2, "head_dim": 256, "intermediate_size": 5120, "moe_intermediate_size": 512,
+                    "shared_expert_intermediate_size": 512, "num_experts": 512, "num_experts_per_tok": 10,
+                    "decoder_sparse_step": 1, "full_attention_interval": 4, "linear_num_value_heads": 32,
+                    "vocab_size": 151936},
+                   {k: v for k, v in vars(ARCHITECTURES["qwen3-next-80b-a3b"]).items() if k != "name"}),
+    "mixtral": ({"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2,
+                 "vocab_size": 32000},
+                {k: v for k, v in vars(ARCHITECTURES["mixtral-8x7b"]).items() if k != "name"}),
+    "gpt_oss": ({"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
+                 "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880, "num_local_experts": 128,
+                 "experts_per_token": 4, "sliding_window": 128, "vocab_size": 201088},
+                dict(experts=128, topk=4, moe_ffn=2880, head_dim=64, kv_heads=8, dense_layers=0, shared_ffn=0)),
+    "llama4_maverick": ({"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+                         "text_config": {"model_type": "llama4_text", "hidden_size": 5120, "num_hidden_layers": 48,
+                                         "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+                                         "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+                                         "num_local_experts": 128, "num_experts_per_tok": 1,
+                                         "interleave_moe_layer_step": 2, "vocab_size": 202048}},
+                        dict(experts=128, topk=1, moe_ffn=8192, ffn=16384, shared_ffn=8192, dense_layers=24)),
+    "llama4_scout": ({"model_type": "llama4_text", "hidden_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 40,
+                      "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+                      "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
+                      "vocab_size": 202048},
+                     dict(experts=16, topk=1, dense_layers=0, shared_ffn=8192)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_reads_into_the_shape_it_publishes(family):
+    cfg, expected = FAMILIES[family]
+    arch = from_hf_config(cfg, family)
+    assert {k: getattr(arch, k) for k in expected} == expected
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_estimates(family):
+    arch = from_hf_config(FAMILIES[family][0], family)
+    ep = max(e for e in (1, 2, 4, 8) if arch.experts % e == 0)
+    result = estimate(arch, HARDWARE["h100"], TrainingLayout(gpus=64, pp=4, ep=ep, global_batch=256,
+                                                             dispatcher="flex", flex_backend="deepep"))
+    assert result["step_time_s"] > 0 and result["peak_memory_GB"] > 0
