@@ -476,8 +476,9 @@ def full_state_dict(model: nn.Module, check_replicas: bool = True) -> dict[str, 
     experts gathered to the full ``experts.gate_up_proj [E, 2F, H]`` and
     ``experts.down_proj [E, H, F]`` under the original keys, without the shard tags.
 
-    Collective over the EP group; every rank gets the whole dict (so it costs the full
-    expert memory on every rank). Load it into the unpatched model (``load_state_dict``),
+    For small models: collective over the EP group, every rank gets the whole dict (so it
+    costs the full expert memory on every rank). At real sizes use `save_pretrained`, which
+    writes each rank's share. Load it into the unpatched model (``load_state_dict``),
     or into a patched one of any EP size (it takes its own rows), or save it from one rank.
 
     The other entries (routers, shared experts, attention...) are this rank's copies. With
