@@ -108,3 +108,13 @@ def test_a_hugging_face_config_is_a_model_for_estimate_and_plan(tmp_path, capsys
     assert main(["plan", "--hardware", "h100", "--model", str(tmp_path), "--ep", "32"]) == 0
     assert "memory: fits from PP" in capsys.readouterr().out          # the memory check ran
     assert main(["plan", "--fit", "--gpus", "256", "--hardware", "h100", "--model", str(tmp_path), "--top", "1"]) == 0
+
+
+def test_gradients_reduced_in_bf16_move_less():
+    fields = {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 8, "expert_tensor_parallel_size": 1,
+              "micro_batch_size": 4,
+              "global_batch_size": 2048, "use_megatron_fsdp": True, "recompute_granularity": "full",
+              "recompute_method": "uniform", "moe_token_dispatcher_type": "flex"}
+    fp32 = estimate(QWEN, HARDWARE["h100"], TrainingLayout.from_fields(fields, 256))
+    bf16 = estimate(QWEN, HARDWARE["h100"], TrainingLayout.from_fields(dict(fields, grad_reduce_in_bf16=True), 256))
+    assert bf16["terms_s"]["fsdp"] < fp32["terms_s"]["fsdp"]

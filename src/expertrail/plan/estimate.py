@@ -205,7 +205,7 @@ def fsdp_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe: 
     dense = (arch.moe_layer_dense_params() if moe else arch.dense_layer_params()) / layout.tp
     experts = arch.experts // layout.ep * arch.expert_params() / layout.etp if moe else 0.0
     moved = dense * (1 - 1 / max(1, layout.dp * layout.cp)) + experts * (1 - 1 / max(1, layout.edp))
-    per_param = (2 * 2 if "weights" in shards else 0) + (layout.main_grad_bytes if "gradients" in shards else 0)
+    per_param = (2 * 2 if "weights" in shards else 0) + (layout.grad_reduce_bytes if "gradients" in shards else 0)
     link = "nic" if layout.gpus // layout.pp > hw.domain_size else "nvlink"
     return moved * per_param / link_bandwidth(hw, link, None)
 
@@ -255,8 +255,8 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     expert_share = _expert_share(arch, layout, stages[busiest.rank])
     dp_link = "nic" if layout.gpus > hw.domain_size else "nvlink"
     bw = link_bandwidth(hw, dp_link, None)
-    dp_bytes = dense_params * (1 - expert_share) * (layout.main_grad_bytes + 2) * (1 - 1 / max(1, layout.dp * layout.cp)) \
-        + dense_params * expert_share * (layout.main_grad_bytes + 2) * (1 - 1 / layout.edp)
+    dp_bytes = dense_params * (1 - expert_share) * (layout.grad_reduce_bytes + 2) * (1 - 1 / max(1, layout.dp * layout.cp)) \
+        + dense_params * expert_share * (layout.grad_reduce_bytes + 2) * (1 - 1 / layout.edp)
     dp_s = dp_bytes / bw * DP_EXPOSED[layout.overlap_grad_reduce]
     if "gradients" in layout_fields.FSDP_SHARDS.get(layout.fsdp, ()):
         dp_s = 0.0                                    # reduce-scattered every micro-batch (the fsdp part)

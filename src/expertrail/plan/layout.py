@@ -56,6 +56,7 @@ class TrainingLayout:
     precision_aware_optimizer: bool = False
     optimizer_state_bytes: int = 8          # Adam's two moments, per parameter
     main_grad_bytes: int = 4
+    grad_comm_bytes: int | None = None      # grad_reduce_in_bf16: gradients reduced in BF16 (else as kept)
     first_stage_layers: int | None = None   # decoder layers on the first / last pipeline rank (all its
     last_stage_layers: int | None = None    # virtual stages), Megatron's decoder_first/last_pipeline_num_layers
     embedding_in_split: bool = False        # account_for_embedding_in_pipeline_split: the embedding takes a layer's slot
@@ -68,6 +69,11 @@ class TrainingLayout:
     optimizer_offload: float = 0.0          # optimizer_cpu_offload: share of the optimizer states on the host
     assumed: tuple = field(default=(), compare=False)
     not_modelled: tuple = field(default=(), compare=False)   # NOT_MODELLED fields the configuration sets
+
+    @property
+    def grad_reduce_bytes(self) -> int:
+        """Bytes per gradient in the data-parallel reduce (BF16 with grad_reduce_in_bf16)."""
+        return self.grad_comm_bytes or self.main_grad_bytes
 
     @property
     def dp(self) -> int:
@@ -200,6 +206,7 @@ class TrainingLayout:
             overlap_grad_reduce=bool(get("overlap_grad_reduce", True)),
             precision_aware_optimizer=bool(get("use_precision_aware_optimizer", False)),
             optimizer_state_bytes=state, main_grad_bytes=grads,
+            grad_comm_bytes=2 if get("grad_reduce_in_bf16", False) else None,
             first_stage_layers=v.get("decoder_first_pipeline_num_layers"),
             last_stage_layers=v.get("decoder_last_pipeline_num_layers"),
             embedding_in_split=bool(get("account_for_embedding_in_pipeline_split", False)),
