@@ -1,12 +1,13 @@
 """The published figures the planner's constants come from, in one place.
 
 `TRAINING_RUNS` (published_runs.json beside this file): Megatron-Core MoE training runs, each
-with its layout, the published TFLOPS per GPU and the error `expertrail estimate` is documented
-to have on it (docs/cost-model.md shows the table, written from here). `KERNEL_FIGURES`: the
-published dispatch / combine kernel figures the cost model is checked against. `FITTED_ON`
-names, for every constant of `cost.py` and `estimate.py`, the rows it was fitted on, or says it
-is an assumption: a constant fitted to one row shows up as that row's error only, so the rows
-a constant was not fitted on are its held-out check.
+with its source, layout, published TFLOPS and tokens/s per GPU, its split ("fit" or
+"held_out") and the error `expertrail estimate` is documented to have on it (docs/cost-model.md
+shows the table, written from here). `fit` fits estimate.py's fitted constants on the fit rows
+alone; `summary` gives each split's error, so a constant fitted to one row shows up as error on
+the held-out rows. `KERNEL_FIGURES`: the published dispatch / combine kernel figures the cost
+model is checked against. `FITTED_ON` names, for every constant of `cost.py` and `estimate.py`,
+the rows it was fitted on, or says it is an assumption.
 """
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def constants() -> dict:
 
 def _estimate(run_id: str, consts: dict | None = None) -> dict:
     """`estimate`'s result for the published run ``run_id``, with ``consts`` (`constants()`'s
-    shape) in place of estate.py's fitted constants while it runs."""
+    shape) in place of estimate.py's fitted constants while it runs."""
     from . import estimate as est
     from .architecture import ARCHITECTURES
     from .catalog import HARDWARE
