@@ -18,7 +18,6 @@ timings, and both user_process records.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -31,6 +30,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import user_process  # noqa: E402  (benchmarks/user_process.py)
+
+from expertrail.tools.records import machine, now  # noqa: E402
 
 TIMING = re.compile(r"^\[timing\] megatron (\w+)\s+dispatch\+scale\+combine .* torch\.(float32|bfloat16): "
                     r"([\d.]+) ms/iter$")
@@ -78,8 +79,7 @@ def main(argv=None) -> int:
         u.argv = ua
         ours[dtype] = user_process.run(u)
     record = {"command": " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/against_megatron.py", *argv]),
-              "machine": user_process.machine(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine(), "date": now(),
               "iters": args.iters, "peer": peer, "expertrail": ours}
     if args.json:
         with open(args.json, "w") as f:

@@ -20,10 +20,8 @@ prints the same tables from it.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shlex
 import socket
 import statistics
@@ -34,6 +32,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from expertrail.tools.records import machine, now
 
 
 def _rss_bytes() -> int:
@@ -141,16 +141,6 @@ def _worker(rank, world, port, args, out_path):
     dist.destroy_process_group()
 
 
-def machine() -> dict:
-    """What the figures were measured on: the CPU model and core count, memory, torch."""
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 platform.processor() or platform.machine())
-    with open("/proc/meminfo") as f:
-        mem_kib = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
-    return {"cpu": model, "cores": os.cpu_count(), "memory_GiB": round(mem_kib / 2**20, 1), "torch": torch.__version__,
-            "python": platform.python_version(), "os": platform.platform()}
-
-
 def run(args) -> dict:
     """Spawn the 4 ranks and return the record: the command, machine, date, arguments, every
     rank's results and the summary the script prints."""
@@ -167,7 +157,7 @@ def run(args) -> dict:
         os.unlink(out_path)
     record = {"command": " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/user_process.py",
                                                             *(args.argv or [])]),
-              "machine": machine(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine(), "date": now(),
               "args": {k: v for k, v in vars(args).items() if k not in ("json", "argv")}, "world": 4,
               "per_rank": per_rank}
     if not args.soak:       # the slowest rank sets the pace

@@ -25,3 +25,17 @@ def test_a_changed_figure_is_caught(tmp_path):
     assert records.main(["--root", str(tmp_path)]) == 1
     assert records.main(["--root", str(tmp_path), "--write"]) == 0 and records.main(["--root", str(tmp_path)]) == 0
     assert "0.983" in doc.read_text()
+
+
+def test_a_captured_command_is_recorded_with_its_command_machine_date_and_output(tmp_path):
+    import json
+    import sys
+    path = tmp_path / "out.json"
+    assert records.main(["--capture", str(path), "--", sys.executable, "-c", "print('a table')"]) == 0
+    record = json.loads(path.read_text())
+    assert record["command"].endswith("-c 'print('\"'\"'a table'\"'\"')'") and record["output"] == "a table\n"
+    assert record["machine"]["cores"] > 0 and record["date"].startswith("20")
+    assert records.render("output", path) == "```\na table\n```\n"
+    failing = tmp_path / "failed.json"
+    assert records.main(["--capture", str(failing), "--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
+    assert not failing.exists()

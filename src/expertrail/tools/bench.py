@@ -278,7 +278,7 @@ def format_table(report: dict) -> str:
     head = (f"expertrail bench: world {cfg['world']}, domain {cfg['domain_size']}, {cfg['tokens']} tokens/rank, "
             f"hidden {cfg['hidden']}, {cfg['experts']} experts, top-{cfg['topk']}, {cfg['dtype']}, "
             f"routing {cfg['routing']}, {cfg['iters']} iters (slowest rank per iter); payload "
-            f"{cfg.get('payload', 'native')}, allocator {'glibc heap (--malloc-heap)' if cfg.get('malloc_heap') else 'default'}")
+            f"{cfg.get('payload', 'native')}, allocator {'glibc heap (--malloc-heap)' if cfg.get('malloc_heap') else 'default' if 'malloc_heap' in cfg else 'not recorded'}")
     cols = ["backend", "dispatch ms", "combine ms", "total ms (min-max)", "bare ms", "x bare",
             "self MB", "intra MB", "inter MB", "algo GB/s", "check"]
     rows = []

@@ -13,16 +13,62 @@ to docs/) and how to show it:
 ``python -m expertrail.tools.records`` checks every block of README.md and docs/*.md against
 its record (exit 1, naming the blocks that differ); ``--write`` writes them anew. The test suite
 runs the check (tests/test_records.py).
+
+A script without a JSON output of its own is recorded by running it through
+``python -m expertrail.tools.records --capture docs/results/NAME.json -- COMMAND...``: the record
+holds the command, the machine, the date and what the command printed (kind ``output``).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import re
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
 BLOCK = re.compile(r"(<!-- record: (\S+) (\S+) -->\n)(.*?)(<!-- end record -->)", re.S)
+
+
+def machine() -> dict:
+    """What a recorded run was measured on: the CPU model and core count, memory, torch, Python."""
+    with open("/proc/cpuinfo") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                     platform.processor() or platform.machine())
+    with open("/proc/meminfo") as f:
+        mem_kib = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
+    try:
+        import torch
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
+    return {"cpu": model, "cores": os.cpu_count(), "memory_GiB": round(mem_kib / 2**20, 1), "torch": torch_version,
+            "python": platform.python_version(), "os": platform.platform()}
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def capture(path: Path, command: list[str]) -> int:
+    """Run ``command``, print what it prints, and on success write the record of kind ``output``."""
+    out = subprocess.run(command, capture_output=True, text=True)
+    sys.stdout.write(out.stdout)
+    sys.stderr.write(out.stderr)
+    if out.returncode == 0:
+        record = {"command": " ".join(shlex.quote(a) for a in command), "machine": machine(), "date": now(),
+                  "output": out.stdout}
+        path.write_text(json.dumps(record, indent=1) + "\n")
+    return out.returncode
+
+
+def _output(record: dict) -> str:
+    """What a captured command printed, as it printed it."""
+    return _fenced(record["output"])
 
 
 def _fenced(text: str) -> str:
@@ -33,6 +79,12 @@ def _bench(record: dict) -> str:
     """`expertrail bench`'s table, as it prints it."""
     from .bench import format_table
     return _fenced(format_table(record))
+
+
+def _overlap(record: dict) -> str:
+    """`expertrail bench --chunks`'s overlap table (one piece against chunks), as it prints it."""
+    from .bench import format_overlap
+    return _fenced(format_overlap(record))
 
 
 def _decode(record: dict) -> str:
@@ -151,9 +203,9 @@ def _against_megatron(record: dict) -> str:
     return _fenced(against_megatron_table(record))
 
 
-KINDS = {"calibration": _calibration, "bench": _bench, "decode": _decode, "train": _train, "cluster": _cluster, "serve-sim": _serve_sim,
+KINDS = {"calibration": _calibration, "bench": _bench, "overlap": _overlap, "decode": _decode, "train": _train, "cluster": _cluster, "serve-sim": _serve_sim,
          "user-process": _user_process, "user-process-soak": _user_process_soak,
-         "against-megatron": _against_megatron}
+         "against-megatron": _against_megatron, "output": _output}
 
 
 def render(kind: str, record_path: Path) -> str:
@@ -186,7 +238,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m expertrail.tools.records", description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=Path.cwd(), help="the repository (default: here)")
     parser.add_argument("--write", action="store_true", help="write the blocks anew from their records")
+    parser.add_argument("--capture", type=Path, metavar="JSON",
+                        help="run the command given after -- and record what it prints in JSON (kind output)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="with --capture: -- COMMAND...")
     args = parser.parse_args(argv)
+    if args.capture:
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        if not command:
+            parser.error("--capture needs a command after --")
+        return capture(args.capture, command)
     docs, stale = args.root / "docs", []
     for document in documents(args.root):
         if args.write:
