@@ -37,6 +37,7 @@ from ..dispatch import make_dispatcher
 from ..errors import ConfigError, ConfigMismatchError
 from .experts import GroupedExperts
 from .layer import exclude_experts_from_ddp, expert_parallel_moe
+from .bucketed import attach_step, bucketed_or_none, check_buckets
 from .replicated import SEED_ADVICE, differing, listed, tensor_checksum  # noqa: F401  (tensor_checksum: public here too)
 from ..comm.topology import EPGroups, all_gather_single, guarded
 
@@ -186,7 +187,7 @@ class ExpertParallelMoE(nn.Module):
     holds_expert_shard = True          # for layer.exclude_experts_from_ddp
 
     def __init__(self, block: nn.Module, groups: EPGroups, backend: str = "alltoall", check_weights: bool = True,
-                 num_chunks: int = 1, replicas=None, **dispatcher_options):
+                 num_chunks: int = 1, replicas=None, buckets=None, **dispatcher_options):
         super().__init__()
         if int(num_chunks) < 1:
             raise ConfigError(f"num_chunks={num_chunks} must be >= 1")
@@ -214,6 +215,7 @@ class ExpertParallelMoE(nn.Module):
         self.dispatcher = make_dispatcher(backend, groups, num_experts=slots, hidden=hidden, **dispatcher_options)
         self.groups, self.replicas = groups, replicas
         self.num_experts = num_experts
+        self.bucketed = bucketed_or_none(groups, self.dispatcher, buckets)     # decode through the low-latency mode
         local = self.dispatcher.num_local_experts
         first = groups.ep_rank * local
         weight = fused.gate_up_proj
@@ -247,6 +249,8 @@ class ExpertParallelMoE(nn.Module):
             topk_idx = self.replicas(topk_idx.long())
         shared = None if self.shared_experts is None else \
             (lambda: self.shared_experts(hidden_states).reshape(flat.shape))
+        if self.bucketed is not None:
+            return self.bucketed.moe(flat, topk_idx, topk_weights, self.experts, shared, self.num_chunks).view(shape)
         return expert_parallel_moe(self.dispatcher, flat, topk_idx, topk_weights, self.experts, shared,
                                    self.num_chunks).view(shape)
 
@@ -369,11 +373,13 @@ def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def patch_model(model: nn.Module, groups: EPGroups, backend: str = "alltoall", check_weights: bool = True,
-                num_chunks: int = 1, replicas=None, **dispatcher_options) -> int:
+                num_chunks: int = 1, replicas=None, buckets=None, **dispatcher_options) -> int:
     """Replace every sparse MoE block of ``model`` by an `ExpertParallelMoE` (``backend``,
     ``num_chunks`` and ``dispatcher_options`` as it takes them); returns how many.
     ``replicas``: None, one balance.ReplicaRouter for every block, or a list of them, one per
-    block in module order (``Placement`` layer i for block i).
+    block in module order (``Placement`` layer i for block i). ``buckets`` (with ``backend="dedup"``):
+    steps at decode sizes run through the low-latency mode, chosen once per forward of ``model``
+    (`bucketed`).
 
     Collective: every rank of the EP group must patch the same model. Before anything is
     replaced, the ranks agree on the blocks found, and (unless ``check_weights=False``) on
@@ -415,7 +421,9 @@ def patch_model(model: nn.Module, groups: EPGroups, backend: str = "alltoall", c
                           "block, in module order, or one for all")
     for (name, block), placement in zip(targets, per_block):
         _replace(model, name, ExpertParallelMoE(block, groups, backend, check_weights=False, num_chunks=num_chunks,
-                                                replicas=placement, **dispatcher_options))
+                                                replicas=placement, buckets=buckets, **dispatcher_options))
+    if buckets is not None and check_buckets(buckets):
+        attach_step(model, [m.bucketed for _, m in _patched_blocks(model)])
     exclude_experts_from_ddp(model)
     # Instance attributes, until unpatch_model.
     if callable(getattr(model, "save_pretrained", None)):

@@ -6,8 +6,10 @@ weights on every rank); each rank holds its ``E / ep_size`` experts, or, with a
 ``balance.ReplicaRouter`` (hot experts replicated), its physical slots; a ``balance.LoadRecorder``
 given as ``recorder`` counts the router's loads in training. While the dispatch is in
 flight the shared experts run (overlap); with ``num_chunks > 1`` the routed part runs in
-overlapped chunks (`Dispatcher.moe`). The router's losses of the last forward are in
-``layer.router_losses``; `router_loss(model)` sums them over a model's MoE layers.
+overlapped chunks (`Dispatcher.moe`); with ``buckets`` (and the ``dedup`` dispatcher) each call
+at decode sizes runs through the low-latency mode instead (`bucketed`). The router's losses of
+the last forward are in ``layer.router_losses``; `router_loss(model)` sums them over a model's
+MoE layers.
 
 Data parallelism over the replicated weights: each rank's experts are its own, so DDP must
 leave them alone. `exclude_experts_from_ddp(model)` (which `hf.patch_model` calls) tells DDP
@@ -27,6 +29,7 @@ from ..dispatch import Dispatcher
 from ..errors import ConfigError
 from .experts import GroupedExperts
 from .replicated import check_replicated
+from .bucketed import bucketed_or_none
 from .router import TopKRouter
 from ..comm.topology import all_gather_ints, guarded
 
@@ -130,7 +133,7 @@ class MoELayer(nn.Module):
 
     def __init__(self, router: TopKRouter, dispatcher: Dispatcher, experts: GroupedExperts,
                  shared_experts: nn.Module | None = None, num_chunks: int = 1, replicas=None,
-                 recorder=None, layer_index: int = 0, check_weights: bool = True):
+                 recorder=None, layer_index: int = 0, check_weights: bool = True, buckets=None):
         super().__init__()
         slots = router.config.num_experts if replicas is None else replicas.num_slots
         if slots != dispatcher.num_experts:
@@ -153,6 +156,8 @@ class MoELayer(nn.Module):
             _place(experts, dispatcher.groups, replicas)
         self.recorder, self.layer_index = recorder, layer_index
         self.router_losses: dict = {}
+        # buckets: decode steps through the low-latency mode (bucketed.py), agreed per call here.
+        self.bucketed = bucketed_or_none(dispatcher.groups, dispatcher, buckets)
 
     def set_replicas(self, replicas) -> None:
         """Route through ``replicas`` (a balance.ReplicaRouter) from now on, after checking that
@@ -169,6 +174,9 @@ class MoELayer(nn.Module):
         topk_idx = routing.topk_idx if self.replicas is None else self.replicas(routing.topk_idx)
         flat = x.reshape(-1, shape[-1])
         shared = None if self.shared_experts is None else (lambda: self.shared_experts(flat))
+        if self.bucketed is not None:
+            return self.bucketed.moe(flat, topk_idx, routing.topk_weights, self.experts, shared,
+                                     self.num_chunks).view(shape)
         return expert_parallel_moe(self.dispatcher, flat, topk_idx, routing.topk_weights, self.experts, shared,
                                    self.num_chunks).view(shape)
 
