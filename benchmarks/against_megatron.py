@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE))
 
 import user_process  # noqa: E402  (benchmarks/user_process.py)
 
-from expertrail.tools.records import machine, now  # noqa: E402
+from expertrail.tools.records import code, machine, now  # noqa: E402
 
 TIMING = re.compile(r"^\[timing\] megatron (\w+)\s+dispatch\+scale\+combine .* torch\.(float32|bfloat16): "
                     r"([\d.]+) ms/iter$")
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         u.argv = ua
         ours[dtype] = user_process.run(u)
     record = {"command": " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/against_megatron.py", *argv]),
-              "machine": machine(), "date": now(),
+              "machine": machine(), "date": now(), "code": code(),
               "iters": args.iters, "peer": peer, "expertrail": ours}
     if args.json:
         with open(args.json, "w") as f:

@@ -14,7 +14,7 @@ fractions of the calls and at the end, and the growth since the pool's last grow
     .venv/bin/python benchmarks/user_process.py [--dtype fp32|bf16] [--tokens 4096] [--soak 1000] [--json PATH]
 
 ``--json PATH`` writes the record docs/results/ keeps (the command, the machine, the date, the
-arguments, every rank's results and the summary printed); ``python -m expertrail.tools.records``
+code's commit and changed files, the arguments, every rank's results and the summary printed); ``python -m expertrail.tools.records``
 prints the same tables from it.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from expertrail.tools.records import machine, now
+from expertrail.tools.records import code, machine, now
 
 
 def _rss_bytes() -> int:
@@ -157,7 +157,7 @@ def run(args) -> dict:
         os.unlink(out_path)
     record = {"command": " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/user_process.py",
                                                             *(args.argv or [])]),
-              "machine": machine(), "date": now(),
+              "machine": machine(), "date": now(), "code": code(),
               "args": {k: v for k, v in vars(args).items() if k not in ("json", "argv")}, "world": 4,
               "per_rank": per_rank}
     if not args.soak:       # the slowest rank sets the pace

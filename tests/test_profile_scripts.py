@@ -62,6 +62,7 @@ def test_user_process_record_shows_what_it_printed(tmp_path):
     record = json.loads(path.read_text())
     assert record["command"].startswith(".venv/bin/python benchmarks/user_process.py --tokens 64")
     assert record["machine"]["cores"] > 0 and record["date"] and len(record["per_rank"]) == 4
+    assert len(record["code"]["commit"]) == 40 and isinstance(record["code"]["src_changed"], list)
     assert "\n".join(lines) + "\n" == user_process_table(record)
     assert [line.split("|")[1].strip() for line in lines[3:]] == ["bare", "floor", "alltoall"]
 

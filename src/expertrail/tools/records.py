@@ -50,6 +50,20 @@ def machine() -> dict:
             "python": platform.python_version(), "os": platform.platform()}
 
 
+def code() -> dict | None:
+    """The commit the run's code came from and the files under src/ that differed from it (a
+    shared working tree may hold changes in flight); None outside a git checkout."""
+    root = Path(__file__).resolve().parents[3]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "src"], capture_output=True,
+                                 text=True, check=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return {"commit": commit, "src_changed": [line[3:] for line in changed]}
+
+
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
@@ -61,7 +75,7 @@ def capture(path: Path, command: list[str]) -> int:
     sys.stderr.write(out.stderr)
     if out.returncode == 0:
         record = {"command": " ".join(shlex.quote(a) for a in command), "machine": machine(), "date": now(),
-                  "output": out.stdout}
+                  "code": code(), "output": out.stdout}
         path.write_text(json.dumps(record, indent=1) + "\n")
     return out.returncode
 
