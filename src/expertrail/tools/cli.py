@@ -17,7 +17,8 @@ from ..errors import ExpertrailError
 
 # command -> its module in tools.commands, in the order `expertrail --help` lists them
 COMMANDS = {"bench": "bench", "train": "train", "validate": "validate", "simulate": "simulate", "plan": "plan",
-            "estimate": "estimate", "balance": "balance", "serve-sim": "serve_sim", "cluster": "cluster"}
+            "estimate": "estimate", "balance": "balance", "serve-sim": "serve_sim",
+            "serve-bench": "serve_bench", "cluster": "cluster"}
 
 
 def command_module(command: str):
