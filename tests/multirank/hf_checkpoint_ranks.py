@@ -142,13 +142,13 @@ def generate_like_the_whole_model(rank, world, path, backend="alltoall"):
     return out + [got.shape[1] - ids.shape[1]]
 
 
-def save_and_reload(rank, world, path, out, backend="alltoall", replicas=False):
+def save_and_reload(rank, world, path, out, backend="alltoall", replicas=False, ep_size=None):
     """save_pretrained from every rank (each its experts), then plain transformers
     from_pretrained of the result: the same tensors and logits as the original checkpoint.
     Returns the names of the files this directory holds."""
     from transformers import AutoModelForCausalLM
-    groups = groups_for(None, 2)
-    model = from_pretrained(path, groups, backend, replicas=_placement(world, 1) if replicas else None)
+    groups = groups_for(ep_size, 1 if ep_size == 2 else 2)
+    model = from_pretrained(path, groups, backend, replicas=_placement(groups.ep_size, 1) if replicas else None)
     save_pretrained(model, out, max_shard_size="30KB")
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     reference = _reference(path)

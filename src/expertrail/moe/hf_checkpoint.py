@@ -408,13 +408,11 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, max_sha
     copy. ``AutoModelForCausalLM.from_pretrained(save_directory)`` loads the result, as does
     `from_pretrained` at any EP size.
 
-    Collective over the EP group; with several EP groups, only the one holding global rank 0
-    writes. The replicated weights must be equal on every rank (see `hf.full_state_dict`'s
+    Collective over the EP group; with several EP groups (world > EP size), over the default
+    group: the EP group holding global rank 0 writes, and every rank returns once the files are
+    complete (or raises why not). The replicated weights must be equal on every rank (see `hf.full_state_dict`'s
     ``check_replicas``); ConfigMismatchError on every rank otherwise.
     """
-    from safetensors.torch import save_file
-    from transformers.core_model_loading import apply_renamings
-    from transformers.utils.hub import convert_file_size_to_int
     what = "expertrail.hf.save_pretrained"
     blocks = _patched_blocks(model)
     if not blocks:
@@ -428,8 +426,31 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, max_sha
                                   f"({', '.join(k for k, _ in drift[:4])}{' ...' if len(drift) > 4 else ''}), so the "
                                   "checkpoint would hold none of the models the ranks run: sum the gradients of every "
                                   "parameter but the experts' over the ranks (DDP) before each step")
-    if dist.get_world_size() > groups.ep_size and 0 not in groups.ep_ranks:
-        return                              # another EP group holds the same model and writes it
+    if dist.get_world_size() == groups.ep_size:
+        _write_shares(model, blocks, groups, save_directory, max_shard_size)
+        return
+    # Several EP groups hold the same model: the one with global rank 0 writes, and every rank
+    # learns over the default group that the files are complete, or why not.
+    problem = None
+    if 0 in groups.ep_ranks:
+        try:
+            _write_shares(model, blocks, groups, save_directory, max_shard_size)
+        except Exception as err:
+            problem = str(err)
+    with guarded(f"{what}'s end", "the default process group"):
+        failed = [None] * dist.get_world_size()
+        dist.all_gather_object(failed, problem)
+    if any(f is not None for f in failed):
+        raise ConfigError(f"{what} failed in the EP group writing the checkpoint: "
+                          + next(f for f in failed if f is not None))
+
+
+def _write_shares(model, blocks, groups: EPGroups, save_directory, max_shard_size) -> None:
+    """`save_pretrained`'s writing, by the ranks of one EP group (collective over it)."""
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import apply_renamings
+    from transformers.utils.hub import convert_file_size_to_int
+    what = "expertrail.hf.save_pretrained"
     limit = convert_file_size_to_int(max_shard_size)
     renamings, converters = _conversions(model, saving=True)
     reverse = [c.reverse_transform() for c in renamings[::-1]]
