@@ -540,5 +540,10 @@ def unpatch_model(model: nn.Module) -> int:
     return len(blocks)
 
 
-# Loading and saving at real sizes live in their own module, which builds on this one.
-from .hf_checkpoint import from_pretrained, save_pretrained  # noqa: E402,F401
+def __getattr__(name: str):
+    # Loading and saving at real sizes live in their own module, which builds on this one:
+    # reached from here on first use, so that either module may be imported first.
+    if name in ("from_pretrained", "save_pretrained"):
+        from . import hf_checkpoint
+        return getattr(hf_checkpoint, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
