@@ -95,9 +95,22 @@ def _placement(world: int, seed: int = 0):
 def load_and_compare(rank, world, path, backend="alltoall", ep_size=None, replicas=False):
     """from_pretrained at ``ep_size``: this rank's experts only, each slot from its logical
     expert, buffers computed; logits equal to the whole model's. Returns (E_local, slots)."""
+    from expertrail.moe import hf_checkpoint
     groups = groups_for(ep_size, 1 if ep_size == 2 else 2)
-    model = from_pretrained(path, groups, backend, replicas=_placement(groups.ep_size) if replicas else None)
+    read, original = [], hf_checkpoint.Checkpoint.read
+
+    def counted(self, jobs):                # the bytes this rank copies out of the checkpoint
+        read.extend(target.numel() * target.element_size() for _, _, target in jobs)
+        return original(self, jobs)
+    hf_checkpoint.Checkpoint.read = counted
+    try:
+        model = from_pretrained(path, groups, backend, replicas=_placement(groups.ep_size) if replicas else None)
+    finally:
+        hf_checkpoint.Checkpoint.read = original
     reference = _reference(path)
+    whole = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
+    mine = sum(t.numel() * t.element_size() for t in model.state_dict().values() if t.dtype != torch.int64)
+    assert sum(read) == mine < whole, (sum(read), mine, whole)     # its experts and the replicated weights only
     blocks = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     full = dict(reference.named_parameters())
     for name, m in model.named_modules():
