@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import expertrail as er
-from expertrail.hf import ExpertParallelMoE, from_pretrained, save_pretrained
+from expertrail.hf import ExpertParallelMoE, from_pretrained, save_pretrained, unpatch_model
 
 from ranks_common import groups_for
 
@@ -124,6 +124,11 @@ def load_and_compare(rank, world, path, backend="alltoall", ep_size=None, replic
     ids = _prompt(rank)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+    # Ready for training: the same loss, and gradients reach this rank's experts.
+    loss, want = model.train()(ids, labels=ids).loss, reference.train()(ids, labels=ids).loss
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    assert all(b.experts.gate_up_proj.grad is not None for b in blocks)
     return blocks[0].experts.num_local_experts, blocks[0].dispatcher.num_experts
 
 
@@ -173,6 +178,9 @@ def save_and_reload(rank, world, path, out, backend="alltoall", replicas=False, 
     ids = _prompt(rank)
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, reference(ids).logits)
+    unpatch_model(model)                                   # the plain transformers model again
+    for k, t in model.state_dict().items():
+        assert torch.equal(t, want[k]), k
     saved = json.loads(Path(out, "model.safetensors.index.json").read_text())["weight_map"]
     original = json.loads(Path(path, "model.safetensors.index.json").read_text())["weight_map"]
     assert sorted(saved) == sorted(original)               # the names transformers itself writes
