@@ -134,10 +134,10 @@ def _conversions(model: nn.Module, saving: bool):
     return ([c for c in found if isinstance(c, WeightRenaming)], [c for c in found if isinstance(c, WeightConverter)])
 
 
-def expert_suffixes(converters) -> dict[str, str]:
+def expert_suffixes(converters, defaults: bool = True) -> dict[str, str]:
     """Per-expert tensor name suffix -> role (``gate``, ``up``, ``down``): the converters that
     stack per-expert tensors into the fused ones (merge over experts, then gate and up
-    concatenated along dim 1, gate first), first; then `DEFAULT_SUFFIXES`."""
+    concatenated along dim 1, gate first), first; then (``defaults``) `DEFAULT_SUFFIXES`."""
     table = {}
     for c in converters:
         target, sources = c.target_patterns[0], c.source_patterns
@@ -152,7 +152,7 @@ def expert_suffixes(converters) -> dict[str, str]:
         for source, role in zip(sources, roles):
             if ".*." in source:
                 table.setdefault(source.split(".*.", 1)[1], role)
-    for suffix, role in DEFAULT_SUFFIXES.items():
+    for suffix, role in DEFAULT_SUFFIXES.items() if defaults else ():
         table.setdefault(suffix, role)
     return table
 
@@ -410,8 +410,9 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, max_sha
 
     Collective over the EP group; with several EP groups (world > EP size), over the default
     group: the EP group holding global rank 0 writes, and every rank returns once the files are
-    complete (or raises why not). The replicated weights must be equal on every rank (see `hf.full_state_dict`'s
-    ``check_replicas``); ConfigMismatchError on every rank otherwise.
+    complete (or raises why not). The replicated weights must be equal on every rank (see
+    `hf.full_state_dict`'s ``check_replicas``): ConfigMismatchError on every rank otherwise.
+    ConfigError for a model family transformers keeps no per-expert layout for.
     """
     what = "expertrail.hf.save_pretrained"
     blocks = _patched_blocks(model)
@@ -452,11 +453,16 @@ def _write_shares(model, blocks, groups: EPGroups, save_directory, max_shard_siz
     from transformers.utils.hub import convert_file_size_to_int
     what = "expertrail.hf.save_pretrained"
     limit = convert_file_size_to_int(max_shard_size)
-    renamings, converters = _conversions(model, saving=True)
+    renamings, _ = _conversions(model, saving=True)
     reverse = [c.reverse_transform() for c in renamings[::-1]]
     names = {}
-    for suffix, role in expert_suffixes([c for c in _conversions(model, saving=False)[1]]).items():
+    for suffix, role in expert_suffixes(_conversions(model, saving=False)[1], defaults=False).items():
         names.setdefault(role, suffix)
+    if len(names) < 3:                      # the same on every rank: no collective needed to raise
+        raise ConfigError(f"{what}: transformers has no per-expert checkpoint layout for "
+                          f"{getattr(model.config, 'model_type', type(model).__name__)} (its conversion mapping does "
+                          "not stack per-expert tensors), so the experts cannot be written rank by rank in files it "
+                          "loads: gather them with expertrail.hf.full_state_dict(model) and save from one rank")
     # What this rank writes: name in the checkpoint -> a function giving the tensor.
     tensors: dict[str, tuple[int, callable]] = {}
     if groups.ep_rank == 0:
