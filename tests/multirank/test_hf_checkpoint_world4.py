@@ -3,8 +3,8 @@ share (expertrail.hf.from_pretrained / save_pretrained), with the whole model's 
 
 The checkpoints are tiny random Qwen3-MoE, Mixtral and DeepSeek-V3 models that transformers
 itself saves in several shards (per-expert tensors), plus Qwen3-MoE with fused 3-D experts.
-GPT-OSS is not among them: its experts have biases and a clamped SwiGLU, which the adapter
-refuses (hf.why_unsupported)."""
+GPT-OSS is not among them: its block (GptOssMLP: a `router`, experts with biases and a clamped
+SwiGLU) is not one the adapter reproduces (hf.why_unsupported says so)."""
 import pytest
 
 import expertrail as er
