@@ -193,6 +193,8 @@ def load_expecting_error(rank, world, path, how):
     groups = groups_for(None, 2)
     if how == "unreadable_on_one_rank":
         path = path if rank != 2 else path + "-missing"
+    elif how == "another_on_one_rank":
+        path = path if rank != 1 else path.replace("qwen3_moe", "mixtral")
     from_pretrained(path, groups)
 
 

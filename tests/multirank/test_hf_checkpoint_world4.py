@@ -68,7 +68,12 @@ BAD = {
 
 def test_bad_checkpoints_are_refused_on_every_rank_by_name(world4, checkpoints, tmp_path):
     bad = hf_checkpoint_ranks.write_bad_checkpoints(checkpoints, str(tmp_path))
-    bad["unreadable_on_one_rank"] = checkpoints["qwen3_moe"]
+    bad["unreadable_on_one_rank"] = bad["another_on_one_rank"] = checkpoints["qwen3_moe"]
+    errors = world4.run_expect_error(hf_checkpoint_ranks.load_expecting_error, bad["another_on_one_rank"],
+                                     "another_on_one_rank")
+    for exc in errors.values():
+        assert isinstance(exc, er.ConfigMismatchError), repr(exc)
+        assert "config.json (crc32)" in str(exc) and "every rank of the group must pass the same" in str(exc)
     for how, texts in BAD.items():
         errors = world4.run_expect_error(hf_checkpoint_ranks.load_expecting_error, bad[how], how)
         for exc in errors.values():
