@@ -16,7 +16,8 @@ built on first use. Each step it picks:
 The choice must be the same on every rank (each mode's exchange is collective), so it is made
 from an all-reduce(MAX) of two ints (tokens, needs gradients) over the EP group. A standalone
 layer agrees at every call; a patched model agrees once per forward (`attach_step`: its
-top-level forward opens a step, the first MoE block agrees, the others read that).
+top-level forward posts the all-reduce of its input's token count, which travels while the
+embeddings and the first attention run; the first MoE block reads it, the others read that).
 
 Default buckets: ``docs/benchmarks.md`` ("Decode: the low-latency mode") measured the
 low-latency mode ahead of the normal mode at 1, 8, 32 and 128 tokens per rank (2.4x at 8,
@@ -57,28 +58,53 @@ def check_buckets(buckets) -> tuple[int, ...]:
 
 
 class StepTokens:
-    """What one forward of a patched model agreed on, shared by its MoE blocks: None outside a
-    forward or before its first block, else (largest tokens per rank, any rank needs grad)."""
+    """What one forward of a patched model agreed on, shared by its MoE blocks: ``agreed`` is
+    None outside a forward or before its first block, else (largest tokens per rank, any rank
+    needs grad); ``pending``: the all-reduce the forward posted at its start, not yet read."""
 
     def __init__(self):
-        self.open, self.agreed = False, None
+        self.open, self.agreed, self.pending = False, None, None
+
+
+def _step_tokens(module: nn.Module, args, kwargs) -> tuple[int, bool] | None:
+    """(tokens, needs grad) of a causal LM forward from its ``input_ids`` [B, S] or
+    ``inputs_embeds`` [B, S, H] (a decoder's MoE blocks see B * S tokens); None if it has neither."""
+    ids = kwargs.get("input_ids", args[0] if args and torch.is_tensor(args[0]) else None)
+    embeds = kwargs.get("inputs_embeds")
+    if ids is None and embeds is None:
+        return None
+    tokens = ids.numel() if ids is not None else embeds.shape[:-1].numel()
+    grad = torch.is_grad_enabled() and (any(p.requires_grad for p in module.parameters())
+                                        or (embeds is not None and embeds.requires_grad))
+    return tokens, grad
 
 
 def attach_step(model: nn.Module, blocks: list) -> StepTokens:
-    """Make ``model``'s forward agree on the step once: a forward pre-hook opens a step, the
-    first of ``blocks`` (their `BucketedDispatch`) to run agrees and the others read it, and a
-    forward hook closes it. Returns the shared `StepTokens` (also at ``model._expertrail_step``)."""
+    """Make ``model``'s forward agree on the step once. Its forward pre-hook posts the all-reduce
+    of the step's tokens (from ``input_ids`` / ``inputs_embeds``) without waiting, so that it
+    travels while the embeddings and the first attention run; the first of ``blocks`` (their
+    `BucketedDispatch`) reads it (or agrees itself, for a forward without either input) and the
+    others read that; a forward hook closes the step. Returns the shared `StepTokens` (also at
+    ``model._expertrail_step``). If a block sees more tokens than its rank posted (not a plain
+    decoder), the low-latency dispatcher's own check raises on every rank."""
     step = StepTokens()
+    groups = blocks[0].groups
 
-    def opened(module, args):
-        step.open, step.agreed = True, None
+    def opened(module, args, kwargs):
+        step.open, step.agreed, step.pending = True, None, None
+        mine = _step_tokens(module, args, kwargs)
+        if mine is not None:
+            t = torch.tensor([mine[0], int(mine[1])], dtype=torch.int64, device=groups.device)
+            with guarded("bucketed dispatch's token count all-reduce", groups):
+                step.pending = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.ep_group, async_op=True), t)
 
     def closed(module, args, output):
-        step.open, step.agreed = False, None
+        step.open, step.agreed, step.pending = False, None, None
     for b in blocks:
         b.step = step
     model._expertrail_step = step
-    model._expertrail_step_hooks = (model.register_forward_pre_hook(opened), model.register_forward_hook(closed))
+    model._expertrail_step_hooks = (model.register_forward_pre_hook(opened, with_kwargs=True),
+                                    model.register_forward_hook(closed))
     return step
 
 
@@ -119,9 +145,14 @@ class BucketedDispatch:
     def agree(self, tokens: int, needs_grad: bool) -> tuple[int, bool]:
         """(largest tokens per rank, any rank needs grad) over the EP group: one all-reduce(MAX)
         of two ints. In a step opened by `attach_step`, the first call agrees and later ones read it."""
-        if self.step is not None and self.step.agreed is not None:
-            return self.step.agreed
-        g = self.groups
+        step, g = self.step, self.groups
+        if step is not None and step.agreed is None and step.pending is not None:
+            work, t = step.pending
+            with guarded("bucketed dispatch's token count all-reduce", g):
+                work.wait()
+            step.agreed, step.pending = (int(t[0]), bool(t[1])), None
+        if step is not None and step.agreed is not None:
+            return step.agreed
         t = torch.tensor([tokens, int(needs_grad)], dtype=torch.int64, device=g.device)
         with guarded("bucketed dispatch's token count all-reduce", g):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.ep_group)

@@ -217,9 +217,15 @@ def _against_megatron(record: dict) -> str:
     return _fenced(against_megatron_table(record))
 
 
+def _serve_bench(record: dict) -> str:
+    """`expertrail serve-bench`'s summary, as it prints it."""
+    from .serve_bench import summary_lines
+    return _fenced("\n".join(summary_lines(record)))
+
+
 KINDS = {"calibration": _calibration, "bench": _bench, "overlap": _overlap, "decode": _decode, "train": _train, "cluster": _cluster, "serve-sim": _serve_sim,
          "user-process": _user_process, "user-process-soak": _user_process_soak,
-         "against-megatron": _against_megatron, "output": _output}
+         "against-megatron": _against_megatron, "output": _output, "serve-bench": _serve_bench}
 
 
 def render(kind: str, record_path: Path) -> str:

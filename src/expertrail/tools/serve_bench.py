@@ -95,10 +95,13 @@ class TopicDrift:
     def __init__(self, num_experts: int, skew: float, seed: int):
         from .serving import DriftingZipf
         self.zipf = DriftingZipf(num_experts, 1, 1.0, drift_every=1, seed=seed)
-        self.skew, self.topic = skew, 0
+        self.skew, self.topic, self._bias = skew, 0, {}
 
     def bias(self):
-        return (self.skew * self.zipf.popularity(self.topic).log()).float()
+        """float32 [E]: this topic's logit shift (made once per topic)."""
+        if self.topic not in self._bias:
+            self._bias[self.topic] = (self.skew * self.zipf.popularity(self.topic).log()).float()
+        return self._bias[self.topic]
 
     def attach(self, gate) -> None:
         if not hasattr(gate, "top_k"):
