@@ -58,11 +58,24 @@ def test_alltoall_lands_in_place_from_the_threshold_run_size(world4):
 
 def test_hierarchical_splits_its_domain_hop_only_across_domains(world4):
     """With several domains of several ranks, the domain hop is a SplitHop whose early part
-    forwards only the rail hop's own block; with one domain, or domains of one rank, it is not."""
+    forwards only the rail hop's own block and whose late pieces are the rail hop's pieces of
+    the other domain's block, in order; with one domain, or domains of one rank, it is not."""
     for domain_size, split in ((2, True), (1, False), (4, False)):
-        for kinds, early_ok in world4.run(backends_ranks.hierarchical_hop_kinds, domain_size):
-            assert ("SplitHop" in kinds) == split, (domain_size, kinds)
-            assert early_ok is (True if split else None)
+        for chunks in (None, 1, 3):
+            for rank, (kinds, early_ok, pieces) in enumerate(
+                    world4.run(backends_ranks.hierarchical_hop_kinds, domain_size, chunks)):
+                assert ("SplitHop" in kinds) == split, (domain_size, kinds)
+                assert early_ok is (True if split else None)
+                other = 1 - rank // 2
+                count = {None: er.dispatch.hierarchical.DEFAULT_PIPELINE_CHUNKS, 1: 1, 3: 3}[chunks]
+                assert pieces == ([(other, j) for j in range(count)] if split else [])
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 16])
+def test_hierarchical_pipeline_chunks_match_reference(world4, chunks):
+    """Any number of pieces (more than a block has rows too): rows, combine and gradients as
+    the reference's."""
+    assert world4.run(backends_ranks.check_backend, "hierarchical", None, 2, pipeline_chunks=chunks) == [8] * 4
 
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))

@@ -10,6 +10,7 @@ places, piece by piece. `TransferStats` counts what one operation sent, per link
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -119,7 +120,7 @@ class Channel:
         return dist.batch_isend_irecv(ops)
 
     def all_to_all(self, rows: torch.Tensor, send_splits: list, recv_splits: list, own: tuple | None = None,
-                   out: torch.Tensor | None = None, own_later: bool = False) -> Transfer:
+                   out: torch.Tensor | None = None, own_later: bool = False, pieces: int = 1) -> Transfer:
         """Start sending ``rows [sum(send_splits), C]`` in per-member blocks; the Transfer
         yields [sum(recv_splits), C] (received into ``out`` when given). ``own = (source,
         index)``: the block this rank sends itself is ``source[index[block]]``, gathered
@@ -130,7 +131,9 @@ class Channel:
         On gloo the blocks go as point-to-point transfers, all posted at once: gloo's
         all-to-all runs its peers in lockstep steps, so with more ranks than cores one
         descheduled peer stalls every step (docs/decisions.md: All-to-all on gloo as
-        point-to-point transfers).
+        point-to-point transfers). ``pieces`` > 1 (gloo): each block travels as that many
+        consecutive pieces (`piece_bounds`), and the Transfer's ``pieces`` lists (start, end,
+        Transfer) of each piece received (rows of the output), to be waited for as it lands.
         """
         if self.size == 1:       # a group of one: nothing to exchange
             mine = take_rows(*own, out=out) if own is not None else rows if out is None else out.copy_(rows)
@@ -152,10 +155,36 @@ class Channel:
         if not self.gloo:
             work = dist.all_to_all_single(out, rows, recv_splits, send_splits, group=self.group, async_op=True)
             return Transfer(out, [work], own_rows=mine)
-        tag = self.reserve_tags(1)
-        recvs = [(received[p], p, tag) for p, c in enumerate(recv_splits) if c and p != me]
-        sends = [(sent[p], p, tag) for p, c in enumerate(send_splits) if c and p != me]
-        return Transfer(out, self.post(sends, recvs), own_rows=mine)
+        if pieces == 1:
+            tag = self.reserve_tags(1)
+            recvs = [(received[p], p, tag) for p, c in enumerate(recv_splits) if c and p != me]
+            sends = [(sent[p], p, tag) for p, c in enumerate(send_splits) if c and p != me]
+            return Transfer(out, self.post(sends, recvs), own_rows=mine)
+        tag = self.reserve_tags(pieces)
+        sends = [(sent[p][a:b], p, tag + j) for p, c in enumerate(send_splits) if p != me
+                 for j, (a, b) in enumerate(piece_bounds(c, pieces)) if b > a]
+        starts = [0] + list(accumulate(recv_splits))
+        bounds = {p: [(starts[p] + a, starts[p] + b, j) for j, (a, b) in enumerate(piece_bounds(c, pieces)) if b > a]
+                  for p, c in enumerate(recv_splits) if p != me}
+        recvs = [(out[a:b], p, tag + j) for p, listed in bounds.items() for a, b, j in listed]
+        works = self.post(sends, recvs)
+        landing = iter(Transfer(out[a:b], [work]) for (a, b, j), work in
+                       zip([piece for listed in bounds.values() for piece in listed], works))
+        received_pieces = [(a, b, next(landing)) for listed in bounds.values() for a, b, _ in listed]
+        transfer = Transfer(out, [t for _, _, t in received_pieces] + works[len(recvs):], own_rows=mine)
+        transfer.pieces = received_pieces
+        return transfer
+
+    def pieces_back(self, out: torch.Tensor, send_splits: list, recv_splits: list, pieces: int) -> "PieceSends":
+        """The reverse of a ``pieces`` all-to-all whose rows are computed piece by piece: every
+        piece to receive is posted now (into ``out [sum(recv_splits), C]``), each piece to send
+        when the caller has it (`PieceSends.send`). gloo only."""
+        tag = self.reserve_tags(pieces)
+        starts = [0] + list(accumulate(recv_splits))
+        recvs = [(out[starts[p] + a:starts[p] + b], p, tag + j) for p, c in enumerate(recv_splits) if p != self.rank
+                 for j, (a, b) in enumerate(piece_bounds(c, pieces)) if b > a]
+        return PieceSends(self, tag, pieces, send_splits, Transfer(out, self.post([], recvs)),
+                          out[starts[self.rank]:starts[self.rank + 1]])
 
     def all_gather(self, rows: torch.Tensor, counts: list) -> Transfer:
         """Start gathering every member's rows; the Transfer yields them concatenated in member
@@ -172,6 +201,33 @@ class Channel:
             return Transfer(out, [work])
         keep = torch.cat([torch.arange(p * most, p * most + c, device=rows.device) for p, c in enumerate(counts)])
         return Transfer(out, [work], lambda full: full.index_select(0, keep))
+
+
+def piece_bounds(count: int, pieces: int) -> list[tuple[int, int]]:
+    """(start, end) of each of the ``pieces`` consecutive pieces a block of ``count`` rows
+    travels in: near-equal, the larger first, empty where ``count < pieces``. Sender and
+    receiver compute it alike from the block's size."""
+    base, extra = divmod(count, pieces)
+    ends = list(accumulate(base + (j < extra) for j in range(pieces)))
+    return list(zip([0] + ends[:-1], ends))
+
+
+class PieceSends:
+    """A pieces all-to-all whose receives are posted and whose sends are posted one piece at a
+    time, as the caller computes them (`Channel.pieces_back`). ``transfer``: every piece
+    received; wait for it only once every piece has been sent. ``own_rows``: the block this
+    rank sends itself, to be filled in place by the caller."""
+
+    def __init__(self, channel: Channel, tag: int, pieces: int, send_splits: list, transfer: Transfer,
+                 own_rows: torch.Tensor):
+        self.channel, self.tag, self.pieces, self.transfer, self.own_rows = channel, tag, pieces, transfer, own_rows
+        self.starts = [0] + list(accumulate(send_splits))
+        self.bounds = [piece_bounds(c, pieces) for c in send_splits]
+
+    def send(self, member: int, piece: int, rows: torch.Tensor) -> None:
+        """Post piece ``piece`` of the block to ``member``: ``rows`` [piece rows, C]."""
+        if rows.shape[0]:
+            self.transfer._works += self.channel.post([(rows, member, self.tag + piece)], [])
 
 
 @dataclass

@@ -4,8 +4,17 @@ Hop 1 sends one row per (token, destination domain) over the rail group, to the 
 domain with the sender's local index. Hop 2 forwards one row per (token, destination rank)
 inside the domain. Combine reduces inside the domain before a row crosses domains again, so
 the slow inter-domain link carries each token at most once per domain, both ways.
+
+The two hops are a pipeline (`route.SplitHop`): the rows a rank sent itself in hop 1 are
+forwarded at once, and every other block of hop 1 travels in ``pipeline_chunks`` pieces, each
+forwarded inside the domain as soon as it lands, while the next ones are still on the slow
+link. Combine runs it backwards: each piece's partial sums start back across the slow link as
+soon as they are summed. The control exchange carries, per destination rank, the rows of each
+piece, so a receiver knows what each forwarded piece holds before it lands.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -14,12 +23,50 @@ from .routing import token_membership
 from .base import Dispatcher
 from .planning import Outgoing, weight_bits
 from .dedup import local_ids_for
-from .route import AllToAllHop, SplitHop, Stage
+from ..comm.transport import piece_bounds
+from ..errors import ConfigError
+from .config import DispatchConfig
+from .route import AllToAllHop, Forwarded, SplitHop, Stage
+
+# Pieces per hop-1 block when the caller gives none: measured on the emulated cluster
+# (docs/benchmarks.md, "The two-level pipeline").
+DEFAULT_PIPELINE_CHUNKS = 4
+
+
+@dataclass(frozen=True)
+class HierarchicalConfig(DispatchConfig):
+    """hierarchical's settings. pipeline_chunks: pieces each rail-hop block travels in, each
+    forwarded inside the domain as it lands (1: the block at once; None: the default,
+    `DEFAULT_PIPELINE_CHUNKS`)."""
+
+    pipeline_chunks: int | None = None
+
+    @property
+    def chunks(self) -> int:
+        return DEFAULT_PIPELINE_CHUNKS if self.pipeline_chunks is None else int(self.pipeline_chunks)
+
+    def check(self) -> None:
+        super().check()
+        c = self.pipeline_chunks
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 64):
+            raise ConfigError(f"pipeline_chunks={c!r} must be an integer from 1 to 64 (or None for "
+                              f"{DEFAULT_PIPELINE_CHUNKS})")
 
 
 class HierarchicalDispatcher(Dispatcher):
     name = "hierarchical"
-    count_columns = 2
+    Config = HierarchicalConfig
+
+    @property
+    def count_columns(self) -> int:
+        """Rows per destination rank in hop 2, rows to the rail peer in hop 1, then (pipelined)
+        hop 2's rows per piece."""
+        chunks = self.config.chunks
+        return 2 + chunks if chunks > 1 else 2
+
+    def _pipelined(self) -> bool:
+        g = self.groups
+        return self.config.chunks > 1 and g.num_domains > 1 and g.domain_size > 1
 
     def _outgoing(self, topk_idx):
         g = self.groups
@@ -30,8 +77,30 @@ class HierarchicalDispatcher(Dispatcher):
         to_rail_peer = torch.zeros(g.ep_size, dtype=torch.int64, device=topk_idx.device)
         to_rail_peer[g.domain_rank::g.domain_size] = per_domain
         domain, token = torch.nonzero(layout.token_in_domain.t()).unbind(1)            # hop 1 rows
-        return Outgoing(topk_idx, torch.stack([layout.tokens_per_rank, to_rail_peer], 1), token,
-                          per_domain.tolist(), g.domain_index, domain)
+        counts = [layout.tokens_per_rank, to_rail_peer]
+        if self.config.chunks > 1:
+            counts += list(self._rows_per_piece(topk_idx, domain, token, per_domain).unbind(1))
+        return Outgoing(topk_idx, torch.stack(counts, 1), token, per_domain.tolist(), g.domain_index, domain)
+
+    def _rows_per_piece(self, topk_idx, domain, token, per_domain) -> torch.Tensor:
+        """int64 [P, chunks]: for each EP rank q, the hop-1 rows of each piece of this rank's block
+        to q's domain that q receives in hop 2 (the tokens with an expert on q)."""
+        g, chunks = self.groups, self.config.chunks
+        dev = topk_idx.device
+        # The piece of each hop-1 row: its place in its domain's block, cut as `piece_bounds` cuts.
+        starts = torch.cumsum(per_domain, 0) - per_domain
+        place = torch.arange(token.numel(), device=dev) - starts[domain]
+        base, extra = per_domain[domain] // chunks, per_domain[domain] % chunks
+        long_rows = extra * (base + 1)                    # the first `extra` pieces hold base + 1 rows
+        piece = torch.where(place < long_rows, place // (base + 1),
+                            extra + (place - long_rows) // base.clamp(min=1))
+        ids = topk_idx[token]
+        ranks = self.rank_of_expert[ids.clamp(min=0)]
+        ranks = torch.where((ids >= 0) & (ranks // g.domain_size == domain.unsqueeze(1)), ranks, -1)
+        on = torch.zeros(token.numel(), g.ep_size + 1, dtype=torch.bool, device=dev)
+        on[torch.arange(token.numel(), device=dev).unsqueeze(1), ranks.clamp(min=-1) % (g.ep_size + 1)] = True
+        row, rank = torch.nonzero(on[:, :g.ep_size]).unbind(1)
+        return torch.bincount(rank * chunks + piece[row], minlength=g.ep_size * chunks).view(g.ep_size, chunks)
 
     def _stages(self, topk_weights, outgoing, recv_counts, headers):
         topk_idx, domain, token = outgoing.topk_idx, outgoing.dest, outgoing.token
@@ -41,11 +110,12 @@ class HierarchicalDispatcher(Dispatcher):
         size, first = g.domain_size, g.domain_index * g.domain_size
         # Hop 1: over the rail group, one row per (token, domain). A row carries its source
         # (rank, token), the ids of its experts in the destination domain and its weights.
+        chunks = self.config.chunks if self._pipelined() else 1
         hop1 = AllToAllHop.numbered(token, n, min(topk, g.num_domains), channel=g.rail_channel,
                                     send_splits=outgoing.send_splits,
                                     recv_splits=recv_counts[g.domain_rank::size, 1].tolist(),
                                     peers=[d * size + g.domain_rank for d in range(g.num_domains)],
-                                    meta_bytes=metadata_bytes(self.name, topk), me=g.domain_index)
+                                    meta_bytes=metadata_bytes(self.name, topk), me=g.domain_index, pieces=chunks)
         ids = topk_idx[token]
         mask = (ids >= 0) & (self.rank_of_expert[ids.clamp(min=0)] // size == domain.unsqueeze(1))
         meta = yield Stage(hop1, torch.cat([torch.full_like(token, g.ep_rank).unsqueeze(1), token.unsqueeze(1),
@@ -76,12 +146,23 @@ class HierarchicalDispatcher(Dispatcher):
         if g.num_domains == 1 or size == 1:
             meta2 = yield Stage(*part(rows, 0, rows.numel(), hop2_recv.sum(0).tolist()))
         else:
+            # Early: the rows this rank sent itself in hop 1, forwarded at once. Late: each piece
+            # of every other domain's block, piece by piece (all domains' first pieces first).
             start, end = hop1.own_block_received()
-            mine = (rows >= start) & (rows < end)
-            early, early_meta = part(rows[mine], start, end - start, hop2_recv[g.domain_index].tolist())
-            late, late_meta = part(rows[~mine], 0, rows.numel(),
-                                   (hop2_recv.sum(0) - hop2_recv[g.domain_index]).tolist())
-            meta2 = yield Stage(SplitHop(early, late, (start, end)), [early_meta, late_meta])
+            early, early_meta = part(rows[start:end], start, end - start, hop2_recv[g.domain_index].tolist())
+            blocks = hop1.recv_splits
+            late, late_meta = [], []
+            for j in range(chunks):
+                for d in range(g.num_domains):
+                    if d == g.domain_index:
+                        continue
+                    first_row = sum(blocks[:d])
+                    a, b = (first_row + x for x in piece_bounds(blocks[d], chunks)[j])
+                    column = 2 + j if chunks > 1 else 0
+                    hop, meta_part = part(rows[a:b], a, b - a, recv_counts[d * size:(d + 1) * size, column].tolist())
+                    late.append(Forwarded(d, j, a, b, hop))
+                    late_meta.append(meta_part)
+            meta2 = yield Stage(SplitHop(early, late, (start, end), rows.numel()), [early_meta, *late_meta])
 
         # Rows arrive grouped by forwarding rank; sort each expert's rows by (source, token).
         most = max(1, int(headers.num_tokens.max()))

@@ -21,7 +21,8 @@ import torch
 from .. import kernels
 from ..kernels.torch_ops import CopyPositions, stable_argsort
 from ..comm.topology import guarded
-from ..comm.transport import Channel, LandingRuns, Transfer, TransferStats, concat_transfers, later, link_class
+from ..comm.transport import (Channel, LandingRuns, PieceSends, Transfer, TransferStats, concat_transfers, later,
+                              link_class)
 from ..kernels.workspace import Workspace, allocate, allocate_zeros
 
 
@@ -166,6 +167,9 @@ class AllToAllHop(Hop):
     meta_bytes: metadata bytes sent with each row on the way out (ids, weights, sources)
     me: this rank's index in ``channel``, when the rows it sends itself are gathered straight
         into place instead of through the send buffer (None: they go through it)
+    pieces: each block travels in this many pieces (`transport.piece_bounds`), so that the next
+        hop can forward each piece as it lands (`SplitHop`), and combine sends each piece back
+        as soon as it is summed (gloo)
     """
 
     channel: Channel
@@ -174,6 +178,7 @@ class AllToAllHop(Hop):
     peers: list
     meta_bytes: int = 0
     me: int | None = None
+    pieces: int = 1
 
     communicates = True
     kind = "all-to-all"
@@ -192,7 +197,7 @@ class AllToAllHop(Hop):
         if sent is None:
             sent = self.gather(rows, self.own_block())
             own = None if kernels.use_triton(rows) else own   # the kernel wrote every row
-        transfer = self.channel.all_to_all(sent, self.send_splits, self.recv_splits, own, out)
+        transfer = self.channel.all_to_all(sent, self.send_splits, self.recv_splits, own, out, pieces=self.pieces)
         return transfer if async_op else transfer.wait()
 
     def own_block(self) -> tuple | None:
@@ -218,6 +223,18 @@ class AllToAllHop(Hop):
     @property
     def can_fill_own_later(self) -> bool:
         return self.channel.gloo
+
+    @property
+    def sends_back_in_pieces(self) -> bool:
+        return self.pieces > 1 and self.channel.gloo
+
+    def send_back_pieces(self, like: torch.Tensor) -> PieceSends:
+        """Start the reverse exchange piece by piece (``sends_back_in_pieces``): every piece
+        coming back is posted now; the caller sends each of its own as it has it
+        (`PieceSends.send`) and fills its own block in place. ``like``: rows of the dtype and
+        width sent back."""
+        out = allocate((sum(self.send_splits), *like.shape[1:]), like.dtype, like.device)
+        return self.channel.pieces_back(out, self.recv_splits, self.send_splits, self.pieces)
 
     def reverse(self, back: Transfer, before: "AllToAllHop | None", dtype: torch.dtype, landed):
         """Combine's step through this hop: wait for the rows coming back (``back``, from
@@ -287,75 +304,129 @@ class AllGatherHop(AllToAllHop):
         return [max(self.recv_splits)] * len(self.peers)     # the all-gather sends padded rows
 
 
+@dataclass
+class Forwarded:
+    """One piece of a `SplitHop`'s late part: rows ``[start, end)`` of the previous level,
+    piece ``piece`` of the block received from member ``member`` of the previous hop's channel,
+    forwarded by ``hop`` (whose ``index`` counts from ``start``)."""
+
+    member: int
+    piece: int
+    start: int
+    end: int
+    hop: AllToAllHop
+
+
 class SplitHop:
-    """A communicating hop sent as two exchanges, so that it starts before the hop before it
-    has landed: the two-level route's pipelining, as in DeepEP's and Hybrid-EP's internode
+    """A communicating hop sent as several exchanges, so that it starts before the hop before it
+    has landed: the two-level route's pipeline, as in DeepEP's and Hybrid-EP's internode
     kernels, whose NVLink stage forwards rows while others are still crossing the NIC.
 
     early: forwards the rows of the previous level that this rank sent itself (its own block,
         rows ``own = (start, end)``), in place as soon as the previous exchange is posted; its
         ``index`` counts from ``start``
-    late: forwards the others once they land; its ``index`` is over the whole previous level
-        (none of its copies is in the own block)
+    late: `Forwarded` pieces, one per piece of every other member's block of the previous hop
+        (which sends its blocks in pieces, `AllToAllHop.pieces`), each forwarded as soon as it
+        lands, in this order (the same on every rank of the channel: the exchanges draw their
+        tags in it)
+    level_rows: rows of the previous level
 
-    Rows are received early's first, then late's. Combine runs the mirror image: late's rows
-    go back first, and the previous hop's reverse exchange starts as soon as they are summed,
-    while early's are still coming back (on gloo, whose point-to-point transfers let this
-    rank's own block be filled after the others are posted).
+    Rows are received early's first, then each late piece's. Combine runs the mirror image:
+    the late pieces' rows go back first, and each piece's sums start back through the previous
+    hop as soon as they are summed (`AllToAllHop.send_back_pieces`), while the others are still
+    coming back.
     """
 
     communicates = True
     kind = "all-to-all"
 
-    def __init__(self, early: AllToAllHop, late: AllToAllHop, own: tuple):
-        self.early, self.late, self.own = early, late, own
+    def __init__(self, early: AllToAllHop, late: list, own: tuple, level_rows: int):
+        if not late:
+            raise ValueError("a split hop forwards pieces of other members' blocks: late is empty")
+        self.early, self.late, self.own, self.level_rows = early, late, own, level_rows
+
+    @property
+    def parts(self) -> list:
+        return [self.early] + [f.hop for f in self.late]
 
     # One exchange's view, for stats and for the bench's bare collectives.
-    channel = property(lambda self: self.late.channel)
-    peers = property(lambda self: self.late.peers)
-    meta_bytes = property(lambda self: self.late.meta_bytes)
-    send_splits = property(lambda self: [a + b for a, b in zip(self.early.send_splits, self.late.send_splits)])
-    recv_splits = property(lambda self: [a + b for a, b in zip(self.early.recv_splits, self.late.recv_splits)])
+    channel = property(lambda self: self.early.channel)
+    peers = property(lambda self: self.early.peers)
+    meta_bytes = property(lambda self: self.early.meta_bytes)
+    send_splits = property(lambda self: [sum(c) for c in zip(*(h.send_splits for h in self.parts))])
+    recv_splits = property(lambda self: [sum(c) for c in zip(*(h.recv_splits for h in self.parts))])
 
     def forward(self, level, async_op: bool = False, sent=None):
         """The previous level's rows [num_src, C], or the `Transfer` bringing them -> the rows
-        received [sum(recv_splits), C]: early's exchange is posted before ``level`` is waited for.
-        (``sent``: as other hops take it; a split hop is never a route's first.)"""
+        received [sum(recv_splits), C]: early's exchange is posted before ``level`` is waited
+        for, each late piece's as soon as its piece has landed. (``sent``: as other hops take
+        it; a split hop is never a route's first.)"""
         start, end = self.own
         in_flight = isinstance(level, Transfer)
         own_rows = level.own_rows if in_flight and level.own_rows is not None else None
         if own_rows is None:
             own_rows = (level.wait() if in_flight else level)[start:end]
-        split = sum(self.early.recv_splits)
-        out = allocate((split + sum(self.late.recv_splits), *own_rows.shape[1:]), own_rows.dtype, own_rows.device)
-        early = self.early.forward(own_rows, async_op=True, out=out[:split])
-        late = self.late.forward(level.wait() if in_flight else level, async_op=True, out=out[split:])
-        transfer = Transfer(out, [early, late])
+        sizes = [sum(h.recv_splits) for h in self.parts]
+        out = allocate((sum(sizes), *own_rows.shape[1:]), own_rows.dtype, own_rows.device)
+        outs = out.split_with_sizes(sizes)
+        exchanges = [self.early.forward(own_rows, async_op=True, out=outs[0])]
+        landing = {(a, b): t for a, b, t in getattr(level, "pieces", ())} if in_flight else {}
+        for piece, piece_out in zip(self.late, outs[1:]):
+            if piece.end == piece.start:
+                rows = own_rows[:0]
+            elif (piece.start, piece.end) in landing:
+                rows = landing[(piece.start, piece.end)].wait()
+            else:
+                rows = (level.wait() if in_flight else level)[piece.start:piece.end]
+            exchanges.append(piece.hop.forward(rows, async_op=True, out=piece_out))
+        # The previous hop's own sends must be waited for too (a gloo send dropped unwaited is
+        # never completed).
+        transfer = Transfer(out, exchanges + ([level] if in_flight else []))
         return transfer if async_op else transfer.wait()
 
     def send_meta(self, meta: list) -> Transfer:
-        """Metadata [early's, late's], received as early's then late's (as the rows)."""
-        return concat_transfers([part.send_meta(m) for part, m in zip((self.early, self.late), meta)])
+        """Metadata [early's, each late piece's], received in the rows' order."""
+        return concat_transfers([part.send_meta(m) for part, m in zip(self.parts, meta)])
 
     def send_back(self, rows: torch.Tensor) -> tuple:
-        """Start the reverse exchanges, late's rows first -> (early's, late's) Transfers."""
-        split = sum(self.early.recv_splits)
-        late = self.late.send_back(rows[split:])
-        return self.early.send_back(rows[:split]), late
+        """Start the reverse exchanges, the late pieces' rows first -> (early's Transfer, the
+        late pieces' Transfers)."""
+        parts = rows.split_with_sizes([sum(h.recv_splits) for h in self.parts])
+        late = [piece.hop.send_back(part) for piece, part in zip(self.late, parts[1:])]
+        return self.early.send_back(parts[0]), late
 
     def reverse(self, back: tuple, before: AllToAllHop | None, dtype: torch.dtype, landed):
-        """See `AllToAllHop.reverse`; ``before``'s reverse exchange starts once late's rows are summed."""
+        """See `AllToAllHop.reverse`; each late piece's sums start back through ``before`` as
+        soon as they are summed (pieces), or once all are (one exchange)."""
         early, late = back
-        late = late.wait()
+        late[0].wait()
         try:
             weights = landed()
         except BaseException:
-            early.wait()                  # raise with nothing of this hop left in flight
+            for transfer in (early, *late):
+                transfer.wait()           # raise with nothing of this hop left in flight
             raise
         if weights is not None:
             raise ValueError("a split hop is never a route's first hop, whose reduce alone takes weights")
-        summed = self.late.reduce(late, None, dtype)          # zeros on the own block
         start, end = self.own
+        if before is not None and before.sends_back_in_pieces:
+            pending = None
+            for piece, transfer in zip(self.late, late):
+                summed = piece.hop.reduce(transfer.wait(), None, dtype)
+                if pending is None:
+                    pending = before.send_back_pieces(summed)
+                pending.send(piece.member, piece.piece, summed)
+            own = self.early.reduce(early.wait(), None, dtype)
+            if pending is None:
+                pending = before.send_back_pieces(own)
+            pending.own_rows.copy_(own)
+            return pending.transfer
+        summed = None
+        for piece, transfer in zip(self.late, late):
+            rows = piece.hop.reduce(transfer.wait(), None, dtype)
+            if summed is None:                # every row is some piece's or the own block's
+                summed = allocate((self.level_rows, *rows.shape[1:]), rows.dtype, rows.device)
+            summed[piece.start:piece.end] = rows
         if before is not None and before.can_fill_own_later:
             pending = before.send_back(summed, own_later=True)
             pending.own_rows.copy_(self.early.reduce(early.wait(), None, dtype))
@@ -367,7 +438,7 @@ class SplitHop:
 
     def add_stats(self, stats: TransferStats, payload_bytes: int, my_rank: int, domain_size: int,
                   backward: bool = False) -> None:
-        for part in (self.early, self.late):
+        for part in self.parts:
             part.add_stats(stats, payload_bytes, my_rank, domain_size, backward)
 
 
