@@ -27,7 +27,7 @@ blocks back.
 from __future__ import annotations
 
 import copy
-import functools
+import types
 import zlib
 
 import torch
@@ -429,7 +429,7 @@ def patch_model(model: nn.Module, groups: EPGroups, backend: str = "alltoall", c
     if callable(getattr(model, "save_pretrained", None)):
         model.save_pretrained = _refuse_save_pretrained
     if callable(getattr(model, "generate", None)):
-        model.generate = _synced_generate(model.generate)
+        model.generate = types.MethodType(_synced_generate, model)     # bound: a deepcopy rebinds it
     return len(targets)
 
 
@@ -441,17 +441,14 @@ def _refuse_save_pretrained(*args, **kwargs):
                       "or unpatch_model(model) (collective) and then call save_pretrained on one rank")
 
 
-def _synced_generate(generate):
-    """``generate`` with ``synced_gpus=True`` unless the caller says otherwise: a rank whose
-    sequences are done keeps running forward passes (transformers' own loop: an all_reduce
-    of a "finished" flag over the default process group each step) until every rank is, so
-    the MoE layers' exchanges never miss a rank. Every rank of the default group must call it."""
-    @functools.wraps(generate)
-    def synced(*args, **kwargs):
-        kwargs.setdefault("synced_gpus", True)
-        return generate(*args, **kwargs)
-    synced.expertrail_synced = True
-    return synced
+def _synced_generate(model, *args, **kwargs):
+    """The model class's ``generate`` with ``synced_gpus=True`` unless the caller says
+    otherwise: a rank whose sequences are done keeps running forward passes (transformers' own
+    loop: an all_reduce of a "finished" flag over the default process group each step) until
+    every rank is, so the MoE layers' exchanges never miss a rank. Every rank of the default
+    group must call it."""
+    kwargs.setdefault("synced_gpus", True)
+    return type(model).generate(model, *args, **kwargs)
 
 
 def _patched_blocks(model: nn.Module) -> list[tuple[str, ExpertParallelMoE]]:
@@ -533,7 +530,7 @@ def unpatch_model(model: nn.Module) -> int:
         _replace(model, name, block.unpatch())
     if vars(model).get("save_pretrained") is _refuse_save_pretrained:
         del model.save_pretrained
-    if getattr(vars(model).get("generate"), "expertrail_synced", False):
+    if getattr(vars(model).get("generate"), "__func__", None) is _synced_generate:
         del model.generate
     if blocks:
         exclude_experts_from_ddp(model)        # the experts are plain parameters again: DDP may sync them
