@@ -293,3 +293,13 @@ def test_internode_figure_counts_the_own_node_rows():
         assert tr.domain_rows / tr.rows["inter"] == pytest.approx(ratio, rel=0.03)
     inside = predict(HARDWARE["h100"], model, EPLayout(8, 8), "hierarchical", idx[:, :8] % 64, sms=8)
     assert inside.slow_link_GBps is None
+
+
+def test_piped_stages_take_the_slowest_plus_a_piece_of_the_others():
+    """The two-level route as a pipeline of n pieces: n = 1 is the stages one after the other,
+    many pieces approach the slowest stage alone (DeepEP's and Hybrid-EP's streaming)."""
+    from expertrail.plan.cost import piped
+    assert piped([3.0, 1.0], False) == 4.0
+    assert piped([3.0, 1.0], True) == 3.0
+    assert piped([3.0, 1.0, 2.0], 4) == 3.0 + 3.0 / 4
+    assert piped([], 4) == 0.0

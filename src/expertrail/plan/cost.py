@@ -261,13 +261,15 @@ class Prediction:
 
 
 def predict(hw: Hardware, model: MoEModel, layout: EPLayout, algorithm: str, topk_idx: np.ndarray,
-            sms: int | None = None, precision: str = "bf16", pipelined: bool = True,
+            sms: int | None = None, precision: str = "bf16", pipelined: bool | int = True,
             engine: bool = False) -> Prediction:
     """Predicted dispatch and combine time of ``algorithm`` for rank 0's ``topk_idx``.
 
-    pipelined: the stages of a two-level route overlap (DeepEP's and Hybrid-EP's kernels stream
-    chunks from the NIC stage into the NVLink stage); False for an engine that runs them one
-    after the other (expertrail's own hierarchical route: rail hop, then domain hop).
+    pipelined: how the stages of a two-level route overlap. True: they stream (DeepEP's and
+    Hybrid-EP's kernels move fine-grained chunks from the NIC stage into the NVLink stage), the
+    slowest link sets the time; False: one after the other; an int n: each block crosses the
+    slow link in n pieces, each forwarded as it lands (expertrail's hierarchical route with
+    ``pipeline_chunks=n``), so the slowest link's time plus 1/n of the others' (`piped`).
     engine: predict expertrail's own engine rather than DeepEP's or Hybrid-EP's kernels:
     dispatch rows carry its metadata (`metadata_bytes`), and on a machine with measured local
     pass figures (``Hardware.local_copy_GBps``, ``local_reduce_GBps``) its local passes
@@ -294,7 +296,7 @@ def predict(hw: Hardware, model: MoEModel, layout: EPLayout, algorithm: str, top
             return 0.0, "none"
         # Links work concurrently (pipelined chunks on the two-level path); each stage adds latency.
         overhead = rows * FP8_ROW_OVERHEAD_S if size < 2 * model.hidden else 0.0
-        transfer = max(times.values()) if pipelined else sum(times.values())
+        transfer = piped(list(times.values()), pipelined)
         return transfer + overhead + local_passes(direction) + sum(stage_latency(hw, kind, link) for link in times), \
             max(times, key=times.get)
 
@@ -315,6 +317,17 @@ def predict(hw: Hardware, model: MoEModel, layout: EPLayout, algorithm: str, top
     return Prediction(algorithm, dispatch, combine, tr.rows,
                       {k: v * row_bytes(model, precision, "dispatch") for k, v in tr.rows.items()},
                       bottleneck, logical / dispatch / 1e9 if dispatch > 0 else 0.0, sms, slow_link)
+
+
+def piped(stage_times: list, pipelined: bool | int) -> float:
+    """Time of stages that run as a pipeline of ``pipelined`` pieces (True: infinitely many,
+    the slowest stage's time; False: one, their sum): the slowest stage plus one piece of each
+    other, the pipeline's fill and drain."""
+    if not stage_times:
+        return 0.0
+    slowest = max(stage_times)
+    pieces = float("inf") if pipelined is True else 1 if pipelined is False else max(1, int(pipelined))
+    return slowest + (sum(stage_times) - slowest) / pieces
 
 
 def _uniform_subsets(rng: np.random.Generator, n: int, e: int, k: int) -> np.ndarray:

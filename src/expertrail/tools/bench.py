@@ -120,7 +120,9 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict:
     # fp8: rows arrive as fp8 values and scales, as FP8 experts take them (DeepEP's and
     # Hybrid-EP's FP8 dispatch); the identity experts' output is their dequantization, made once.
     options = {"payload": "fp8", "dequantize": False} if cfg.payload == "fp8" else {}
-    dispatchers = {b: make_dispatcher(b, groups, num_experts=cfg.experts, hidden=cfg.hidden, **options)
+    pipeline = {"hierarchical": {"pipeline_chunks": getattr(cfg, "pipeline_chunks", None)}}
+    dispatchers = {b: make_dispatcher(b, groups, num_experts=cfg.experts, hidden=cfg.hidden, **options,
+                                      **pipeline.get(b, {}))
                    for b in cfg.backends}
     wire_row = fp8.row_bytes(cfg.hidden) if cfg.payload == "fp8" else None
     last, replays, expert_out = {}, {}, {}
@@ -317,11 +319,14 @@ def predict_backends(report: dict, links: dict, local: dict | None = None) -> No
     precision = "fp32" if cfg["dtype"] == "fp32" else "bf16"        # fp16 rows are as wide as bf16
     if cfg.get("payload") == "fp8":
         precision = "fp8"            # the planner's fp8: fp8 dispatch rows, bf16 combine rows
+    from ..dispatch.hierarchical import DEFAULT_PIPELINE_CHUNKS
+    pieces = cfg.get("pipeline_chunks") or DEFAULT_PIPELINE_CHUNKS
     for name, r in report["results"].items():
-        # this engine: a route's hops run in turn (hierarchical overlaps only the rows a rank
-        # forwards of its own), rows carry its metadata, and its local passes take the
-        # measured time
-        p = predict(hw, model, layout, name, idx[0], precision=precision, pipelined=False, engine=True)
+        # this engine: a route's hops run in turn, except hierarchical's, whose domain hop
+        # forwards each piece of the rail hop as it lands; rows carry its metadata, and its
+        # local passes take the measured time
+        pipelined = pieces if name == "hierarchical" else False
+        p = predict(hw, model, layout, name, idx[0], precision=precision, pipelined=pipelined, engine=True)
         rows = rows_by_link(idx, cfg["experts"], layout, name)
         row = row_bytes(model, precision, "dispatch") + metadata_bytes(name, cfg["topk"])
         planner_bytes = {link: n * row for link, n in rows.items()}

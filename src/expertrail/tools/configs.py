@@ -31,6 +31,7 @@ class BenchConfig:
     progress: bool = True
     payload: str = "native"        # or "fp8": dispatch rows as float8 e4m3 + per-128 scales
     malloc_heap: bool = False      # the ranks' glibc set to keep large blocks (see launch.py)
+    pipeline_chunks: int | None = None   # hierarchical's pieces per rail block (None: its default)
 
 
 @dataclass

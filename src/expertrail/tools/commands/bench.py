@@ -46,6 +46,9 @@ def add_parser(sub) -> None:
     p.add_argument("--json", metavar="PATH", help="write every figure and the configuration as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot time per backend and bytes per link class")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--pipeline-chunks", type=int, default=d.pipeline_chunks,
+                   help="hierarchical: pieces each rail-hop block travels in, each forwarded inside the domain "
+                        "as it lands (1: no pipeline; default: the backend's)")
     p.add_argument("--payload", choices=("native", "fp8"), default=d.payload,
                    help="dispatch rows in the tokens' dtype, or as fp8 e4m3 with one fp32 scale per 128 values "
                         "(combine stays in the tokens' dtype) (default %(default)s)")
@@ -66,6 +69,7 @@ def config_of(args):
                        iters=args.iters or (DECODE_ITERS if args.decode else BenchConfig.iters),
                        warmup=args.warmup, seed=args.seed,
                        chunks=args.chunks, expert_ffn=args.expert_ffn, payload=args.payload,
+                       pipeline_chunks=args.pipeline_chunks,
                        malloc_heap=args.malloc_heap, progress=not args.no_progress and sys.stderr.isatty())
 
 
