@@ -9,8 +9,9 @@ unchanged, one forward per decode step):
   one `LoadRecorder` ([blocks, E], a window of steps or seconds); the model's forward hook
   closes the step;
 - plan: every ``rebalance_every`` steps, at the end of a forward, the window's loads (summed
-  over the EP group: one all-reduce) plan a placement per block (`plan_placement`, keeping
-  slots that stay put; `balanced_shares` weights the replicas). A block whose busiest rank the
+  over the EP group: one all-reduce) plan a placement per block whose busiest rank carries more
+  than ``1 + min_gain`` times the mean under its current map (`plan_placement`, keeping slots
+  that stay put; `balanced_shares` weights the replicas). A block whose busiest rank the
   new placement relieves by at least ``min_gain`` starts migrating the weights its ranks lack,
   point to point on a process group of its own, in the background (`migrate(async_op=True)`);
   the others keep their placement, re-weighted;
@@ -19,7 +20,7 @@ unchanged, one forward per decode step):
 
 Every rank counts the same forwards (generate's ``synced_gpus`` keeps early finishers
 running), so they plan and switch at the same step, and the new maps are checked to be the
-same on every rank (`ReplicaRouter.agree`). ``events`` lists (step, what) for each plan and
+same on every rank (one all-gather of their digests). ``events`` lists (step, what) for each plan and
 switch.
 
 Replica choice: each (token, k) picks a replica by a hash of its position; positions are
@@ -142,6 +143,10 @@ class LiveRebalancer:
         g, ranks, plans, moved = self.groups, self.groups.ep_size, [], 0
         for block, load in zip(self.blocks, loads):
             current = block.replicas.router
+            now = current.rank_loads(load, ranks)
+            if now.max() <= (1 + self.min_gain) * now.mean():      # balanced as it is: nothing to plan
+                plans.append((current, None))
+                continue
             old = current.slot_experts.cpu().numpy()
             kept = current.reweighted(load, ranks)
             placement = plan_placement(load, current.num_slots, ranks, current=old[None])
@@ -154,8 +159,10 @@ class LiveRebalancer:
                 moved += 1
             else:
                 plans.append((kept, None))
-        for i, (router, _) in enumerate(plans):
-            router.agree(g, f"LiveRebalancer placement of block {i}")
+        if all(router is block.replicas.router for block, (router, _) in zip(self.blocks, plans)):
+            return                                      # every block kept as it is (alike on every rank)
+        g.check_same({"placements (crc32 of each block's)": [router.digest() for router, _ in plans]},
+                     "LiveRebalancer placements")
         self.migrations += moved
         self._next = plans
         self.events.append((self.steps, f"plan:{moved}"))
