@@ -313,7 +313,7 @@ def summary_lines(result: dict) -> list[str]:
     d = result["decode_p50_s"]
     if d["buckets"] is not None:
         lines.append(f"decode p50 at {result['decode_tokens_per_rank']} tokens/rank: buckets {1e3 * d['buckets']:.2f} ms, "
-                     f"normal {1e3 * d['normal']:.2f} ms ({d['buckets'] / d['normal']:.2f}x)")
+                     f"normal {1e3 * d['normal']:.2f} ms ({d['buckets'] / d['normal']:.3f}x)")
     t = result["tokens_per_s"]
     lines.append("tokens/s: " + ", ".join(f"{v} {t[v]:.0f}" for v in VARIANTS))
     b = result["balancedness"]
