@@ -13,6 +13,7 @@ transpose and vice versa, so gradients need no extra code per backend.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
@@ -24,6 +25,26 @@ from ..comm.topology import guarded
 from ..comm.transport import (Channel, LandingRuns, PieceSends, Transfer, TransferStats, concat_transfers, later,
                               link_class)
 from ..kernels.workspace import Workspace, allocate, allocate_zeros
+
+
+_trace: list | None = None
+
+
+@contextlib.contextmanager
+def tracing():
+    """Record when the pieces of a pipelined route land and move on: yields a list that fills
+    with (time.perf_counter(), event) pairs (benchmarks/pipeline_trace.py draws one call)."""
+    global _trace
+    outer, _trace = _trace, []
+    try:
+        yield _trace
+    finally:
+        _trace = outer
+
+
+def _note(event: str) -> None:
+    if _trace is not None:
+        _trace.append((time.perf_counter(), event))
 
 
 def number_copies(index: torch.Tensor, num_src: int, max_copies: int) -> tuple[torch.Tensor, CopyPositions]:
@@ -370,6 +391,7 @@ class SplitHop:
         out = allocate((sum(sizes), *own_rows.shape[1:]), own_rows.dtype, own_rows.device)
         outs = out.split_with_sizes(sizes)
         exchanges = [self.early.forward(own_rows, async_op=True, out=outs[0])]
+        _note("domain hop: own rows sent on")
         landing = {(a, b): t for a, b, t in getattr(level, "pieces", ())} if in_flight else {}
         for piece, piece_out in zip(self.late, outs[1:]):
             if piece.end == piece.start:
@@ -378,7 +400,9 @@ class SplitHop:
                 rows = landing[(piece.start, piece.end)].wait()
             else:
                 rows = (level.wait() if in_flight else level)[piece.start:piece.end]
+            _note(f"rail piece {piece.piece} from domain {piece.member} landed")
             exchanges.append(piece.hop.forward(rows, async_op=True, out=piece_out))
+            _note(f"domain hop: piece {piece.piece} from domain {piece.member} sent on")
         # The previous hop's own sends must be waited for too (a gloo send dropped unwaited is
         # never completed).
         transfer = Transfer(out, exchanges + ([level] if in_flight else []))
@@ -416,6 +440,7 @@ class SplitHop:
                 if pending is None:
                     pending = before.send_back_pieces(summed)
                 pending.send(piece.member, piece.piece, summed)
+                _note(f"combine: piece {piece.piece} for domain {piece.member} summed and sent back")
             own = self.early.reduce(early.wait(), None, dtype)
             if pending is None:
                 pending = before.send_back_pieces(own)
@@ -427,6 +452,7 @@ class SplitHop:
             if summed is None:                # every row is some piece's or the own block's
                 summed = allocate((self.level_rows, *rows.shape[1:]), rows.dtype, rows.device)
             summed[piece.start:piece.end] = rows
+        _note("combine: every piece summed")
         if before is not None and before.can_fill_own_later:
             pending = before.send_back(summed, own_later=True)
             pending.own_rows.copy_(self.early.reduce(early.wait(), None, dtype))
@@ -564,7 +590,10 @@ class Route:
         metadata (while the stage's rows travel), start the next stage, until the plan ends."""
         while True:
             try:
-                stage = self.stages.send(None if meta is None else meta.wait())
+                received = None if meta is None else meta.wait()
+                _note(f"hop {len(self.hops)}: " + ("rows in place" if meta is None else "metadata landed"))
+                stage = self.stages.send(received)
+                _note(f"hop {len(self.hops) + 1} planned")
             except StopIteration as end:
                 rows: ExpertRows = end.value
                 self.row_k, self.row_weights = rows.row_k, rows.row_weights

@@ -223,15 +223,31 @@ def _serve_bench(record: dict) -> str:
     return _fenced("\n".join(summary_lines(record)))
 
 
-KINDS = {"calibration": _calibration, "bench": _bench, "overlap": _overlap, "decode": _decode, "train": _train, "cluster": _cluster, "serve-sim": _serve_sim,
+def _pipeline(record: dict) -> str:
+    """benchmarks/pipeline_trace.py's report: time per call beside alltoall, and one traced call."""
+    cfg, runs = record["config"], record["runs"]
+    lines = [f"hierarchical, {cfg['world']} ranks, domain {cfg['domain_size']}, {cfg['tokens']} tokens, hidden "
+             f"{cfg['hidden']}, {cfg['experts']} experts, top-{cfg['topk']}, bf16; dispatch + combine, median of "
+             f"{cfg['iters']}",
+             f"alltoall: {1e3 * runs['alltoall']['median_s']:.1f} ms per call"]
+    for c in cfg["chunks"]:
+        run = runs[str(c)]
+        lines += ["", f"pipeline_chunks={c}: {1e3 * run['median_s']:.1f} ms per call ({run['vs_alltoall']:.2f}x faster "
+                      "than alltoall); one call on rank 0:"]
+        lines += [f"  {ms:8.2f} ms  {what}" for ms, what in run["trace_ms"]]
+    return _fenced("\n".join(lines))
+
+
+KINDS = {"pipeline": _pipeline, "calibration": _calibration, "bench": _bench, "overlap": _overlap, "decode": _decode, "train": _train, "cluster": _cluster, "serve-sim": _serve_sim,
          "user-process": _user_process, "user-process-soak": _user_process_soak,
          "against-megatron": _against_megatron, "output": _output, "serve-bench": _serve_bench}
 
 
-def render(kind: str, record_path: Path) -> str:
+def render(kind: str, record: "Path | dict") -> str:
+    """The block of ``kind`` for ``record`` (a record file, or the record itself)."""
     if kind not in KINDS:
         raise ValueError(f"unknown record kind {kind!r}; known: {sorted(KINDS)}")
-    return KINDS[kind](json.loads(record_path.read_text()))
+    return KINDS[kind](record if isinstance(record, dict) else json.loads(Path(record).read_text()))
 
 
 def blocks(document: Path, docs: Path) -> list[tuple[str, str, str, str]]:
