@@ -133,7 +133,9 @@ class StepMeter:
                 b.gate.register_forward_hook(lambda m, a, out: self._add(out[-1] // per_rank))
             else:
                 b.register_forward_hook(lambda m, a, out: self._add_rows(m.replicas.rows_per_rank))
-        model.register_forward_pre_hook(self._start)
+        # First in and last out, so the time includes the other hooks (the bucket agreement is
+        # posted, the rebalancer plans and switches, in hooks of the model's forward).
+        model.register_forward_pre_hook(self._start, prepend=True)
         model.register_forward_hook(self._stop)
 
     def _add(self, ranks):
