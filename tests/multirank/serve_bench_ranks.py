@@ -123,3 +123,33 @@ def early_finishers(rank, world):
             out[name] = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                        max_new_tokens=3 + 2 * rank, pad_token_id=0)
     return out["normal"].tolist(), out["served"].tolist(), rebalancer.events, rebalancer.steps
+
+
+def bucketed_moe_layer(rank, world):
+    """MoELayer(buckets=[8]) against the same layer in the normal mode: outputs equal bit for
+    bit at decode sizes (a rank holding no token included) and past the bucket; with gradients
+    the normal mode. Returns the modes."""
+    from expertrail.moe.experts import GroupedExperts, SwiGLUMLP
+    from expertrail.moe.layer import MoELayer
+    from expertrail.moe.router import RouterConfig, TopKRouter
+    groups = groups_for(None, 2)
+    layers = []
+    for buckets in (None, [8]):
+        torch.manual_seed(0)                                # the same router, shared and experts per rank
+        router = TopKRouter(RouterConfig(hidden=16, num_experts=8, topk=2))
+        shared = SwiGLUMLP(16, 8)
+        experts = GroupedExperts(2, 16, 8)
+        layers.append(MoELayer(router, er.make_dispatcher("dedup", groups, num_experts=8), experts, shared,
+                               buckets=buckets))
+    normal, bucketed = layers
+    modes = []
+    for n in (0 if rank == 2 else 5, 8, 12 if rank == 0 else 1):
+        x = torch.randn(n, 16, generator=torch.Generator().manual_seed(n + 7 * rank))
+        with torch.no_grad():
+            assert torch.equal(bucketed(x), normal(x)), n
+        modes.append(bucketed.bucketed.last)
+    x = torch.randn(3, 16, requires_grad=True)
+    bucketed(x).sum().backward()
+    modes.append(bucketed.bucketed.last)
+    assert x.grad is not None
+    return modes

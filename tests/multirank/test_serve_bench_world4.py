@@ -47,3 +47,7 @@ def test_early_finishers_keep_the_exchanges_going(world4):
     for rank, (normal, served, events, steps) in enumerate(results):
         assert served == normal and len(normal[0]) == 4 + 3 + 2 * rank
         assert steps == results[-1][3] and events == results[0][2]      # every rank ran every forward
+
+
+def test_bucketed_moe_layer_equals_normal_mode_bit_for_bit(world4):
+    assert world4.run(serve_bench_ranks.bucketed_moe_layer) == [[8, 8, "normal", "normal"]] * 4
