@@ -308,6 +308,8 @@ def summary_lines(result: dict) -> list[str]:
              f"{cfg['new_tokens']} new tokens each; topic moves every {cfg['topic_every']} rounds (skew {cfg['skew']})",
              f"  buckets {cfg['buckets']}; rebalanced: +{cfg['redundant']} slots/block, plan every "
              f"{cfg['rebalance_every']} forwards from a {cfg['window']}-forward window",
+             *([f"  emulated cluster: {cfg['ep'] // em['ranks_per_node']} nodes x {em['ranks_per_node']} ranks, "
+                f"{em['inter_link']} between nodes"] if (em := result.get("emulated")) else []),
              f"{'model':<12}{'step':<16}{'steps':>6}{'p50 ms':>9}{'p99 ms':>9}"]
     for v, groups_ in result["by_mode"].items():
         for k, g in groups_.items():
