@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import expertrail as er
-from expertrail.hf import ExpertParallelMoE, patch_model
+from expertrail.hf import ExpertParallelMoE, patch_model, unpatch_model
 from expertrail.moe.hf import _patched_blocks
 
 from hf_ranks import tiny_block, tiny_qwen3
@@ -58,6 +58,10 @@ def bucketed_model_matches_normal(rank, world):
     bucketed(ids).logits.sum().backward()                  # training: the normal mode, gradients flow
     modes.append(blocks[0].last)
     assert _patched_blocks(bucketed)[0][1].experts.gate_up_proj.grad is not None
+    unpatch_model(bucketed)                                # and its hooks go with the blocks
+    with torch.no_grad(), _CountingAllReduce() as counter:
+        bucketed(ids)
+    assert counter.calls == 0
     return modes, reduces
 
 

@@ -108,6 +108,13 @@ def attach_step(model: nn.Module, blocks: list) -> StepTokens:
     return step
 
 
+def detach_step(model: nn.Module) -> None:
+    """Remove `attach_step`'s hooks from ``model`` (nothing if it has none)."""
+    for hook in vars(model).pop("_expertrail_step_hooks", ()):
+        hook.remove()
+    vars(model).pop("_expertrail_step", None)
+
+
 class BucketedDispatch:
     """The normal-mode dispatcher and low-latency ones per bucket, for one MoE layer.
 

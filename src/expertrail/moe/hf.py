@@ -37,7 +37,7 @@ from ..dispatch import make_dispatcher
 from ..errors import ConfigError, ConfigMismatchError
 from .experts import GroupedExperts
 from .layer import exclude_experts_from_ddp, expert_parallel_moe
-from .bucketed import attach_step, bucketed_or_none, check_buckets
+from .bucketed import attach_step, bucketed_or_none, check_buckets, detach_step
 from .replicated import SEED_ADVICE, differing, listed, tensor_checksum  # noqa: F401  (tensor_checksum: public here too)
 from ..comm.topology import EPGroups, all_gather_single, guarded
 
@@ -532,6 +532,7 @@ def unpatch_model(model: nn.Module) -> int:
         del model.save_pretrained
     if getattr(vars(model).get("generate"), "__func__", None) is _synced_generate:
         del model.generate
+    detach_step(model)                         # the bucket agreement's hooks, if patched with buckets
     if blocks:
         exclude_experts_from_ddp(model)        # the experts are plain parameters again: DDP may sync them
     return len(blocks)
