@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dispatch import LowLatencyDispatcher, make_dispatcher
+from ..dispatch import LowLatencyDispatcher
 from ..errors import ConfigError
 from ..comm.topology import EPGroups, guarded
 
@@ -179,7 +179,9 @@ class BucketedDispatch:
     def moe(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, experts,
             shared=None, num_chunks: int = 1) -> torch.Tensor:
         """`layer.expert_parallel_moe` through the mode this step agreed on: x [T, H],
-        topk_idx / topk_weights [T, K] (slots, if replicated) -> [T, H]."""
+        topk_idx / topk_weights [T, K] (slots, if replicated) -> [T, H]. ``num_chunks`` applies
+        to the normal mode (a decode step is too small to split); the shared experts run after
+        the low-latency dispatch, which returns once its rows have landed."""
         from .layer import expert_parallel_moe
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in experts.parameters()))
         tokens, grad = self.agree(x.shape[0], needs_grad)
