@@ -88,3 +88,26 @@ def test_against_megatron_reads_the_peers_timings_beside_user_process(tmp_path):
     assert "\n".join(lines) + "\n" == against_megatron_table(record)
     assert [line.split("|")[1].strip() for line in lines[3:]] == ["fp32", "bf16"]
     assert lines[3].split("|")[2].strip().startswith("30.0 ms")
+
+
+def test_pipeline_trace_prints_its_record_and_every_piece(tmp_path):
+    """benchmarks/pipeline_trace.py on 4 local ranks in 2 domains: the printed report is its
+    record rendered, and the traced call of 3 pieces shows each rail piece land and move on,
+    dispatch, and each piece's sums sent back."""
+    import os
+    from expertrail.tools.records import render
+    path = tmp_path / "trace.json"
+    env = dict(os.environ, NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN="2")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                          str(SCRIPTS / "pipeline_trace.py"), "--tokens", "32", "--hidden", "16", "--experts", "8",
+                          "--topk", "2", "--iters", "2", "--chunks", "1", "3", "--json", str(path)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    record = json.loads(path.read_text())
+    assert render("pipeline", record).strip().strip("`").strip() in out.stdout
+    events = [what for _, what in record["runs"]["3"]["trace_ms"]]
+    for j in range(3):
+        assert f"rail piece {j} from domain 1 landed" in events
+        assert f"combine: piece {j} for domain 1 summed and sent back" in events
+    assert events.index("dispatch returned") < events.index("combine returned")
+    assert record["runs"]["alltoall"]["median_s"] > 0 and record["config"]["domain_size"] == 2
