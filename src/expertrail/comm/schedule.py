@@ -179,6 +179,27 @@ def _fill_until_landed(deferred: _Deferred, watch) -> None:
         raise failure[0]
 
 
+class TaskLocal:
+    """A module attribute holding one value per task thread (a data descriptor): two forwards in
+    flight together (`run_interleaved`) each read back what they wrote, such as a MoE layer's
+    router losses from its last forward. Reads before any write give ``default()``."""
+
+    def __init__(self, default: Callable[[], Any] = dict):
+        self.default = default
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.key = f"_{name}_per_task"
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        values = obj.__dict__.get(self.key, {})
+        return values[threading.get_ident()] if threading.get_ident() in values else self.default()
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__.setdefault(self.key, {})[threading.get_ident()] = value
+
+
 def defer(work: Callable[[], None]) -> bool:
     """Queue ``work`` (a weight gradient) to fill a later wait for an exchange (`_Deferred`);
     False, and nothing queued, when weight gradients are not delayed here (the caller does it
@@ -342,12 +363,17 @@ def train_micro_batches(forward: Callable[[Any], torch.Tensor], micro_batches: l
         for i in range(last + 1):
             alone(fwd, i, f"F{i}")
             alone(bwd, i, f"B{i}")
-    elif micro_batches:
+    elif last == 0:
         alone(fwd, 0, "F0")
-        for i in range(1, last + 1):
-            run_interleaved([lambda i=i: fwd(i), lambda i=i: bwd(i - 1)], delay_wgrad, [f"F{i}", f"B{i - 1}"],
+        run_interleaved([lambda: bwd(0)], delay_wgrad, ["B0"], deferred)
+    elif micro_batches:
+        # Every phase a pair: F0 + F1, then F(i) + B(i-2), then B(M-2) + B(M-1).
+        run_interleaved([lambda: fwd(0), lambda: fwd(1)], delay_wgrad, ["F0", "F1"], deferred)
+        for i in range(2, last + 1):
+            run_interleaved([lambda i=i: fwd(i), lambda i=i: bwd(i - 2)], delay_wgrad, [f"F{i}", f"B{i - 2}"],
                             deferred)
-        run_interleaved([lambda: bwd(last)], delay_wgrad, [f"B{last}"], deferred)
+        run_interleaved([lambda: bwd(last - 1), lambda: bwd(last)], delay_wgrad, [f"B{last - 1}", f"B{last}"],
+                        deferred)
         if deferred is not None:
             start = time.perf_counter()
             deferred.run_until(deferred.added)

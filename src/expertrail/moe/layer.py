@@ -31,6 +31,7 @@ from .experts import GroupedExperts
 from .replicated import check_replicated
 from .bucketed import bucketed_or_none
 from .router import TopKRouter
+from ..comm.schedule import TaskLocal
 from ..comm.topology import all_gather_ints, guarded
 
 
@@ -129,6 +130,8 @@ class MoELayer(nn.Module):
     otherwise). ``experts`` built without ``first_expert`` are placed here: their rows learn
     their global experts and, if still as drawn, are drawn again for them (`GroupedExperts`)."""
 
+    router_losses = TaskLocal()       # the last forward's, per task: two forwards may be in flight
+
     holds_expert_shard = True          # for exclude_experts_from_ddp
 
     def __init__(self, router: TopKRouter, dispatcher: Dispatcher, experts: GroupedExperts,
@@ -155,7 +158,6 @@ class MoELayer(nn.Module):
         if isinstance(experts, GroupedExperts):
             _place(experts, dispatcher.groups, replicas)
         self.recorder, self.layer_index = recorder, layer_index
-        self.router_losses: dict = {}
         # buckets: decode steps through the low-latency mode (bucketed.py), agreed per call here.
         self.bucketed = bucketed_or_none(dispatcher.groups, dispatcher, buckets)
 

@@ -28,7 +28,7 @@ from ..dispatch import make_dispatcher
 from ..moe.experts import GroupedExperts, SwiGLUMLP, delayable_linear
 from ..moe.layer import MoELayer, router_loss
 from ..moe.router import RouterConfig, TopKRouter
-from ..comm.schedule import Timeline, train_micro_batches
+from ..comm.schedule import TaskLocal, Timeline, train_micro_batches
 from ..comm.topology import EPGroups
 
 
@@ -82,10 +82,11 @@ class LocalMoE(nn.Module):
     """The reference MoE: router, all experts on this process, tokens grouped by expert with
     a sort (no dispatcher), shared expert added."""
 
+    router_losses = TaskLocal()
+
     def __init__(self, router: TopKRouter, experts: GroupedExperts, shared: nn.Module):
         super().__init__()
         self.router, self.experts, self.shared_experts = router, experts, shared
-        self.router_losses = {}
 
     def forward(self, x):
         shape = x.shape
