@@ -63,6 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--min-rows", type=int, default=None, help="pipeline_min_rows (default: the backend's)")
     p.add_argument("--json", help="write the figures here (rank 0)")
     args = p.parse_args(argv)
     dist.init_process_group("gloo")
@@ -70,8 +71,9 @@ def main(argv=None) -> int:
     groups = er.EPGroups.from_default()
     idx, w = make_routing("uniform", args.tokens, args.experts, args.topk, rank, world, 0)
     x = torch.randn(args.tokens, args.hidden, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
-    dispatchers = {str(c): er.make_dispatcher("hierarchical", groups, num_experts=args.experts, pipeline_chunks=c)
-                   for c in args.chunks}
+    rows = {} if args.min_rows is None else {"pipeline_min_rows": args.min_rows}
+    dispatchers = {str(c): er.make_dispatcher("hierarchical", groups, num_experts=args.experts, pipeline_chunks=c,
+                                              **rows) for c in args.chunks}
     dispatchers["alltoall"] = er.make_dispatcher("alltoall", groups, num_experts=args.experts)
     times = {name: [] for name in dispatchers}
     for _ in range(2):                                       # warm-up: buffers, planning caches

@@ -100,7 +100,7 @@ def test_pipeline_trace_prints_its_record_and_every_piece(tmp_path):
     env = dict(os.environ, NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN="2")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                           str(SCRIPTS / "pipeline_trace.py"), "--tokens", "32", "--hidden", "16", "--experts", "8",
-                          "--topk", "2", "--iters", "2", "--chunks", "1", "3", "--json", str(path)],
+                          "--topk", "2", "--iters", "2", "--chunks", "1", "3", "--min-rows", "1", "--json", str(path)],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     record = json.loads(path.read_text())

@@ -251,14 +251,14 @@ def rows_per_link(rank, world, backend, domain_size, scenario):
     return dict(res.stats.rows), dict(res.stats.bytes), [i.numpy() for i in idxs]
 
 
-def hierarchical_hop_kinds(rank, world, domain_size, chunks=None):
+def hierarchical_hop_kinds(rank, world, domain_size, chunks=None, min_rows=1):
     """The kinds of hierarchical's hops for one dispatch, whether its split domain hop's early
     part forwards only rows this rank sent itself in the rail hop and its late pieces tile the
     other blocks in the rail hop's pieces, and the (member, piece) of each late piece."""
     from expertrail.comm.transport import piece_bounds
     from expertrail.dispatch.route import SplitHop
     groups = groups_for(None, domain_size)
-    d = er.make_dispatcher("hierarchical", groups, num_experts=16, pipeline_chunks=chunks)
+    d = er.make_dispatcher("hierarchical", groups, num_experts=16, pipeline_chunks=chunks, pipeline_min_rows=min_rows)
     xs, idxs, ws = make_inputs("random", world, 8, 16, 4, 5, torch.float32)
     route = d.dispatch(xs[rank], idxs[rank], ws[rank]).route
     split = next((h for h in route.hops if isinstance(h, SplitHop)), None)
@@ -268,12 +268,12 @@ def hierarchical_hop_kinds(rank, world, domain_size, chunks=None):
         start, end = split.own
         blocks = rail.recv_splits
         tiles = all((p.start, p.end) == tuple(sum(blocks[:p.member]) + x for x in
-                                              piece_bounds(blocks[p.member], rail.pieces)[p.piece])
+                                              piece_bounds(blocks[p.member], rail.pieces, rail.piece_rows)[p.piece])
                     and bool((p.hop.index < p.end - p.start).all()) for p in split.late)
         early_in_own_block = (start, end) == rail.own_block_received() and \
             bool((split.early.index < end - start).all()) and tiles and \
             not any(p.start < end and start < p.end for p in split.late)
-        pieces = [(p.member, p.piece) for p in split.late]
+        pieces = [(p.member, p.piece, p.end > p.start) for p in split.late]
     return [type(h).__name__ for h in route.hops], early_in_own_block, pieces
 
 

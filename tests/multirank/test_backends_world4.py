@@ -59,23 +59,32 @@ def test_alltoall_lands_in_place_from_the_threshold_run_size(world4):
 def test_hierarchical_splits_its_domain_hop_only_across_domains(world4):
     """With several domains of several ranks, the domain hop is a SplitHop whose early part
     forwards only the rail hop's own block and whose late pieces are the rail hop's pieces of
-    the other domain's block, in order; with one domain, or domains of one rank, it is not."""
+    the other domain's block, in order; with one domain, or domains of one rank, it is not. A
+    block is cut into no more pieces than keep ``pipeline_min_rows`` rows each."""
     for domain_size, split in ((2, True), (1, False), (4, False)):
-        for chunks in (None, 1, 3):
+        for chunks, min_rows in ((None, 1), (1, 1), (3, 1), (3, 1000)):
+            used = []
             for rank, (kinds, early_ok, pieces) in enumerate(
-                    world4.run(backends_ranks.hierarchical_hop_kinds, domain_size, chunks)):
+                    world4.run(backends_ranks.hierarchical_hop_kinds, domain_size, chunks, min_rows)):
                 assert ("SplitHop" in kinds) == split, (domain_size, kinds)
                 assert early_ok is (True if split else None)
+                count = er.dispatch.hierarchical.DEFAULT_PIPELINE_CHUNKS if chunks is None else chunks
                 other = 1 - rank // 2
-                count = {None: er.dispatch.hierarchical.DEFAULT_PIPELINE_CHUNKS, 1: 1, 3: 3}[chunks]
-                assert pieces == ([(other, j) for j in range(count)] if split else [])
+                assert [p[:2] for p in pieces] == ([(other, j) for j in range(count)] if split else [])
+                used.append(sum(full for *_, full in pieces))
+            if split:
+                # pieces of one row or more: some rank's block (of several rows) is cut; of 1000
+                # rows or more: every block here (a few rows) goes whole
+                whole = min_rows == 1000 or chunks == 1
+                assert (max(used) == 1) if whole else (max(used) >= 2), (chunks, min_rows, used)
 
 
 @pytest.mark.parametrize("chunks", [1, 3, 16])
 def test_hierarchical_pipeline_chunks_match_reference(world4, chunks):
     """Any number of pieces (more than a block has rows too): rows, combine and gradients as
     the reference's."""
-    assert world4.run(backends_ranks.check_backend, "hierarchical", None, 2, pipeline_chunks=chunks) == [8] * 4
+    assert world4.run(backends_ranks.check_backend, "hierarchical", None, 2, pipeline_chunks=chunks,
+                      pipeline_min_rows=1) == [8] * 4
 
 
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))

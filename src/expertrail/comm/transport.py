@@ -22,6 +22,10 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 
 _TAGS = 1 << 30
 
+# The fewest rows a piece is cut to: smaller pieces cost more in messages and planning than
+# they gain in overlap (the tiny model of `expertrail train` on loopback: docs/benchmarks.md).
+MIN_PIECE_ROWS = 128
+
 
 class Transfer:
     """Work in flight, the engine's one handle type: ``wait()`` waits for the posted ``works``
@@ -120,7 +124,8 @@ class Channel:
         return dist.batch_isend_irecv(ops)
 
     def all_to_all(self, rows: torch.Tensor, send_splits: list, recv_splits: list, own: tuple | None = None,
-                   out: torch.Tensor | None = None, own_later: bool = False, pieces: int = 1) -> Transfer:
+                   out: torch.Tensor | None = None, own_later: bool = False, pieces: int = 1,
+                   piece_rows: int = MIN_PIECE_ROWS) -> Transfer:
         """Start sending ``rows [sum(send_splits), C]`` in per-member blocks; the Transfer
         yields [sum(recv_splits), C] (received into ``out`` when given). ``own = (source,
         index)``: the block this rank sends itself is ``source[index[block]]``, gathered
@@ -131,8 +136,8 @@ class Channel:
         On gloo the blocks go as point-to-point transfers, all posted at once: gloo's
         all-to-all runs its peers in lockstep steps, so with more ranks than cores one
         descheduled peer stalls every step (docs/decisions.md: All-to-all on gloo as
-        point-to-point transfers). ``pieces`` > 1 (gloo): each block travels as that many
-        consecutive pieces (`piece_bounds`), and the Transfer's ``pieces`` lists (start, end,
+        point-to-point transfers). ``pieces`` > 1 (gloo): each block travels in up to that many
+        consecutive pieces of at least ``piece_rows`` rows (`piece_bounds`), and the Transfer's ``pieces`` lists (start, end,
         Transfer) of each piece received (rows of the output), to be waited for as it lands.
         """
         if self.size == 1:       # a group of one: nothing to exchange
@@ -162,9 +167,10 @@ class Channel:
             return Transfer(out, self.post(sends, recvs), own_rows=mine)
         tag = self.reserve_tags(pieces)
         sends = [(sent[p][a:b], p, tag + j) for p, c in enumerate(send_splits) if p != me
-                 for j, (a, b) in enumerate(piece_bounds(c, pieces)) if b > a]
+                 for j, (a, b) in enumerate(piece_bounds(c, pieces, piece_rows)) if b > a]
         starts = [0] + list(accumulate(recv_splits))
-        bounds = {p: [(starts[p] + a, starts[p] + b, j) for j, (a, b) in enumerate(piece_bounds(c, pieces)) if b > a]
+        bounds = {p: [(starts[p] + a, starts[p] + b, j) for j, (a, b) in enumerate(piece_bounds(c, pieces, piece_rows))
+                      if b > a]
                   for p, c in enumerate(recv_splits) if p != me}
         recvs = [(out[a:b], p, tag + j) for p, listed in bounds.items() for a, b, j in listed]
         works = self.post(sends, recvs)
@@ -175,15 +181,16 @@ class Channel:
         transfer.pieces = received_pieces
         return transfer
 
-    def pieces_back(self, out: torch.Tensor, send_splits: list, recv_splits: list, pieces: int) -> "PieceSends":
+    def pieces_back(self, out: torch.Tensor, send_splits: list, recv_splits: list, pieces: int,
+                    piece_rows: int = MIN_PIECE_ROWS) -> "PieceSends":
         """The reverse of a ``pieces`` all-to-all whose rows are computed piece by piece: every
         piece to receive is posted now (into ``out [sum(recv_splits), C]``), each piece to send
         when the caller has it (`PieceSends.send`). gloo only."""
         tag = self.reserve_tags(pieces)
         starts = [0] + list(accumulate(recv_splits))
         recvs = [(out[starts[p] + a:starts[p] + b], p, tag + j) for p, c in enumerate(recv_splits) if p != self.rank
-                 for j, (a, b) in enumerate(piece_bounds(c, pieces)) if b > a]
-        return PieceSends(self, tag, pieces, send_splits, Transfer(out, self.post([], recvs)),
+                 for j, (a, b) in enumerate(piece_bounds(c, pieces, piece_rows)) if b > a]
+        return PieceSends(self, tag, Transfer(out, self.post([], recvs)),
                           out[starts[self.rank]:starts[self.rank + 1]])
 
     def all_gather(self, rows: torch.Tensor, counts: list) -> Transfer:
@@ -203,12 +210,19 @@ class Channel:
         return Transfer(out, [work], lambda full: full.index_select(0, keep))
 
 
-def piece_bounds(count: int, pieces: int) -> list[tuple[int, int]]:
-    """(start, end) of each of the ``pieces`` consecutive pieces a block of ``count`` rows
-    travels in: near-equal, the larger first, empty where ``count < pieces``. Sender and
-    receiver compute it alike from the block's size."""
-    base, extra = divmod(count, pieces)
-    ends = list(accumulate(base + (j < extra) for j in range(pieces)))
+def pieces_used(count: int, pieces: int, min_rows: int = MIN_PIECE_ROWS) -> int:
+    """How many of ``pieces`` a block of ``count`` rows is cut into: as many as keep each piece
+    at least ``min_rows`` rows, at least one."""
+    return max(1, min(pieces, count // max(1, min_rows)))
+
+
+def piece_bounds(count: int, pieces: int, min_rows: int = MIN_PIECE_ROWS) -> list[tuple[int, int]]:
+    """(start, end) of each of the ``pieces`` pieces a block of ``count`` rows travels in: the
+    block cut into `pieces_used` near-equal consecutive pieces (the larger first), the rest
+    empty. Sender and receiver compute it alike from the block's size."""
+    used = pieces_used(count, pieces, min_rows)
+    base, extra = divmod(count, used)
+    ends = list(accumulate(base + (j < extra) for j in range(used))) + [count] * (pieces - used)
     return list(zip([0] + ends[:-1], ends))
 
 
@@ -218,11 +232,8 @@ class PieceSends:
     received; wait for it only once every piece has been sent. ``own_rows``: the block this
     rank sends itself, to be filled in place by the caller."""
 
-    def __init__(self, channel: Channel, tag: int, pieces: int, send_splits: list, transfer: Transfer,
-                 own_rows: torch.Tensor):
-        self.channel, self.tag, self.pieces, self.transfer, self.own_rows = channel, tag, pieces, transfer, own_rows
-        self.starts = [0] + list(accumulate(send_splits))
-        self.bounds = [piece_bounds(c, pieces) for c in send_splits]
+    def __init__(self, channel: Channel, tag: int, transfer: Transfer, own_rows: torch.Tensor):
+        self.channel, self.tag, self.transfer, self.own_rows = channel, tag, transfer, own_rows
 
     def send(self, member: int, piece: int, rows: torch.Tensor) -> None:
         """Post piece ``piece`` of the block to ``member``: ``rows`` [piece rows, C]."""

@@ -23,7 +23,7 @@ from .routing import token_membership
 from .base import Dispatcher
 from .planning import Outgoing, weight_bits
 from .dedup import local_ids_for
-from ..comm.transport import piece_bounds
+from ..comm.transport import MIN_PIECE_ROWS, piece_bounds
 from ..errors import ConfigError
 from .config import DispatchConfig
 from .route import AllToAllHop, Forwarded, SplitHop, Stage
@@ -35,11 +35,13 @@ DEFAULT_PIPELINE_CHUNKS = 4
 
 @dataclass(frozen=True)
 class HierarchicalConfig(DispatchConfig):
-    """hierarchical's settings. pipeline_chunks: pieces each rail-hop block travels in, each
+    """hierarchical's settings. pipeline_chunks: the most pieces a rail-hop block travels in, each
     forwarded inside the domain as it lands (1: the block at once; None: the default,
-    `DEFAULT_PIPELINE_CHUNKS`)."""
+    `DEFAULT_PIPELINE_CHUNKS`); pipeline_min_rows: the fewest rows of a piece (a smaller block
+    is cut into fewer pieces)."""
 
     pipeline_chunks: int | None = None
+    pipeline_min_rows: int = MIN_PIECE_ROWS
 
     @property
     def chunks(self) -> int:
@@ -51,6 +53,9 @@ class HierarchicalConfig(DispatchConfig):
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 64):
             raise ConfigError(f"pipeline_chunks={c!r} must be an integer from 1 to 64 (or None for "
                               f"{DEFAULT_PIPELINE_CHUNKS})")
+        m = self.pipeline_min_rows
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ConfigError(f"pipeline_min_rows={m!r} must be a positive integer (rows)")
 
 
 class HierarchicalDispatcher(Dispatcher):
@@ -90,7 +95,8 @@ class HierarchicalDispatcher(Dispatcher):
         # The piece of each hop-1 row: its place in its domain's block, cut as `piece_bounds` cuts.
         starts = torch.cumsum(per_domain, 0) - per_domain
         place = torch.arange(token.numel(), device=dev) - starts[domain]
-        base, extra = per_domain[domain] // chunks, per_domain[domain] % chunks
+        used = (per_domain // self.config.pipeline_min_rows).clamp(1, chunks)[domain]      # `pieces_used`
+        base, extra = per_domain[domain] // used, per_domain[domain] % used
         long_rows = extra * (base + 1)                    # the first `extra` pieces hold base + 1 rows
         piece = torch.where(place < long_rows, place // (base + 1),
                             extra + (place - long_rows) // base.clamp(min=1))
@@ -115,7 +121,8 @@ class HierarchicalDispatcher(Dispatcher):
                                     send_splits=outgoing.send_splits,
                                     recv_splits=recv_counts[g.domain_rank::size, 1].tolist(),
                                     peers=[d * size + g.domain_rank for d in range(g.num_domains)],
-                                    meta_bytes=metadata_bytes(self.name, topk), me=g.domain_index, pieces=chunks)
+                                    meta_bytes=metadata_bytes(self.name, topk), me=g.domain_index, pieces=chunks,
+                                    piece_rows=self.config.pipeline_min_rows)
         ids = topk_idx[token]
         mask = (ids >= 0) & (self.rank_of_expert[ids.clamp(min=0)] // size == domain.unsqueeze(1))
         meta = yield Stage(hop1, torch.cat([torch.full_like(token, g.ep_rank).unsqueeze(1), token.unsqueeze(1),
@@ -157,7 +164,7 @@ class HierarchicalDispatcher(Dispatcher):
                     if d == g.domain_index:
                         continue
                     first_row = sum(blocks[:d])
-                    a, b = (first_row + x for x in piece_bounds(blocks[d], chunks)[j])
+                    a, b = (first_row + x for x in piece_bounds(blocks[d], chunks, hop1.piece_rows)[j])
                     column = 2 + j if chunks > 1 else 0
                     hop, meta_part = part(rows[a:b], a, b - a, recv_counts[d * size:(d + 1) * size, column].tolist())
                     late.append(Forwarded(d, j, a, b, hop))

@@ -22,7 +22,7 @@ import torch
 from .. import kernels
 from ..kernels.torch_ops import CopyPositions, stable_argsort
 from ..comm.topology import guarded
-from ..comm.transport import (Channel, LandingRuns, PieceSends, Transfer, TransferStats, concat_transfers, later,
+from ..comm.transport import (MIN_PIECE_ROWS, Channel, LandingRuns, PieceSends, Transfer, TransferStats, concat_transfers, later,
                               link_class)
 from ..kernels.workspace import Workspace, allocate, allocate_zeros
 
@@ -188,7 +188,8 @@ class AllToAllHop(Hop):
     meta_bytes: metadata bytes sent with each row on the way out (ids, weights, sources)
     me: this rank's index in ``channel``, when the rows it sends itself are gathered straight
         into place instead of through the send buffer (None: they go through it)
-    pieces: each block travels in this many pieces (`transport.piece_bounds`), so that the next
+    pieces / piece_rows: each block travels in up to ``pieces`` pieces of at least ``piece_rows``
+        rows (`transport.piece_bounds`), so that the next
         hop can forward each piece as it lands (`SplitHop`), and combine sends each piece back
         as soon as it is summed (gloo)
     """
@@ -200,6 +201,7 @@ class AllToAllHop(Hop):
     meta_bytes: int = 0
     me: int | None = None
     pieces: int = 1
+    piece_rows: int = MIN_PIECE_ROWS
 
     communicates = True
     kind = "all-to-all"
@@ -218,7 +220,8 @@ class AllToAllHop(Hop):
         if sent is None:
             sent = self.gather(rows, self.own_block())
             own = None if kernels.use_triton(rows) else own   # the kernel wrote every row
-        transfer = self.channel.all_to_all(sent, self.send_splits, self.recv_splits, own, out, pieces=self.pieces)
+        transfer = self.channel.all_to_all(sent, self.send_splits, self.recv_splits, own, out, pieces=self.pieces,
+                                           piece_rows=self.piece_rows)
         return transfer if async_op else transfer.wait()
 
     def own_block(self) -> tuple | None:
@@ -255,7 +258,7 @@ class AllToAllHop(Hop):
         (`PieceSends.send`) and fills its own block in place. ``like``: rows of the dtype and
         width sent back."""
         out = allocate((sum(self.send_splits), *like.shape[1:]), like.dtype, like.device)
-        return self.channel.pieces_back(out, self.recv_splits, self.send_splits, self.pieces)
+        return self.channel.pieces_back(out, self.recv_splits, self.send_splits, self.pieces, self.piece_rows)
 
     def reverse(self, back: Transfer, before: "AllToAllHop | None", dtype: torch.dtype, landed):
         """Combine's step through this hop: wait for the rows coming back (``back``, from
@@ -400,9 +403,11 @@ class SplitHop:
                 rows = landing[(piece.start, piece.end)].wait()
             else:
                 rows = (level.wait() if in_flight else level)[piece.start:piece.end]
-            _note(f"rail piece {piece.piece} from domain {piece.member} landed")
+            if piece.end > piece.start:
+                _note(f"rail piece {piece.piece} from domain {piece.member} landed")
             exchanges.append(piece.hop.forward(rows, async_op=True, out=piece_out))
-            _note(f"domain hop: piece {piece.piece} from domain {piece.member} sent on")
+            if piece.end > piece.start:
+                _note(f"domain hop: piece {piece.piece} from domain {piece.member} sent on")
         # The previous hop's own sends must be waited for too (a gloo send dropped unwaited is
         # never completed).
         transfer = Transfer(out, exchanges + ([level] if in_flight else []))
@@ -440,7 +445,8 @@ class SplitHop:
                 if pending is None:
                     pending = before.send_back_pieces(summed)
                 pending.send(piece.member, piece.piece, summed)
-                _note(f"combine: piece {piece.piece} for domain {piece.member} summed and sent back")
+                if piece.end > piece.start:
+                    _note(f"combine: piece {piece.piece} for domain {piece.member} summed and sent back")
             own = self.early.reduce(early.wait(), None, dtype)
             if pending is None:
                 pending = before.send_back_pieces(own)

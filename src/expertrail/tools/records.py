@@ -118,6 +118,13 @@ def _train(record: dict) -> str:
     return _fenced("\n".join(lines))
 
 
+def _train_overlap(record: dict) -> str:
+    """`expertrail train --overlap`'s lines per backend: the step without and with overlap, the
+    losses' agreement, and the CPU floor's ceiling."""
+    from .commands.train import overlap_lines
+    return _fenced("\n".join(line for name, r in record["backends"].items() for line in overlap_lines(name, r)))
+
+
 def _cluster(record: dict) -> str:
     """`expertrail bench --nodes`'s figures against alltoall and the planner's prediction, as a
     Markdown table (ms per dispatch + combine, medians)."""
@@ -238,7 +245,7 @@ def _pipeline(record: dict) -> str:
     return _fenced("\n".join(lines))
 
 
-KINDS = {"pipeline": _pipeline, "calibration": _calibration, "bench": _bench, "overlap": _overlap, "decode": _decode, "train": _train, "cluster": _cluster, "serve-sim": _serve_sim,
+KINDS = {"pipeline": _pipeline, "train-overlap": _train_overlap, "calibration": _calibration, "bench": _bench, "overlap": _overlap, "decode": _decode, "train": _train, "cluster": _cluster, "serve-sim": _serve_sim,
          "user-process": _user_process, "user-process-soak": _user_process_soak,
          "against-megatron": _against_megatron, "output": _output, "serve-bench": _serve_bench}
 

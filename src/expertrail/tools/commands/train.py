@@ -11,6 +11,18 @@ from ..arguments import backend_list, check_experts, cluster_arguments, positive
 from ..ranks import Ranks, note_emulated, on_cluster, under_torchrun
 
 
+
+def overlap_lines(name: str, r: dict) -> list[str]:
+    """What `train --overlap` prints of one backend's result ``r``: the step without and with
+    overlap and, when measured, the CPU floor's ceiling (docs/ records render them alike)."""
+    without = r["without_overlap"]
+    lines = [f"{name}: step {1e3 * without['step_time_s']:.1f} ms without overlap, {1e3 * r['step_time_s']:.1f} ms "
+             f"with ({r['overlap_speedup']:.2f}x); losses identical: {'yes' if r['same_losses'] else 'NO'}"]
+    if r.get("overlap_ceiling"):
+        lines.append(f"{name}: CPU floor {1e3 * r['cpu_floor_s']:.1f} ms (all ranks' CPU time per step over the host's "
+                     f"cores): overlap can gain at most {r['overlap_ceiling']:.2f}x on this machine")
+    return lines
+
 def add_parser(sub) -> None:
     from ..configs import TrainConfig
     d = TrainConfig()
@@ -106,6 +118,7 @@ def run(args) -> int:
 def _train_report(cfg, reference: list, runs: dict, crashed: dict, spans, args, world: int) -> int:
     """Print the losses (and with --overlap the step times), write --json / --timeline;
     1 if a backend failed."""
+    import datetime
     import json
 
     from ..train import summarize, write_timeline
@@ -122,12 +135,7 @@ def _train_report(cfg, reference: list, runs: dict, crashed: dict, spans, args, 
         print(f"{b}: max |loss - single process| = {r['max_abs_diff']:.2e}, loss {r['losses'][0]:.3f} -> "
               f"{r['losses'][-1]:.3f}, step {1e3 * r['step_time_s']:.1f} ms")
         if cfg.overlap:
-            without = r["without_overlap"]
-            print(f"{b}: step {1e3 * without['step_time_s']:.1f} ms without overlap, {1e3 * r['step_time_s']:.1f} ms "
-                  f"with ({r['overlap_speedup']:.2f}x); losses identical: {'yes' if r['same_losses'] else 'NO'}")
-            if r.get("overlap_ceiling"):
-                print(f"{b}: CPU floor {1e3 * r['cpu_floor_s']:.1f} ms (all ranks' CPU time per step over the host's "
-                      f"cores): overlap can gain at most {r['overlap_ceiling']:.2f}x on this machine")
+            print("\n".join(overlap_lines(b, r)))
             if not r["same_losses"]:
                 failures.append(f"{b}: the overlapped run's losses differ from the run without overlap")
         if not r["matches_reference"]:
@@ -137,8 +145,11 @@ def _train_report(cfg, reference: list, runs: dict, crashed: dict, spans, args, 
         elif not r["loss_fell"]:
             failures.append(f"{b}: the loss did not fall by 10% ({r['losses'][0]:.4f} -> {r['losses'][-1]:.4f})")
     if args.json:
+        from .. import records
         report["crashed"] = crashed
         note_emulated(report, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
+        report.update(command=" ".join(["expertrail", "train", *getattr(args, "argv_seen", sys.argv[2:])]),
+                      date=str(datetime.date.today()), machine=records.machine(), code=records.code())
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     if spans is not None:
