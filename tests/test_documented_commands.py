@@ -67,6 +67,7 @@ SMALL = [
     (r"benchmarks/(phases|cpu_time|combine_flags)\.py", "--tokens 64 --hidden 8 --iters 2 --warmup 1"),
     (r"benchmarks/layouts\.py", "--shrink 256 --iters 2 --warmup 1"),
     (r"benchmarks/overlap_phases\.py", "--hidden 16 --ffn 16 --seq 8 --batch 2 --steps 2"),
+    (r"benchmarks/pipeline_trace\.py", "--tokens 64 --hidden 16 --experts 8 --topk 2 --iters 2 --min-rows 1"),
     (r"benchmarks/messages\.py", "--rows-per-peer 16 --hidden 8 --iters 2 --warmup 1"),
     (r"benchmarks/soak\.py", "--iters 30 --warmup 10"),
     (r"benchmarks/user_process\.py.*--soak", "--tokens 256 --hidden 64 --soak 20"),

@@ -14,15 +14,19 @@ piece, so a receiver knows what each forwarded piece holds before it lands.
 """
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..names import metadata_bytes
 from .routing import token_membership
 from .base import Dispatcher
 from .planning import Outgoing, weight_bits
 from .dedup import local_ids_for
+from ..comm.topology import guarded
 from ..comm.transport import MIN_PIECE_ROWS, piece_bounds
 from ..errors import ConfigError
 from .config import DispatchConfig
@@ -37,8 +41,8 @@ DEFAULT_PIPELINE_CHUNKS = 4
 class HierarchicalConfig(DispatchConfig):
     """hierarchical's settings. pipeline_chunks: the most pieces a rail-hop block travels in, each
     forwarded inside the domain as it lands (1: the block at once; None: the default,
-    `DEFAULT_PIPELINE_CHUNKS`); pipeline_min_rows: the fewest rows of a piece (a smaller block
-    is cut into fewer pieces)."""
+    `DEFAULT_PIPELINE_CHUNKS` where the EP group spans hosts, 1 on one host);
+    pipeline_min_rows: the fewest rows of a piece (a smaller block is cut into fewer pieces)."""
 
     pipeline_chunks: int | None = None
     pipeline_min_rows: int = MIN_PIECE_ROWS
@@ -58,6 +62,24 @@ class HierarchicalConfig(DispatchConfig):
             raise ConfigError(f"pipeline_min_rows={m!r} must be a positive integer (rows)")
 
 
+def _host() -> str:
+    """This process's host as the network sees it: the host name and, on Linux, the network
+    namespace (the emulated cluster's nodes share a host name, not a namespace)."""
+    try:
+        namespace = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        namespace = 0
+    return f"{socket.gethostname()}/{namespace}"
+
+
+def _ranks_on_other_hosts(groups) -> bool:
+    """Whether any rank of the EP group runs on another host than this one (collective)."""
+    hosts = [None] * groups.ep_size
+    with guarded("hierarchical's host check", groups):
+        dist.all_gather_object(hosts, _host(), group=groups.ep_group)
+    return len(set(hosts)) > 1
+
+
 class HierarchicalDispatcher(Dispatcher):
     name = "hierarchical"
     Config = HierarchicalConfig
@@ -69,9 +91,17 @@ class HierarchicalDispatcher(Dispatcher):
         chunks = self.config.chunks
         return 2 + chunks if chunks > 1 else 2
 
-    def _pipelined(self) -> bool:
+    def __init__(self, groups, num_experts: int, **options):
+        super().__init__(groups, num_experts, **options)
         g = self.groups
-        return self.config.chunks > 1 and g.num_domains > 1 and g.domain_size > 1
+        # By default the pipeline runs only where the rail hop leaves the host (a slower link
+        # than the domain hop's): on one host its pieces cost more than they hide
+        # (docs/decisions.md, "The two-level pipeline").
+        self._rail_leaves_host = g.num_domains > 1 and g.domain_size > 1 and \
+            (self.config.pipeline_chunks is not None or _ranks_on_other_hosts(g))
+
+    def _pipelined(self) -> bool:
+        return self.config.chunks > 1 and self._rail_leaves_host
 
     def _outgoing(self, topk_idx):
         g = self.groups
