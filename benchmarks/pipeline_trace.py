@@ -64,11 +64,13 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 4])
     p.add_argument("--min-rows", type=int, default=None, help="pipeline_min_rows (default: the backend's)")
+    p.add_argument("--domain-size", type=int, default=None,
+                   help="ranks per domain (default: the ranks of a node, torchrun's LOCAL_WORLD_SIZE)")
     p.add_argument("--json", help="write the figures here (rank 0)")
     args = p.parse_args(argv)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    groups = er.EPGroups.from_default()
+    groups = er.EPGroups.from_default(domain_size=args.domain_size)
     idx, w = make_routing("uniform", args.tokens, args.experts, args.topk, rank, world, 0)
     x = torch.randn(args.tokens, args.hidden, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
     rows = {} if args.min_rows is None else {"pipeline_min_rows": args.min_rows}

@@ -94,14 +94,12 @@ def test_pipeline_trace_prints_its_record_and_every_piece(tmp_path):
     """benchmarks/pipeline_trace.py on 4 local ranks in 2 domains: the printed report is its
     record rendered, and the traced call of 3 pieces shows each rail piece land and move on,
     dispatch, and each piece's sums sent back."""
-    import os
     from expertrail.tools.records import render
     path = tmp_path / "trace.json"
-    env = dict(os.environ, NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN="2")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                          str(SCRIPTS / "pipeline_trace.py"), "--tokens", "32", "--hidden", "16", "--experts", "8",
+                          str(SCRIPTS / "pipeline_trace.py"), "--domain-size", "2", "--tokens", "32", "--hidden", "16", "--experts", "8",
                           "--topk", "2", "--iters", "2", "--chunks", "1", "3", "--min-rows", "1", "--json", str(path)],
-                         capture_output=True, text=True, timeout=300, env=env)
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     record = json.loads(path.read_text())
     assert render("pipeline", record).strip().strip("`").strip() in out.stdout
