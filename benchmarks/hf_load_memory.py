@@ -1,5 +1,5 @@
 """Peak host memory per rank of expertrail.hf.from_pretrained / save_pretrained against one
-process loading the whole model with transformers (issue 36's bar).
+process loading the whole model with transformers.
 
 Builds (once, in a scratch directory) a random Qwen3-MoE checkpoint whose expert weights are
 most of its bytes (64 experts, fp32, written by transformers in several shards), then measures

@@ -230,6 +230,27 @@ def _serve_bench(record: dict) -> str:
     return _fenced("\n".join(summary_lines(record)))
 
 
+def _hf_load(record: dict) -> str:
+    """benchmarks/hf_load_memory.py's figures as docs/hf.md's table: peak RSS above the imports
+    per process, its ratio to the whole-model load, and the load time (median, range)."""
+    s, runs = record["summary"], record["runs"]
+    mib = 2 ** 20
+
+    def spread(times: list) -> str:
+        return f"{min(times):.1f}-{max(times):.1f}"
+    whole = [r["load_s"] for r in runs["whole"]]
+    ep = [r["load_s"] for r in runs["ep"]]
+    rows = ["| | peak RSS per process | ratio to the whole load | load time |", "|---|---|---|---|",
+            f"| transformers `from_pretrained`, the whole model, 1 process | {s['whole_load_peak_mib']:,.0f} MiB | 1.00x | "
+            f"{s['whole_load_s']:.2f} s ({spread(whole)}) |",
+            f"| `er.hf.from_pretrained`, EP {record['ranks']}, {record['ranks']} ranks, while loading | "
+            f"{s['ep_load_peak_mib']:,.0f} MiB | {s['load_ratio']:.2f}x | {s['ep_load_s']:.2f} s ({spread(ep)}) |",
+            f"| `er.hf.save_pretrained`, EP {record['ranks']}, {record['ranks']} ranks, while saving | "
+            f"{s['ep_save_peak_mib']:,.0f} MiB | {s['save_ratio']:.2f}x | |"]
+    held = max(r["held_after_load"] for run in runs["ep"] for r in run["ranks"]) / mib
+    return "\n".join(rows) + f"\n\nEach rank holds at most {held:.0f} MiB after loading.\n"
+
+
 def _pipeline(record: dict) -> str:
     """benchmarks/pipeline_trace.py's report: time per call beside alltoall, and one traced call."""
     cfg, runs = record["config"], record["runs"]
@@ -245,7 +266,7 @@ def _pipeline(record: dict) -> str:
     return _fenced("\n".join(lines))
 
 
-KINDS = {"pipeline": _pipeline, "train-overlap": _train_overlap, "calibration": _calibration, "bench": _bench, "overlap": _overlap, "decode": _decode, "train": _train, "cluster": _cluster, "serve-sim": _serve_sim,
+KINDS = {"hf-load": _hf_load, "pipeline": _pipeline, "train-overlap": _train_overlap, "calibration": _calibration, "bench": _bench, "overlap": _overlap, "decode": _decode, "train": _train, "cluster": _cluster, "serve-sim": _serve_sim,
          "user-process": _user_process, "user-process-soak": _user_process_soak,
          "against-megatron": _against_megatron, "output": _output, "serve-bench": _serve_bench}
 
