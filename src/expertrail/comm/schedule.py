@@ -3,9 +3,9 @@
 One micro-batch alone leaves the link idle while it computes and the cores idle while its rows
 travel. Two micro-batches in flight fill each other's gaps: while A's dispatch or combine (or
 their backwards) is on the wire, B's attention, router and experts run, and the other way
-round. `train_micro_batches` runs Megatron-Core's combined 1F1B order (the forward of
-micro-batch i beside the backward of micro-batch i-1); `forward_interleaved` is the two-batch
-overlap of inference.
+round. `train_micro_batches` runs every phase of a step as such a pair (F0 + F1, then the
+forward of micro-batch i beside the backward of i-2, then the last two backwards);
+`forward_interleaved` is the two-batch overlap of inference.
 
 How: each micro-batch's work runs as a task on its own thread (the caller's for the first,
 long-lived workers for the others), but only one task runs at a time. A task gives its turn
@@ -18,9 +18,11 @@ no collective can cross another.
 
 Delayed weight gradients (``delay_wgrad``): inside a task, `GroupedExperts`, `SwiGLUMLP` and
 any `experts.delayable_linear` projection (`train`'s attention) compute the input gradient at
-once (the previous layer needs it) and hand the weight gradient to `defer`; the task computes
-it at its next switch point, while its own exchange is in flight, and at its end. Gradients are the same bits either way: the same kernels run, and
-every parameter accumulates the micro-batches' gradients in micro-batch order.
+once (the previous layer needs it) and hand the weight gradient to `defer`. The step's queue of
+them fills the waits for exchanges that have not landed, whichever task waits, in the order
+they were queued; what is left runs when the step ends. Gradients are the same bits either
+way: the same kernels run, and every parameter accumulates the micro-batches' gradients in
+micro-batch order.
 """
 from __future__ import annotations
 
@@ -149,8 +151,9 @@ def wait_exchange(what: str, wait: Callable[[], Any], give_turn: bool = True, wa
     """``wait()`` for an exchange just posted, after a `switch_point` (another task runs while it
     travels); on a `Timeline` its span from posted to landed is recorded as ``what``.
 
-    watch: the exchange's `transport.Transfer`. While it has not landed, the deferred weight gradients of the step (any task's, in order) run here, so a
-    wait that would leave the cores idle computes them instead.
+    watch: the exchange's `transport.Transfer`. While it has not landed, the deferred weight
+    gradients of the step (any task's, in order) run here, so a wait that would leave the cores
+    idle computes them instead.
 
     give_turn=False: wait without a switch point, for exchanges of a few numbers (dispatch
     counts, the router's loads). Such an exchange lands in milliseconds, while a turn given
@@ -335,11 +338,13 @@ def train_micro_batches(forward: Callable[[Any], torch.Tensor], micro_batches: l
     (detached).
 
     forward(micro_batch) -> the scalar to call ``backward()`` on (scaled as the gradients
-    should accumulate). ``overlap=False``: F0 B0 F1 B1 ..., one at a time. ``overlap=True``,
-    Megatron-Core's combined 1F1B order: F0, then the forward of micro-batch i and the backward
-    of micro-batch i-1 taking turns at every dispatch and combine (see the module docstring),
-    then the last backward; ``delay_wgrad`` delays the delayable weight gradients (experts,
-    shared expert, `experts.delayable_linear` projections) into the backward's communication. Backwards run in micro-batch order either way, so gradients and
+    should accumulate). ``overlap=False``: F0 B0 F1 B1 ..., one at a time. ``overlap=True``:
+    every phase a pair taking turns at every dispatch and combine (see the module docstring):
+    F0 + F1, then the forward of micro-batch i beside the backward of i-2, then the last two
+    backwards (one micro-batch more in flight than Megatron-Core's combined 1F1B order, whose
+    first forward and last backward run alone); ``delay_wgrad`` delays the delayable weight
+    gradients (experts, shared expert, `experts.delayable_linear` projections) into the waits
+    for exchanges. Backwards run in micro-batch order either way, so gradients and
     losses are bitwise the same with and without overlap. Collective over every EP group the
     model uses: every rank passes the same number of micro-batches and the same ``overlap``.
     """
