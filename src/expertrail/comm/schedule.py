@@ -344,7 +344,8 @@ def train_micro_batches(forward: Callable[[Any], torch.Tensor], micro_batches: l
     backwards (one micro-batch more in flight than Megatron-Core's combined 1F1B order, whose
     first forward and last backward run alone); ``delay_wgrad`` delays the delayable weight
     gradients (experts, shared expert, `experts.delayable_linear` projections) into the waits
-    for exchanges. Backwards run in micro-batch order either way, so gradients and
+    for exchanges. Every parameter accumulates its micro-batch gradients in micro-batch order
+    either way, so gradients and
     losses are bitwise the same with and without overlap. Collective over every EP group the
     model uses: every rank passes the same number of micro-batches and the same ``overlap``.
     """
