@@ -251,6 +251,13 @@ def _hf_load(record: dict) -> str:
     return "\n".join(rows) + f"\n\nEach rank holds at most {held:.0f} MiB after loading.\n"
 
 
+def _pipeline_summary(record: dict) -> str:
+    """benchmarks/pipeline_trace.py's report without the traced calls: time per call."""
+    return _fenced("\n".join(line.removesuffix("; one call on rank 0:")
+                             for line in _pipeline(record).strip("`\n").splitlines()
+                             if line and not line.startswith("  ")))
+
+
 def _pipeline(record: dict) -> str:
     """benchmarks/pipeline_trace.py's report: time per call beside alltoall, and one traced call."""
     cfg, runs = record["config"], record["runs"]
@@ -266,7 +273,7 @@ def _pipeline(record: dict) -> str:
     return _fenced("\n".join(lines))
 
 
-KINDS = {"hf-load": _hf_load, "pipeline": _pipeline, "train-overlap": _train_overlap, "calibration": _calibration, "bench": _bench, "overlap": _overlap, "decode": _decode, "train": _train, "cluster": _cluster, "serve-sim": _serve_sim,
+KINDS = {"hf-load": _hf_load, "pipeline": _pipeline, "pipeline-summary": _pipeline_summary, "train-overlap": _train_overlap, "calibration": _calibration, "bench": _bench, "overlap": _overlap, "decode": _decode, "train": _train, "cluster": _cluster, "serve-sim": _serve_sim,
          "user-process": _user_process, "user-process-soak": _user_process_soak,
          "against-megatron": _against_megatron, "output": _output, "serve-bench": _serve_bench}
 
