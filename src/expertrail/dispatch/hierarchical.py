@@ -88,10 +88,10 @@ class HierarchicalDispatcher(Dispatcher):
     def count_columns(self) -> int:
         """Rows per destination rank in hop 2, rows to the rail peer in hop 1, then (pipelined)
         hop 2's rows per piece."""
-        chunks = self.config.chunks
-        return 2 + chunks if chunks > 1 else 2
+        return 2 + self.config.chunks if self._pipelined() else 2
 
     def __init__(self, groups, num_experts: int, **options):
+        self._rail_leaves_host = False          # known once the base has checked the settings
         super().__init__(groups, num_experts, **options)
         g = self.groups
         # By default the pipeline runs only where the rail hop leaves the host (a slower link
@@ -99,6 +99,7 @@ class HierarchicalDispatcher(Dispatcher):
         # (docs/decisions.md, "The two-level pipeline").
         self._rail_leaves_host = g.num_domains > 1 and g.domain_size > 1 and \
             (self.config.pipeline_chunks is not None or _ranks_on_other_hosts(g))
+        self.agreement.count_columns = self.count_columns       # the per-piece counts only when pipelined
 
     def _pipelined(self) -> bool:
         return self.config.chunks > 1 and self._rail_leaves_host
@@ -113,7 +114,7 @@ class HierarchicalDispatcher(Dispatcher):
         to_rail_peer[g.domain_rank::g.domain_size] = per_domain
         domain, token = torch.nonzero(layout.token_in_domain.t()).unbind(1)            # hop 1 rows
         counts = [layout.tokens_per_rank, to_rail_peer]
-        if self.config.chunks > 1:
+        if self._pipelined():
             counts += list(self._rows_per_piece(topk_idx, domain, token, per_domain).unbind(1))
         return Outgoing(topk_idx, torch.stack(counts, 1), token, per_domain.tolist(), g.domain_index, domain)
 
