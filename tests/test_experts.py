@@ -35,6 +35,9 @@ def test_grouped_experts_match_a_loop(monkeypatch, use_grouped_mm, counts):
     torch.testing.assert_close(tokens.grad, grads[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(m.gate_up_proj.grad, grads[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(m.down_proj.grad, grads[2], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():                  # the path without autograd nodes gives the same bits
+        inferred = m(tokens, tpe)
+    assert not inferred.requires_grad and torch.equal(inferred, out.detach())
 
 
 def test_gate_rows_come_first_as_in_transformers():

@@ -40,6 +40,14 @@ def test_messages_compares_pieces_blocks_and_copies():
     assert all(line.count("rank ") == 4 for line in lines[1:])
 
 
+def test_small_exchanges_times_both_transports_for_every_size():
+    lines = _run("small_exchanges.py", "--ranks", "2", "--sizes", "64,4096", "--compute-ms", "0", "--iters", "2",
+                 "--warmup", "1")
+    rows = [line.split() for line in lines[2:]]
+    assert [r[0] for r in rows] == ["64", "4096"]
+    assert all(len(r) == 8 and float(r[1]) > 0 and float(r[4]) > 0 and float(r[7]) > 0 for r in rows)
+
+
 def test_layouts_times_both_alltoall_layouts_for_every_shape():
     lines = _run("layouts.py", "--shrink", "256", "--iters", "2", "--warmup", "1")
     rows = [line.split() for line in lines[2:]]

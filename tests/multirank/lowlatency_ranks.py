@@ -180,3 +180,22 @@ def lowlatency_errors_unagreed(rank, world, metadata_on_host):
         except er.InvalidInputError as err:
             outcomes.append(str(err))
     return outcomes
+
+
+def fixed_blocks_both_transports(rank, world):
+    """`Channel.all_to_all_fixed` with blocks under and over `COLLECTIVE_MAX_BLOCK_BYTES` (gloo's
+    all-to-all, then point-to-point transfers): every rank gets block ``rank`` of every peer's
+    rows, in peer order, into ``out`` when given. Returns the sizes checked."""
+    from expertrail.comm.transport import COLLECTIVE_MAX_BLOCK_BYTES
+    groups = groups_for(None, 2)
+    checked = []
+    for width in (3, COLLECTIVE_MAX_BLOCK_BYTES // 4 + 1):            # fp32 rows of one block: small, then too big
+        rows = torch.arange(world * 2 * width, dtype=torch.float32).view(world * 2, width) + 1000 * rank
+        out = torch.full_like(rows, -1.0) if width == 3 else None
+        got = groups.ep_channel.all_to_all_fixed(rows, out=out).wait()
+        want = torch.cat([torch.arange(world * 2 * width, dtype=torch.float32).view(world * 2, width)[2 * rank:2 * rank + 2]
+                          + 1000 * peer for peer in range(world)])
+        assert torch.equal(got, want), (width, got[:, :4], want[:, :4])
+        assert out is None or got.data_ptr() == out.data_ptr()
+        checked.append(width)
+    return checked

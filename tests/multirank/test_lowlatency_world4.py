@@ -56,3 +56,8 @@ def test_lowlatency_without_agreement_raises_on_the_bad_rank_alone_and_goes_on(w
     shape, ids, healthy = results[1]
     assert "hidden=16" in shape and "found 9" in ids and healthy is None
     assert all(r == [None, None, None] for i, r in enumerate(results) if i != 1)
+
+
+def test_fixed_blocks_travel_alike_through_either_transport(world4):
+    from expertrail.comm.transport import COLLECTIVE_MAX_BLOCK_BYTES
+    assert world4.run(lowlatency_ranks.fixed_blocks_both_transports) == [[3, COLLECTIVE_MAX_BLOCK_BYTES // 4 + 1]] * 4

@@ -26,6 +26,11 @@ _TAGS = 1 << 30
 # they gain in overlap (the tiny model of `expertrail train` on loopback: docs/benchmarks.md).
 MIN_PIECE_ROWS = 128
 
+# The largest block (bytes per member) `Channel.all_to_all_fixed` sends through gloo's own
+# all-to-all: below it the one call beats a transfer per peer (0.75-0.82x the time from 256 B
+# to 256 KiB per peer on 4 ranks, even at 512 KiB: benchmarks/small_exchanges.py).
+COLLECTIVE_MAX_BLOCK_BYTES = 256 * 1024
+
 
 class Transfer:
     """Work in flight, the engine's one handle type: ``wait()`` waits for the posted ``works``
@@ -180,6 +185,22 @@ class Channel:
         transfer = Transfer(out, [t for _, _, t in received_pieces] + works[len(recvs):], own_rows=mine)
         transfer.pieces = received_pieces
         return transfer
+
+    def all_to_all_fixed(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> Transfer:
+        """Start an all-to-all of equal blocks whose size every member knows without being told
+        (fixed buffers, a fixed-width control row): ``rows [P * B, C]`` -> [P * B, C], block p
+        to member p (into ``out`` when given). Because every member sees the same block size,
+        all choose alike between gloo's own all-to-all, for blocks of at most
+        `COLLECTIVE_MAX_BLOCK_BYTES` (one call posts it, where point-to-point transfers cost a
+        call per peer and direction), and `all_to_all`'s transfers for larger blocks
+        (docs/decisions.md: Small fixed blocks through gloo's all-to-all)."""
+        blocks = [rows.shape[0] // self.size] * self.size
+        if self.size == 1 or not self.gloo or blocks[0] * rows[:1].nbytes > COLLECTIVE_MAX_BLOCK_BYTES:
+            return self.all_to_all(rows, blocks, blocks, out=out)
+        if out is None:
+            out = allocate(rows.shape, rows.dtype, rows.device)
+        work = dist.all_to_all_single(out, rows.contiguous(), group=self.group, async_op=True)
+        return Transfer(out, [work])
 
     def pieces_back(self, out: torch.Tensor, send_splits: list, recv_splits: list, pieces: int,
                     piece_rows: int = MIN_PIECE_ROWS) -> "PieceSends":

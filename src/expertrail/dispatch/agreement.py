@@ -28,9 +28,8 @@ class Agreement:
     def start(self, counts: torch.Tensor, header: list) -> Transfer:
         """Start the all-to-all of counts [P, C] plus ``header`` (int64 values, the same to every
         peer: a packed `Header`, or combine's flags)."""
-        p = self.groups.ep_size
-        head = torch.tensor(header, dtype=torch.int64, device=counts.device).expand(p, -1)
-        return self.groups.ep_channel.all_to_all(torch.cat([counts, head], 1), [1] * p, [1] * p)
+        head = torch.tensor(header, dtype=torch.int64, device=counts.device).expand(self.groups.ep_size, -1)
+        return self.groups.ep_channel.all_to_all_fixed(torch.cat([counts, head], 1))
 
     def finish_dispatch(self, transfer: Transfer, message: str | None) -> tuple[torch.Tensor, Headers]:
         """Wait for the control exchange -> (recv_counts [P, C], every rank's `Headers`); raise

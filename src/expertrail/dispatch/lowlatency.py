@@ -311,9 +311,8 @@ class LowLatencyDispatcher:
 
     def _exchange(self, rows: torch.Tensor, out: torch.Tensor):
         """Every peer's block of ``rows`` to it, theirs into ``out`` (posted, not waited): the
-        EP channel's all-to-all of equal blocks, as the normal mode's exchanges."""
-        blocks = [rows.shape[0] // self.groups.ep_size] * self.groups.ep_size
-        return self.groups.ep_channel.all_to_all(rows, blocks, blocks, out=out)
+        EP channel's all-to-all of fixed equal blocks (`Channel.all_to_all_fixed`)."""
+        return self.groups.ep_channel.all_to_all_fixed(rows, out=out)
 
     def _check(self, x, topk_idx, topk_weights, recording: bool) -> str | None:
         """The normal mode's input checks (`checks.input_problem`), then this mode's own: at

@@ -140,6 +140,7 @@ class BucketedDispatch:
         self.step: StepTokens | None = None
         self._lowlatency: dict = {}
         self._out: dict = {}
+        self._rows_of: dict = {}
         self.modes: dict = {}
         self.last = None
 
@@ -168,6 +169,13 @@ class BucketedDispatch:
             self.step.agreed = agreed
         return agreed
 
+    def _row_index(self, rows: int) -> torch.Tensor:
+        """int64 [rows]: 0 .. rows - 1 (made once per size)."""
+        index = self._rows_of.get(rows)
+        if index is None:
+            index = self._rows_of[rows] = torch.arange(rows, device=self.groups.device)
+        return index
+
     def _dispatcher(self, bucket: int, hidden: int, dtype: torch.dtype) -> LowLatencyDispatcher:
         key = (bucket, hidden, dtype)
         if key not in self._lowlatency:      # collective: built at the same call on every rank (the same choice)
@@ -193,15 +201,13 @@ class BucketedDispatch:
         ll = self._dispatcher(mode, x.shape[-1], x.dtype)
         res = ll.dispatch(x, topk_idx, topk_weights)
         shared_out = None if shared is None else shared()
-        count = res.count
-        counts = count.tolist()
-        rows = torch.cat([res.tokens[e, :c] for e, c in enumerate(counts)])       # the normal mode's packing
-        done = experts(rows, count)
+        count, tokens = res.count, res.tokens                     # [E_local], [E_local, P * T, H]
+        real = self._row_index(tokens.shape[1]) < count.unsqueeze(1)    # [E_local, P * T]: the real rows
+        done = experts(tokens[real], count)      # the normal mode's packing: by expert, then source rank and token
         out = self._out.get(ll)
         if out is None or out.dtype != done.dtype:
-            out = self._out[ll] = torch.zeros_like(res.tokens, dtype=done.dtype)
-        for e, piece in enumerate(done.split(counts)):
-            out[e, :counts[e]] = piece
+            out = self._out[ll] = torch.zeros_like(tokens, dtype=done.dtype)
+        out[real] = done
         y = ll.combine(out, res)
         return y if shared_out is None else y + shared_out
 

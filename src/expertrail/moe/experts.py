@@ -179,10 +179,16 @@ class GroupedExperts(nn.Module):
             raise InvalidInputError(f"tokens_per_expert sums to {sum(counts)} but tokens has {tokens.shape[0]} rows")
         offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
         x = tokens.to(self.gate_up_proj.dtype)
-        scale = self.weight_grad_scale
-        gate_up = _GroupedLinear.apply(x, self.gate_up_proj, offsets, counts, scale)
-        gate, up = gate_up.split(self.ffn_hidden, dim=-1)
-        return _GroupedLinear.apply(self.activation(gate) * up, self.down_proj, offsets, counts, scale).to(tokens.dtype)
+        if torch.is_grad_enabled() and (x.requires_grad or self.gate_up_proj.requires_grad or self.down_proj.requires_grad):
+            scale = self.weight_grad_scale
+
+            def linear(rows, weight):
+                return _GroupedLinear.apply(rows, weight, offsets, counts, scale)
+        else:      # nothing to record (decode): the same GEMMs without an autograd node's cost
+            def linear(rows, weight):
+                return grouped_linear(rows, weight, offsets, counts)
+        gate, up = linear(x, self.gate_up_proj).split(self.ffn_hidden, dim=-1)
+        return linear(self.activation(gate) * up, self.down_proj).to(tokens.dtype)
 
 
 class SwiGLUMLP(nn.Module):

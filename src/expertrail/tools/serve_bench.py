@@ -126,34 +126,36 @@ class StepMeter:
         import torch
         self.blocks, self.groups = blocks, groups
         self.seconds, self.modes, self.rows, self.tokens = [], [], [], []
-        self._rows = torch.zeros(groups.ep_size, dtype=torch.int64)
-        per_rank = blocks[0].experts.num_local_experts
+        self._seen = []            # this forward's routing per block: topk ids [T, K], or rows per rank [P]
+        self._per_rank = blocks[0].experts.num_local_experts
         for b in blocks:
             if b.replicas is None:
-                b.gate.register_forward_hook(lambda m, a, out: self._add(out[-1] // per_rank))
+                b.gate.register_forward_hook(lambda m, a, out: self._seen.append(out[-1]))
             else:
-                b.register_forward_hook(lambda m, a, out: self._add_rows(m.replicas.rows_per_rank))
+                b.register_forward_hook(lambda m, a, out: self._seen.append(m.replicas.rows_per_rank.clone()))
         # First in and last out, so the time includes the other hooks (the bucket agreement is
-        # posted, the rebalancer plans and switches, in hooks of the model's forward).
+        # posted, the rebalancer plans and switches, in hooks of the model's forward); the rows
+        # are counted after the clock stops.
         model.register_forward_pre_hook(self._start, prepend=True)
         model.register_forward_hook(self._stop)
 
-    def _add(self, ranks):
-        import torch
-        self._rows += torch.bincount(ranks[ranks >= 0].flatten(), minlength=self.groups.ep_size)
-
-    def _add_rows(self, rows):
-        self._rows += rows
-
     def _start(self, module, args, kwargs=None):
-        self._rows.zero_()
+        self._seen.clear()
         self._t = time.perf_counter()
 
     def _stop(self, module, args, output):
+        import torch
         self.seconds.append(time.perf_counter() - self._t)
         b = self.blocks[0].bucketed
         self.modes.append("normal" if b is None else str(b.last))
-        self.rows.append(self._rows.clone())
+        rows = torch.zeros(self.groups.ep_size, dtype=torch.int64)
+        for seen in self._seen:
+            if seen.dim() == 1:
+                rows += seen
+            else:
+                ranks = seen[seen >= 0] // self._per_rank
+                rows += torch.bincount(ranks, minlength=self.groups.ep_size)
+        self.rows.append(rows)
 
 
 def _prompts(cfg: ServeBenchConfig, round_: int, rank: int):
