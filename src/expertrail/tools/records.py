@@ -35,19 +35,23 @@ BLOCK = re.compile(r"(<!-- record: (\S+) (\S+) -->\n)(.*?)(<!-- end record -->)"
 
 
 def machine() -> dict:
-    """What a recorded run was measured on: the CPU model and core count, memory, torch, Python."""
+    """What a recorded run was measured on: the CPU model and core count, memory, torch, Python,
+    and the GPU where CUDA sees one."""
     with open("/proc/cpuinfo") as f:
         model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
                      platform.processor() or platform.machine())
     with open("/proc/meminfo") as f:
         mem_kib = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
+    gpu = None
     try:
         import torch
         torch_version = torch.__version__
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name()
     except ImportError:
         torch_version = None
     return {"cpu": model, "cores": os.cpu_count(), "memory_GiB": round(mem_kib / 2**20, 1), "torch": torch_version,
-            "python": platform.python_version(), "os": platform.platform()}
+            "python": platform.python_version(), "os": platform.platform(), **({"gpu": gpu} if gpu else {})}
 
 
 def code() -> dict | None:
