@@ -11,9 +11,9 @@ kernels answer with static buffers; this mode does the same on any torch.distrib
   weight, and an error flag. Row t = token t makes the sender's side one broadcast copy of
   x and one of its routing table, with no positions to plan. One exchange per dispatch and
   one per combine, no count round. The small per-call metadata (lowlatency_metadata.py) is
-  made with torch on CUDA, designed to read nothing on the host (no host synchronisation, so a
-  decode step can be captured in a CUDA graph; not yet checked on a GPU:
-  benchmarks/gpu_lowlatency.py checks both), and in numpy on CPU, where torch's per-call
+  made with torch on CUDA, reading nothing on the host (no host synchronisation, so a decode
+  step can be captured in a CUDA graph: benchmarks/gpu_lowlatency.py checks both, recorded on
+  an H200 in docs/benchmarks.md), and in numpy on CPU, where torch's per-call
   overhead would be most of the step.
 - The receiver expands the rows into DeepEP's low-latency layout, packed per local expert:
   ``tokens [E_local, P * T, H]`` with ``count [E_local]`` real rows each, ordered by source

@@ -12,9 +12,9 @@ Two implementations make the same metadata through one interface:
   decode step's metadata is a few hundred numbers, and a torch call costs its dispatcher
   overhead whatever its size (5-30 us with 4 ranks on 2 cores, most of a step's CPU time:
   docs/benchmarks.md), numpy's a few us.
-- `DeviceMetadata` (CUDA): torch on the device, designed to read nothing on the host (that would
-  be a sync), so that a decode step can be captured in a CUDA graph (not yet checked on a GPU:
-  benchmarks/gpu_lowlatency.py checks both; the tests run it on CPU).
+- `DeviceMetadata` (CUDA): torch on the device, reading nothing on the host (that would be a
+  sync), so that a decode step can be captured in a CUDA graph (benchmarks/gpu_lowlatency.py
+  checks both on a GPU, recorded in docs/benchmarks.md; the tests run it on CPU).
 
 Both check the expert ids' values (in [-1, E), none twice in a token): `HostMetadata` on the
 host, with the message; `DeviceMetadata` on the device, into the header's error flag and
