@@ -142,8 +142,9 @@ class Channel:
         all-to-all runs its peers in lockstep steps, so with more ranks than cores one
         descheduled peer stalls every step (docs/decisions.md: All-to-all on gloo as
         point-to-point transfers). ``pieces`` > 1 (gloo): each block travels in up to that many
-        consecutive pieces of at least ``piece_rows`` rows (`piece_bounds`), and the Transfer's ``pieces`` lists (start, end,
-        Transfer) of each piece received (rows of the output), to be waited for as it lands.
+        consecutive pieces of at least ``piece_rows`` rows (`piece_bounds`), and the Transfer's
+        ``pieces`` lists (start, end, Transfer) of each piece received (rows of the output), to
+        be waited for as it lands.
         """
         if self.size == 1:       # a group of one: nothing to exchange
             mine = take_rows(*own, out=out) if own is not None else rows if out is None else out.copy_(rows)

@@ -22,8 +22,8 @@ import torch
 from .. import kernels
 from ..kernels.torch_ops import CopyPositions, stable_argsort
 from ..comm.topology import guarded
-from ..comm.transport import (MIN_PIECE_ROWS, Channel, LandingRuns, PieceSends, Transfer, TransferStats, concat_transfers, later,
-                              link_class)
+from ..comm.transport import (MIN_PIECE_ROWS, Channel, LandingRuns, PieceSends, Transfer, TransferStats,
+                              concat_transfers, later, link_class)
 from ..kernels.workspace import Workspace, allocate, allocate_zeros
 
 

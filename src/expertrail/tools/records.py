@@ -255,15 +255,9 @@ def _hf_load(record: dict) -> str:
     return "\n".join(rows) + f"\n\nEach rank holds at most {held:.0f} MiB after loading.\n"
 
 
-def _pipeline_summary(record: dict) -> str:
-    """benchmarks/pipeline_trace.py's report without the traced calls: time per call."""
-    return _fenced("\n".join(line.removesuffix("; one call on rank 0:")
-                             for line in _pipeline(record).strip("`\n").splitlines()
-                             if line and not line.startswith("  ")))
-
-
-def _pipeline(record: dict) -> str:
-    """benchmarks/pipeline_trace.py's report: time per call beside alltoall, and one traced call."""
+def _pipeline(record: dict, traces: bool = True) -> str:
+    """benchmarks/pipeline_trace.py's report: time per call beside alltoall, and (``traces``)
+    one traced call of each setting."""
     cfg, runs = record["config"], record["runs"]
     lines = [f"hierarchical, {cfg['world']} ranks, domain {cfg['domain_size']}, {cfg['tokens']} tokens, hidden "
              f"{cfg['hidden']}, {cfg['experts']} experts, top-{cfg['topk']}, bf16; dispatch + combine, median of "
@@ -271,13 +265,24 @@ def _pipeline(record: dict) -> str:
              f"alltoall: {1e3 * runs['alltoall']['median_s']:.1f} ms per call"]
     for c in cfg["chunks"]:
         run = runs[str(c)]
-        lines += ["", f"pipeline_chunks={c}: {1e3 * run['median_s']:.1f} ms per call ({run['vs_alltoall']:.2f}x faster "
-                      "than alltoall); one call on rank 0:"]
+        line = (f"pipeline_chunks={c}: {1e3 * run['median_s']:.1f} ms per call ({run['vs_alltoall']:.2f}x faster "
+                "than alltoall)")
+        if not traces:
+            lines.append(line)
+            continue
+        lines += ["", f"{line}; one call on rank 0:"]
         lines += [f"  {ms:8.2f} ms  {what}" for ms, what in run["trace_ms"]]
     return _fenced("\n".join(lines))
 
 
-KINDS = {"hf-load": _hf_load, "pipeline": _pipeline, "pipeline-summary": _pipeline_summary, "train-overlap": _train_overlap, "calibration": _calibration, "bench": _bench, "overlap": _overlap, "decode": _decode, "train": _train, "cluster": _cluster, "serve-sim": _serve_sim,
+def _pipeline_summary(record: dict) -> str:
+    """benchmarks/pipeline_trace.py's report without the traced calls: time per call."""
+    return _pipeline(record, traces=False)
+
+
+KINDS = {"hf-load": _hf_load, "pipeline": _pipeline, "pipeline-summary": _pipeline_summary,
+         "train-overlap": _train_overlap, "calibration": _calibration, "bench": _bench, "overlap": _overlap,
+         "decode": _decode, "train": _train, "cluster": _cluster, "serve-sim": _serve_sim,
          "user-process": _user_process, "user-process-soak": _user_process_soak,
          "against-megatron": _against_megatron, "output": _output, "serve-bench": _serve_bench}
 

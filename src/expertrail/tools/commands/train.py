@@ -11,7 +11,6 @@ from ..arguments import backend_list, check_experts, cluster_arguments, positive
 from ..ranks import Ranks, note_emulated, on_cluster, under_torchrun
 
 
-
 def overlap_lines(name: str, r: dict) -> list[str]:
     """What `train --overlap` prints of one backend's result ``r``: the step without and with
     overlap and, when measured, the CPU floor's ceiling (docs/ records render them alike)."""
@@ -22,6 +21,7 @@ def overlap_lines(name: str, r: dict) -> list[str]:
         lines.append(f"{name}: CPU floor {1e3 * r['cpu_floor_s']:.1f} ms (all ranks' CPU time per step over the host's "
                      f"cores): overlap can gain at most {r['overlap_ceiling']:.2f}x on this machine")
     return lines
+
 
 def add_parser(sub) -> None:
     from ..configs import TrainConfig
