@@ -4,7 +4,7 @@ import torch
 from expertrail.dispatch.base import expand_local
 from expertrail import kernels
 from expertrail.dispatch.route import number_copies
-from expertrail.kernels.torch_ops import CopyPositions, stable_argsort, take_rows
+from expertrail.kernels.torch_ops import CopyPositions, stable_argsort, summing_table, take_rows
 
 
 def reduce_rows(rows, index, copy, num_out, max_copies, weights, out_dtype):
@@ -108,3 +108,71 @@ def test_bf16_and_fp16_weights_take_fewer_parts_with_the_same_result():
         fewer = reduce_rows(rows, index, copy, 100, int(copy.max()) + 1, weights, torch.bfloat16)
         three = reduce_rows(rows, index, copy, 100, int(copy.max()) + 1, weights.float(), torch.bfloat16)
         assert torch.equal(fewer, three), dtype
+
+
+def _expand_hop(num_src, max_copies, padded, seed):
+    """An ExpandHop over ``num_src`` source rows with up to ``max_copies`` copies each, its
+    output rows expert-major (4 experts) and, when ``padded``, padded to multiples of 8."""
+    from expertrail.dispatch.route import ExpandHop
+    from expertrail.dispatch.planning import padded_positions
+    g = torch.Generator().manual_seed(seed)
+    local = torch.randint(-1, 4, (num_src, max_copies), generator=g)
+    local = torch.where(local >= 0, local, torch.full_like(local, -1))
+    # distinct experts per row, as routing gives them
+    local = torch.stack([torch.where((local[:, :k] == local[:, k:k + 1]).any(1), -1, local[:, k])
+                         for k in range(max_copies)], 1)
+    row, _, expert = expand_local(local)
+    hop = ExpandHop.numbered(row, num_src, max_copies)
+    if padded:
+        real = torch.bincount(expert, minlength=4)
+        hop.out_pos = padded_positions(expert, real, (real + 7) // 8 * 8)
+        hop.out_rows = int(((real + 7) // 8 * 8).sum())
+    return hop
+
+
+class _Landed:
+    """A landed part, as `SplitHop`'s Transfer lists it."""
+
+    def __init__(self, rows):
+        self.rows, self.waits = rows, 0
+
+    def wait(self):
+        self.waits += 1
+        return self.rows
+
+
+def test_expansion_part_by_part_gives_the_same_rows():
+    """`ExpandHop.forward_parts`: each part copied as it lands, padding zeroed, the same output
+    as the expansion of the whole level; empty parts too."""
+    for padded in (False, True):
+        hop = _expand_hop(60, 3, padded, seed=1)
+        level = torch.randn(60, 5, generator=torch.Generator().manual_seed(2))
+        bounds = [0, 17, 17, 40, 51, 60]
+        parts = [(a, b, _Landed(level[a:b])) for a, b in zip(bounds, bounds[1:])]
+        whole = _Landed(level)
+        whole.parts = parts
+        streamed = hop.forward_parts(whole)
+        assert torch.equal(streamed, hop.forward(level)), padded
+        assert all(part.waits == 1 for *_, part in parts) and whole.waits == 1
+
+
+def test_expert_side_sums_part_by_part_are_the_same_bits():
+    """`ExpandHop.transpose_part` over any cut of the source rows: the same bits as `transpose`,
+    fp32 and bf16, weighted or not, with padding, and picked rows where a row has one copy."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for padded in (False, True):
+            for max_copies in (1, 3):
+                hop = _expand_hop(50, max_copies, padded, seed=3)
+                rows_out = hop.out_rows or hop.index.numel()
+                g = torch.Generator().manual_seed(4)
+                rows = torch.randn(rows_out, 7, generator=g).to(dtype)
+                for weights in (None, torch.rand(rows_out, generator=g)):
+                    whole = hop.transpose(rows, weights, dtype)
+                    table = summing_table(rows, dtype)
+                    bounds = [0, 9, 9, 31, 50]
+                    parts = torch.cat([hop.transpose_part(table, weights, dtype, a, b)
+                                       for a, b in zip(bounds, bounds[1:])])
+                    assert parts.dtype == whole.dtype
+                    assert torch.equal(parts.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                                       whole.view(torch.int16 if dtype != torch.float32 else torch.int32)), \
+                        (dtype, padded, max_copies, weights is None)

@@ -16,11 +16,12 @@ import contextlib
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
 from .. import kernels
-from ..kernels.torch_ops import CopyPositions, stable_argsort
+from ..kernels.torch_ops import CopyPositions, reduce_bags, stable_argsort, summing_table
 from ..comm.topology import guarded
 from ..comm.transport import (MIN_PIECE_ROWS, Channel, LandingRuns, PieceSends, Transfer, TransferStats,
                               concat_transfers, later, link_class)
@@ -163,11 +164,72 @@ class ExpandHop(Hop):
         weights = None if weights is None else self.real_rows(weights)
         return self.reduce(self.real_rows(rows), weights, out_dtype or rows.dtype)
 
+    # Streaming, for a level that lands (dispatch) or leaves (combine) in parts: a `SplitHop`'s.
+    @property
+    def streams(self) -> bool:
+        """Whether `forward_parts` / `transpose_part` serve this hop's rows: on the torch
+        kernels' path (the Triton kernels take every row in one launch)."""
+        return not kernels.use_triton(self.index)
+
+    def forward_parts(self, level) -> torch.Tensor:
+        """`forward` of a level that lands in parts (``level.parts``: (start, end, Transfer) of its
+        rows, tiling them in landing order): each part is copied into its output rows as soon as
+        it has landed, while the later parts are still on their way. Same output as
+        ``forward(level.wait())``."""
+        out = None
+        for (start, _, part), runs in zip(level.parts, self._runs([(a, b) for a, b, _ in level.parts])):
+            rows = part.wait()
+            if out is None:
+                out = allocate((self.out_rows or self.index.numel(), *rows.shape[1:]), rows.dtype, rows.device)
+            for first, index in runs:
+                torch.index_select(rows, 0, index, out=out[first:first + index.numel()])
+        level.wait()
+        if self.out_pos is not None:
+            out.index_fill_(0, self.padding_rows(), 0)
+        return out
+
+    def _runs(self, parts: list) -> list:
+        """For each part (start, end) of the source rows: the runs of consecutive output rows that
+        copy its rows, as (first output row, int64 [run] source rows counted from ``start``).
+        Expert-major rows sorted by source then token make a few runs per part and expert."""
+        key = tuple(parts)
+        if getattr(self, "_parts_runs", (None,))[0] != key:
+            index, m = self.index, self.index.numel()
+            starts = torch.tensor([a for a, _ in parts], dtype=torch.int64, device=index.device)
+            part = torch.bucketize(index, starts, right=True) - 1
+            dest = self.out_pos if self.out_pos is not None else torch.arange(m, device=index.device)
+            relative = index - starts[part]
+            cut = torch.ones(m, dtype=torch.bool, device=index.device)
+            cut[1:] = (part[1:] != part[:-1]) | (dest[1:] != dest[:-1] + 1)
+            bounds = torch.nonzero(cut).squeeze(1).tolist() + [m]
+            runs = [[] for _ in parts]
+            for a, b, p, first in zip(bounds, bounds[1:], part[bounds[:-1]].tolist(), dest[bounds[:-1]].tolist()):
+                runs[p].append((first, relative[a:b]))
+            self._parts_runs = (key, runs)
+        return self._parts_runs[1]
+
+    def transpose_part(self, table: torch.Tensor, weights: torch.Tensor | None, out_dtype: torch.dtype,
+                       start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) of `transpose`'s result [end - start, C], the same bits:
+        ``table`` is the output rows [M, C] as `torch_ops.summing_table` gives them (widened
+        once for all parts), ``weights [M]`` as `transpose` takes them."""
+        copies = self.copies()
+        first, last = int(copies.offsets[start]), int(copies.offsets[end])
+        index = copies.pos[first:last]
+        if self.out_pos is not None:
+            index = self.out_pos.index_select(0, index)
+        if copies.max_copies == 1 and weights is None:      # each row picked, not summed, as `reduce` does
+            out = allocate_zeros((end - start, *table.shape[1:]), table.dtype, table.device)
+            return out.index_copy_(0, copies.source[first:last] - start, table.index_select(0, index)).to(out_dtype)
+        return reduce_bags(table, index, copies.offsets[start:end + 1] - first, weights, out_dtype)
+
 
 @dataclass(kw_only=True)
 class InPlaceHop(ExpandHop):
     """The last hop after a `LandingHop`: the rows landed in their output places already.
     ``index`` lists the real output rows (``out_pos``, or all of them)."""
+
+    streams = False
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         return rows
@@ -341,6 +403,39 @@ class Forwarded:
     hop: AllToAllHop
 
 
+class _Forwarding:
+    """A `SplitHop`'s late pieces, sent on in order, each once its piece of the previous level
+    (``level``: rows, or the `Transfer` bringing them, with its ``pieces``) has landed; ``outs``:
+    where each piece's exchange receives its rows."""
+
+    def __init__(self, late: list, outs: list, level, own_rows: torch.Tensor):
+        self.late, self.outs, self.level, self.own_rows = late, outs, level, own_rows
+        in_flight = isinstance(level, Transfer)
+        self.landing = {(a, b): t for a, b, t in getattr(level, "pieces", ())} if in_flight else {}
+        self.exchanges = []
+
+    def upto(self, last: int) -> None:
+        """Send on every late piece up to ``last`` not sent on yet (waiting for each to land)."""
+        while len(self.exchanges) <= min(last, len(self.late) - 1):
+            piece = self.late[len(self.exchanges)]
+            if piece.end == piece.start:
+                rows = self.own_rows[:0]
+            elif (piece.start, piece.end) in self.landing:
+                rows = self.landing[(piece.start, piece.end)].wait()
+            else:
+                rows = (self.level.wait() if isinstance(self.level, Transfer) else self.level)[piece.start:piece.end]
+            if piece.end > piece.start:
+                _note(f"rail piece {piece.piece} from domain {piece.member} landed")
+            self.exchanges.append(piece.hop.forward(rows, async_op=True, out=self.outs[len(self.exchanges)]))
+            if piece.end > piece.start:
+                _note(f"domain hop: piece {piece.piece} from domain {piece.member} sent on")
+
+    def landed(self, i: int) -> torch.Tensor:
+        """Late piece ``i``'s received rows, once landed; the next piece is sent on first."""
+        self.upto(i + 1)
+        return self.exchanges[i].wait()
+
+
 class SplitHop:
     """A communicating hop sent as several exchanges, so that it starts before the hop before it
     has landed: the two-level route's pipeline, as in DeepEP's and Hybrid-EP's internode
@@ -382,9 +477,11 @@ class SplitHop:
 
     def forward(self, level, async_op: bool = False, sent=None):
         """The previous level's rows [num_src, C], or the `Transfer` bringing them -> the rows
-        received [sum(recv_splits), C]: early's exchange is posted before ``level`` is waited
-        for, each late piece's as soon as its piece has landed. (``sent``: as other hops take
-        it; a split hop is never a route's first.)"""
+        received [sum(recv_splits), C]: early's exchange is posted at once, each late piece's
+        as soon as its piece of ``level`` has landed. The Transfer's ``parts`` lists (start,
+        end, Transfer) of the received rows, early's then each late piece's, so that the next
+        hop can take each part as it lands (`ExpandHop.forward_parts`). (``sent``: as other
+        hops take it; a split hop is never a route's first.)"""
         start, end = self.own
         in_flight = isinstance(level, Transfer)
         own_rows = level.own_rows if in_flight and level.own_rows is not None else None
@@ -393,36 +490,44 @@ class SplitHop:
         sizes = [sum(h.recv_splits) for h in self.parts]
         out = allocate((sum(sizes), *own_rows.shape[1:]), own_rows.dtype, own_rows.device)
         outs = out.split_with_sizes(sizes)
-        exchanges = [self.early.forward(own_rows, async_op=True, out=outs[0])]
+        early = self.early.forward(own_rows, async_op=True, out=outs[0])
         _note("domain hop: own rows sent on")
-        landing = {(a, b): t for a, b, t in getattr(level, "pieces", ())} if in_flight else {}
-        for piece, piece_out in zip(self.late, outs[1:]):
-            if piece.end == piece.start:
-                rows = own_rows[:0]
-            elif (piece.start, piece.end) in landing:
-                rows = landing[(piece.start, piece.end)].wait()
-            else:
-                rows = (level.wait() if in_flight else level)[piece.start:piece.end]
-            if piece.end > piece.start:
-                _note(f"rail piece {piece.piece} from domain {piece.member} landed")
-            exchanges.append(piece.hop.forward(rows, async_op=True, out=piece_out))
-            if piece.end > piece.start:
-                _note(f"domain hop: piece {piece.piece} from domain {piece.member} sent on")
-        # The previous hop's own sends must be waited for too (a gloo send dropped unwaited is
-        # never completed).
-        transfer = Transfer(out, exchanges + ([level] if in_flight else []))
+        late = _Forwarding(self.late, outs[1:], level, own_rows)
+
+        def early_landed():
+            late.upto(0)
+            return early.wait()
+        # A part is waited for only after the next late piece has been sent on: a rank never
+        # holds back a piece its domain peers wait for while it waits for theirs.
+        landing = [later(early_landed)] + [later(lambda i=i: late.landed(i)) for i in range(len(self.late))]
+        bounds = [0, *accumulate(sizes)]
+
+        def finish(rows):
+            for part in landing:
+                part.wait()
+            if in_flight:       # the previous hop's own sends too (a gloo send dropped unwaited never completes)
+                level.wait()
+            return rows
+        transfer = Transfer(out, then=finish)
+        transfer.parts = list(zip(bounds, bounds[1:], landing))
         return transfer if async_op else transfer.wait()
 
     def send_meta(self, meta: list) -> Transfer:
         """Metadata [early's, each late piece's], received in the rows' order."""
         return concat_transfers([part.send_meta(m) for part, m in zip(self.parts, meta)])
 
-    def send_back(self, rows: torch.Tensor) -> tuple:
-        """Start the reverse exchanges, the late pieces' rows first -> (early's Transfer, the
-        late pieces' Transfers)."""
-        parts = rows.split_with_sizes([sum(h.recv_splits) for h in self.parts])
-        late = [piece.hop.send_back(part) for piece, part in zip(self.late, parts[1:])]
-        return self.early.send_back(parts[0]), late
+    def send_back(self, rows) -> tuple:
+        """Start the late pieces' reverse exchanges -> (early's, a Transfer that starts it when
+        first waited for; the late pieces' Transfers). ``rows``: [sum(recv_splits), C], or a
+        function giving rows [start, end) of them, called part by part just before each part is
+        sent (combine's expert-side sums: each part leaves as soon as it is summed). Early's
+        rows go back to the ranks of this domain that sent them, which add them to rows that
+        never cross the slow link again: `reverse` sends them once every piece is on its way
+        back across it."""
+        bounds = [0, *accumulate(sum(h.recv_splits) for h in self.parts)]
+        part = rows if callable(rows) else lambda a, b: rows[a:b]
+        late = [piece.hop.send_back(part(a, b)) for piece, a, b in zip(self.late, bounds[1:], bounds[2:])]
+        return later(lambda: self.early.send_back(part(0, bounds[1])).wait()), late
 
     def reverse(self, back: tuple, before: AllToAllHop | None, dtype: torch.dtype, landed):
         """See `AllToAllHop.reverse`; each late piece's sums start back through ``before`` as
@@ -587,6 +692,8 @@ class Route:
     def _step(hop, level, sent=None):
         """Run ``hop`` on ``level`` (rows, or the `Transfer` bringing them: a `SplitHop` starts
         before it lands) -> its output, or for a communicating hop the Transfer of its rows."""
+        if isinstance(hop, ExpandHop) and hop.streams and getattr(level, "parts", None):
+            return hop.forward_parts(level)
         if not isinstance(hop, SplitHop) and isinstance(level, Transfer):
             level = level.wait()
         return hop.forward(level, async_op=True, sent=sent) if hop.communicates else hop.forward(level)
@@ -655,11 +762,7 @@ class Route:
         last, *earlier = reversed(self.hops)
         if at_source and (self.source_weights is None or not earlier):
             raise ValueError("at_source needs a route whose first hop carries source_weights")
-        rows = last.transpose(rows, None if at_source else weights, dtype)
-        if not earlier:
-            if agree is not None:
-                agree()
-            return Transfer(rows.to(out_dtype or dtype))
+        weights = None if at_source else weights
         agreed = []
 
         def landed(hop):                      # the first reverse exchange has landed
@@ -671,6 +774,17 @@ class Route:
             for hop, before in zip(earlier, earlier[1:] + [None]):
                 back = hop.reverse(back, before, dtype, lambda hop=hop: landed(hop))
             return back.to(out_dtype or dtype)
+
+        if earlier and isinstance(earlier[0], SplitHop) and last.streams:
+            # Each part of the level before goes back as soon as its copies are summed.
+            table = summing_table(rows, dtype)
+            back = earlier[0].send_back(lambda a, b: last.transpose_part(table, weights, dtype, a, b))
+            return later(lambda: finish(back))
+        rows = last.transpose(rows, weights, dtype)
+        if not earlier:
+            if agree is not None:
+                agree()
+            return Transfer(rows.to(out_dtype or dtype))
         back = earlier[0].send_back(rows)
         return later(lambda: finish(back))
 

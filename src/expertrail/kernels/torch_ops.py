@@ -176,9 +176,17 @@ def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tens
             picked = allocate_zeros((num_src, width), rows.dtype, rows.device).index_copy_(
                 0, copies.source, take_rows(rows, copies.pos))
         return cast(picked, out_dtype)
-    native = rows.dtype in _NATIVE and (rows.dtype == out_dtype or rows.dtype != torch.bfloat16)
-    table = rows if native else cast(rows, accumulation_dtype(rows.dtype))
-    index, offsets, per_copy = copies.pos, copies.offsets, None
+    return reduce_bags(rows, copies.pos, copies.offsets, weights, out_dtype)
+
+
+def reduce_bags(rows: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """out[i] = sum over j in [offsets[i], offsets[i + 1]), ascending, of weights[index[j]] *
+    rows[index[j]] (`reduce_copies` on bags given directly: the same pass, so a bag sums to the
+    same bits whichever bags are summed with it). rows [R, C], index int64 [n], offsets int64
+    [num_out + 1] from 0, weights [R] or None -> [num_out, C] in ``out_dtype``."""
+    table = summing_table(rows, out_dtype)
+    per_copy = None
     if weights is not None:
         per_copy = cast(weights.index_select(0, index), accumulation_dtype(table.dtype))
         if table.dtype == torch.bfloat16:
@@ -189,6 +197,13 @@ def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tens
         else:
             per_copy = cast(per_copy, table.dtype)
     return cast(_embedding_bag_sum(table, index, offsets, per_copy), out_dtype)
+
+
+def summing_table(rows: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The rows as `reduce_bags` sums them: as they are where the pass accumulates them in fp32
+    (fp64) itself, else widened once (a caller summing a table in several calls widens it once)."""
+    native = rows.dtype in _NATIVE and (rows.dtype == out_dtype or rows.dtype != torch.bfloat16)
+    return rows if native else cast(rows, accumulation_dtype(rows.dtype))
 
 
 def _embedding_bag_sum(table, index, offsets, per_copy) -> torch.Tensor:
