@@ -436,6 +436,44 @@ class _Forwarding:
         return self.exchanges[i].wait()
 
 
+class _Returning:
+    """A `SplitHop`'s reverse exchanges, started part by part: the late pieces' in order, each
+    once its rows are at hand (``rows``: all of them [level rows, C], or a function giving rows
+    [start, end)), then early's. Early's rows go back to the ranks of this domain that sent
+    them, which add them to rows that never cross the slow link again, so they go last."""
+
+    def __init__(self, split: "SplitHop", rows):
+        self.split = split
+        self.bounds = [0, *accumulate(sum(h.recv_splits) for h in split.parts)]
+        self.part = rows if callable(rows) else lambda a, b: rows[a:b]
+        self.late, self._early = [], None
+
+    def upto(self, last: int) -> None:
+        """Send back every late piece up to ``last`` not sent yet."""
+        while len(self.late) <= min(last, len(self.split.late) - 1):
+            i = len(self.late)
+            self.late.append(self.split.late[i].hop.send_back(self.part(self.bounds[i + 1], self.bounds[i + 2])))
+
+    def landed(self, i: int) -> torch.Tensor:
+        """Late piece ``i``'s rows coming back, once landed; the next piece is sent back first (a
+        rank never holds back a piece its domain peers wait for while it waits for theirs)."""
+        self.upto(i + 1)
+        return self.late[i].wait()
+
+    def early(self) -> torch.Tensor:
+        """Early's rows coming back, once landed (sent after every late piece)."""
+        self.upto(len(self.split.late))
+        if self._early is None:
+            self._early = self.split.early.send_back(self.part(0, self.bounds[1]))
+        return self._early.wait()
+
+    def wait_all(self) -> None:
+        """Send and wait for every part (nothing left in flight)."""
+        self.early()
+        for transfer in self.late:
+            transfer.wait()
+
+
 class SplitHop:
     """A communicating hop sent as several exchanges, so that it starts before the hop before it
     has landed: the two-level route's pipeline, as in DeepEP's and Hybrid-EP's internode
@@ -516,59 +554,54 @@ class SplitHop:
         """Metadata [early's, each late piece's], received in the rows' order."""
         return concat_transfers([part.send_meta(m) for part, m in zip(self.parts, meta)])
 
-    def send_back(self, rows) -> tuple:
-        """Start the late pieces' reverse exchanges -> (early's, a Transfer that starts it when
-        first waited for; the late pieces' Transfers). ``rows``: [sum(recv_splits), C], or a
-        function giving rows [start, end) of them, called part by part just before each part is
-        sent (combine's expert-side sums: each part leaves as soon as it is summed). Early's
-        rows go back to the ranks of this domain that sent them, which add them to rows that
-        never cross the slow link again: `reverse` sends them once every piece is on its way
-        back across it."""
-        bounds = [0, *accumulate(sum(h.recv_splits) for h in self.parts)]
-        part = rows if callable(rows) else lambda a, b: rows[a:b]
-        late = [piece.hop.send_back(part(a, b)) for piece, a, b in zip(self.late, bounds[1:], bounds[2:])]
-        return later(lambda: self.early.send_back(part(0, bounds[1])).wait()), late
+    def send_back(self, rows) -> "_Returning":
+        """Start the reverse exchanges, part by part (`_Returning`). ``rows``: [sum(recv_splits),
+        C], all sent at once; or a function giving rows [start, end) of them, called just before
+        each part is sent (combine's expert-side sums), so that each part leaves as soon as it
+        is summed and `reverse` sends a piece across the slow link while later parts are still
+        being summed."""
+        back = _Returning(self, rows)
+        back.upto(1 if callable(rows) else len(self.late))
+        return back
 
-    def reverse(self, back: tuple, before: AllToAllHop | None, dtype: torch.dtype, landed):
+    def reverse(self, back: "_Returning", before: AllToAllHop | None, dtype: torch.dtype, landed):
         """See `AllToAllHop.reverse`; each late piece's sums start back through ``before`` as
         soon as they are summed (pieces), or once all are (one exchange)."""
-        early, late = back
-        late[0].wait()
+        back.landed(0)
         try:
             weights = landed()
         except BaseException:
-            for transfer in (early, *late):
-                transfer.wait()           # raise with nothing of this hop left in flight
+            back.wait_all()           # raise with nothing of this hop left in flight
             raise
         if weights is not None:
             raise ValueError("a split hop is never a route's first hop, whose reduce alone takes weights")
         start, end = self.own
         if before is not None and before.sends_back_in_pieces:
             pending = None
-            for piece, transfer in zip(self.late, late):
-                summed = piece.hop.reduce(transfer.wait(), None, dtype)
+            for i, piece in enumerate(self.late):
+                summed = piece.hop.reduce(back.landed(i), None, dtype)
                 if pending is None:
                     pending = before.send_back_pieces(summed)
                 pending.send(piece.member, piece.piece, summed)
                 if piece.end > piece.start:
                     _note(f"combine: piece {piece.piece} for domain {piece.member} summed and sent back")
-            own = self.early.reduce(early.wait(), None, dtype)
+            own = self.early.reduce(back.early(), None, dtype)
             if pending is None:
                 pending = before.send_back_pieces(own)
             pending.own_rows.copy_(own)
             return pending.transfer
         summed = None
-        for piece, transfer in zip(self.late, late):
-            rows = piece.hop.reduce(transfer.wait(), None, dtype)
+        for i, piece in enumerate(self.late):
+            rows = piece.hop.reduce(back.landed(i), None, dtype)
             if summed is None:                # every row is some piece's or the own block's
                 summed = allocate((self.level_rows, *rows.shape[1:]), rows.dtype, rows.device)
             summed[piece.start:piece.end] = rows
         _note("combine: every piece summed")
         if before is not None and before.can_fill_own_later:
             pending = before.send_back(summed, own_later=True)
-            pending.own_rows.copy_(self.early.reduce(early.wait(), None, dtype))
+            pending.own_rows.copy_(self.early.reduce(back.early(), None, dtype))
             return pending
-        summed[start:end] = self.early.reduce(early.wait(), None, dtype)
+        summed[start:end] = self.early.reduce(back.early(), None, dtype)
         return summed if before is None else before.send_back(summed)
 
     transpose = AllToAllHop.transpose
