@@ -158,19 +158,26 @@ class Channel:
         sent = rows.split_with_sizes(send_splits)
         received = out.split_with_sizes(recv_splits)
         mine = received[me] if self.gloo else sent[me]
-        if own is not None:
-            source, index = own
-            take_rows(source, index.split_with_sizes(send_splits)[me], out=mine)
-        elif self.gloo and not own_later:
-            mine.copy_(sent[me])
+
+        def own_block_in_place():
+            if own is not None:
+                source, index = own
+                take_rows(source, index.split_with_sizes(send_splits)[me], out=mine)
+            elif self.gloo and not own_later:
+                mine.copy_(sent[me])
         if not self.gloo:
+            own_block_in_place()            # the collective reads it
             work = dist.all_to_all_single(out, rows, recv_splits, send_splits, group=self.group, async_op=True)
             return Transfer(out, [work], own_rows=mine)
+        # Point-to-point: the other members' blocks are posted first, so they are on the wire
+        # while this rank copies its own block into place.
         if pieces == 1:
             tag = self.reserve_tags(1)
             recvs = [(received[p], p, tag) for p, c in enumerate(recv_splits) if c and p != me]
             sends = [(sent[p], p, tag) for p, c in enumerate(send_splits) if c and p != me]
-            return Transfer(out, self.post(sends, recvs), own_rows=mine)
+            transfer = Transfer(out, self.post(sends, recvs), own_rows=mine)
+            own_block_in_place()
+            return transfer
         tag = self.reserve_tags(pieces)
         sends = [(sent[p][a:b], p, tag + j) for p, c in enumerate(send_splits) if p != me
                  for j, (a, b) in enumerate(piece_bounds(c, pieces, piece_rows)) if b > a]
@@ -180,6 +187,7 @@ class Channel:
                   for p, c in enumerate(recv_splits) if p != me}
         recvs = [(out[a:b], p, tag + j) for p, listed in bounds.items() for a, b, j in listed]
         works = self.post(sends, recvs)
+        own_block_in_place()
         landing = iter(Transfer(out[a:b], [work]) for (a, b, j), work in
                        zip([piece for listed in bounds.values() for piece in listed], works))
         received_pieces = [(a, b, next(landing)) for listed in bounds.values() for a, b, _ in listed]
