@@ -177,12 +177,13 @@ class ExpandHop(Hop):
         it has landed, while the later parts are still on their way. Same output as
         ``forward(level.wait())``."""
         out = None
-        for (start, _, part), runs in zip(level.parts, self._runs([(a, b) for a, b, _ in level.parts])):
+        for i, ((start, _, part), runs) in enumerate(zip(level.parts, self._runs([(a, b) for a, b, _ in level.parts]))):
             rows = part.wait()
             if out is None:
                 out = allocate((self.out_rows or self.index.numel(), *rows.shape[1:]), rows.dtype, rows.device)
             for first, index in runs:
                 torch.index_select(rows, 0, index, out=out[first:first + index.numel()])
+            _note(f"expansion: part {i} of {len(level.parts)} in place")
         level.wait()
         if self.out_pos is not None:
             out.index_fill_(0, self.padding_rows(), 0)
@@ -451,8 +452,10 @@ class _Returning:
     def upto(self, last: int) -> None:
         """Send back every late piece up to ``last`` not sent yet."""
         while len(self.late) <= min(last, len(self.split.late) - 1):
-            i = len(self.late)
-            self.late.append(self.split.late[i].hop.send_back(self.part(self.bounds[i + 1], self.bounds[i + 2])))
+            i, piece = len(self.late), self.split.late[len(self.late)]
+            self.late.append(piece.hop.send_back(self.part(self.bounds[i + 1], self.bounds[i + 2])))
+            if piece.end > piece.start:
+                _note(f"combine: piece {piece.piece} for domain {piece.member}, expert-side sums sent in the domain")
 
     def landed(self, i: int) -> torch.Tensor:
         """Late piece ``i``'s rows coming back, once landed; the next piece is sent back first (a
