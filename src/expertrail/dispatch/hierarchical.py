@@ -115,14 +115,14 @@ class HierarchicalDispatcher(Dispatcher):
         domain, token = torch.nonzero(layout.token_in_domain.t()).unbind(1)            # hop 1 rows
         counts = [layout.tokens_per_rank, to_rail_peer]
         if self._pipelined():
-            counts += list(self._rows_per_piece(topk_idx, domain, token, per_domain).unbind(1))
+            counts += list(self._rows_per_piece(layout, domain, token, per_domain).unbind(1))
         return Outgoing(topk_idx, torch.stack(counts, 1), token, per_domain.tolist(), g.domain_index, domain)
 
-    def _rows_per_piece(self, topk_idx, domain, token, per_domain) -> torch.Tensor:
+    def _rows_per_piece(self, layout, domain, token, per_domain) -> torch.Tensor:
         """int64 [P, chunks]: for each EP rank q, the hop-1 rows of each piece of this rank's block
         to q's domain that q receives in hop 2 (the tokens with an expert on q)."""
         g, chunks = self.groups, self.config.chunks
-        dev = topk_idx.device
+        dev = token.device
         # The piece of each hop-1 row: its place in its domain's block, cut as `piece_bounds` cuts.
         starts = torch.cumsum(per_domain, 0) - per_domain
         place = torch.arange(token.numel(), device=dev) - starts[domain]
@@ -131,13 +131,12 @@ class HierarchicalDispatcher(Dispatcher):
         long_rows = extra * (base + 1)                    # the first `extra` pieces hold base + 1 rows
         piece = torch.where(place < long_rows, place // (base + 1),
                             extra + (place - long_rows) // base.clamp(min=1))
-        ids = topk_idx[token]
-        ranks = self.rank_of_expert[ids.clamp(min=0)]
-        ranks = torch.where((ids >= 0) & (ranks // g.domain_size == domain.unsqueeze(1)), ranks, -1)
-        on = torch.zeros(token.numel(), g.ep_size + 1, dtype=torch.bool, device=dev)
-        on[torch.arange(token.numel(), device=dev).unsqueeze(1), ranks.clamp(min=-1) % (g.ep_size + 1)] = True
-        row, rank = torch.nonzero(on[:, :g.ep_size]).unbind(1)
-        return torch.bincount(rank * chunks + piece[row], minlength=g.ep_size * chunks).view(g.ep_size, chunks)
+        # Row (token t, domain d) goes on in hop 2 to the ranks of d holding one of t's experts.
+        receivers = layout.token_in_rank.index_select(0, token).view(-1, g.num_domains, g.domain_size)
+        receivers = receivers[torch.arange(token.numel(), device=dev), domain].to(torch.int64)      # [R, size]
+        counts = torch.zeros(g.num_domains * chunks, g.domain_size, dtype=torch.int64, device=dev)
+        counts.index_add_(0, domain * chunks + piece, receivers)
+        return counts.view(g.num_domains, chunks, g.domain_size).transpose(1, 2).reshape(g.ep_size, chunks)
 
     def _stages(self, topk_weights, outgoing, recv_counts, headers):
         topk_idx, domain, token = outgoing.topk_idx, outgoing.dest, outgoing.token
