@@ -167,9 +167,10 @@ class ExpandHop(Hop):
     # Streaming, for a level that lands (dispatch) or leaves (combine) in parts: a `SplitHop`'s.
     @property
     def streams(self) -> bool:
-        """Whether `forward_parts` / `transpose_part` serve this hop's rows: on the torch
-        kernels' path (the Triton kernels take every row in one launch)."""
-        return not kernels.use_triton(self.index)
+        """Whether `forward_parts` / `transpose_part` serve this hop's rows: on the CPU, where
+        each part is a few row copies and sums (on a GPU one kernel takes every row in one
+        launch, without the host reading the parts' bounds)."""
+        return self.index.device.type == "cpu" and not kernels.use_triton(self.index)
 
     def forward_parts(self, level) -> torch.Tensor:
         """`forward` of a level that lands in parts (``level.parts``: (start, end, Transfer) of its
