@@ -8,9 +8,11 @@ the slow inter-domain link carries each token at most once per domain, both ways
 The two hops are a pipeline (`route.SplitHop`): the rows a rank sent itself in hop 1 are
 forwarded at once, and every other block of hop 1 travels in ``pipeline_chunks`` pieces, each
 forwarded inside the domain as soon as it lands, while the next ones are still on the slow
-link. Combine runs it backwards: each piece's partial sums start back across the slow link as
-soon as they are summed. The control exchange carries, per destination rank, the rows of each
-piece, so a receiver knows what each forwarded piece holds before it lands.
+link; each part of hop 2 is copied into expert order as it lands. Combine runs it backwards:
+each part's expert-side sums go back inside the domain as soon as they are summed, and each
+piece's partial sums start back across the slow link as soon as they are. The control exchange
+carries, per destination rank, the rows of each piece, so a receiver knows what each forwarded
+piece holds before it lands.
 """
 from __future__ import annotations
 

@@ -178,11 +178,12 @@ class ExpandHop(Hop):
         it has landed, while the later parts are still on their way. Same output as
         ``forward(level.wait())``."""
         out = None
-        for i, ((start, _, part), runs) in enumerate(zip(level.parts, self._runs([(a, b) for a, b, _ in level.parts]))):
+        runs = self._runs([(a, b) for a, b, _ in level.parts])
+        for i, ((_, _, part), part_runs) in enumerate(zip(level.parts, runs)):
             rows = part.wait()
             if out is None:
                 out = allocate((self.out_rows or self.index.numel(), *rows.shape[1:]), rows.dtype, rows.device)
-            for first, index in runs:
+            for first, index in part_runs:
                 torch.index_select(rows, 0, index, out=out[first:first + index.numel()])
             _note(f"expansion: part {i} of {len(level.parts)} in place")
         level.wait()
