@@ -107,6 +107,48 @@ def test_deferred_work_runs_in_order_across_calls_sharing_a_queue():
     assert done == ["B0", "B1"]
 
 
+def test_the_last_deferred_work_runs_picked_parameters_first_then_the_hook_then_the_rest():
+    """`_Deferred.run_all`: the picked parameters' work first, then ``between``, then the
+    others, each in queue order, so every parameter's work keeps its order."""
+    done, dense, expert = [], torch.zeros(1), torch.zeros(1)
+    deferred = schedule._Deferred()
+    for name, param in [("e0", expert), ("d0", dense), ("e1", expert), ("x", None), ("d1", dense)]:
+        deferred.add(lambda name=name: done.append(name), param)
+    deferred.run_all(lambda p: p is dense, lambda: done.append("ready"))
+    assert done == ["d0", "d1", "ready", "e0", "e1", "x"] and not deferred.items
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_train_micro_batches_calls_on_ready_once_after_the_picked_gradients(overlap):
+    """The hook runs once every gradient but the unpicked parameters' delayed weight gradients
+    is in, with or without overlap; the gradients are the same bits as without the hook."""
+    from expertrail.moe.experts import GroupedExperts, SwiGLUMLP
+    torch.manual_seed(0)
+    experts, shared = GroupedExperts(3, 16, 8), SwiGLUMLP(16, 8)
+    xs = [torch.randn(10, 16) for _ in range(3)]
+    counts = torch.tensor([4, 0, 6])
+    is_expert = {id(p) for p in experts.parameters()}
+
+    def forward(x):
+        schedule.switch_point()
+        return (experts(x, counts) + shared(x)).square().sum()
+
+    def run(hook):
+        for p in (*experts.parameters(), *shared.parameters()):
+            p.grad = None
+        seen = []
+
+        def ready():
+            seen.append([p.grad is not None for p in shared.parameters()])
+        schedule.train_micro_batches(forward, xs, overlap=overlap,
+                                     ready_first=(lambda p: id(p) not in is_expert) if hook else None,
+                                     on_ready=ready if hook else None)
+        return seen, [p.grad.clone() for p in (*experts.parameters(), *shared.parameters())]
+    seen, with_hook = run(True)
+    assert seen == [[True] * len(list(shared.parameters()))]
+    assert all(torch.equal(a, b) for a, b in zip(with_hook, run(False)[1]))
+
+
 def test_delayed_weight_gradients_are_the_same_bits():
     from expertrail.moe.experts import GroupedExperts, SwiGLUMLP
     torch.manual_seed(0)

@@ -108,18 +108,31 @@ class _Deferred:
     (`train_micro_batches`)."""
 
     def __init__(self):
-        self.items: deque = deque()
+        self.items: deque = deque()          # (work, the parameter it adds a gradient into, or None)
         self.added = self.done = 0
 
-    def add(self, work: Callable[[], None]) -> None:
-        self.items.append(work)
+    def add(self, work: Callable[[], None], param: torch.Tensor | None = None) -> None:
+        self.items.append((work, param))
         self.added += 1
 
     def run_one(self) -> None:
-        work = self.items.popleft()
+        work, _ = self.items.popleft()
         self.done += 1
         with torch.no_grad():               # as in a backward: gradients are plain tensors
             work()
+
+    def run_all(self, first: Callable[[torch.Tensor], bool] | None = None, between=None) -> None:
+        """Run every queued item: those whose parameter ``first`` picks, then ``between()``,
+        then the others, each part in queue order (a parameter's items stay in order)."""
+        if first is not None:
+            picks = [param is not None and first(param) for _, param in self.items]
+            rest = deque(item for item, pick in zip(self.items, picks) if not pick)
+            self.items = deque(item for item, pick in zip(self.items, picks) if pick)
+            self.run_until(self.added)
+            self.items = rest
+        if between is not None:
+            between()
+        self.run_until(self.added)
 
     def run_until(self, count: int) -> None:
         """Run the queued work until ``count`` items in all have run."""
@@ -203,14 +216,14 @@ class TaskLocal:
         obj.__dict__.setdefault(self.key, {})[threading.get_ident()] = value
 
 
-def defer(work: Callable[[], None]) -> bool:
-    """Queue ``work`` (a weight gradient) to fill a later wait for an exchange (`_Deferred`);
-    False, and nothing queued, when weight gradients are not delayed here (the caller does it
-    now)."""
+def defer(work: Callable[[], None], param: torch.Tensor | None = None) -> bool:
+    """Queue ``work`` (a weight gradient, added into ``param.grad``) to fill a later wait for an
+    exchange (`_Deferred`); False, and nothing queued, when weight gradients are not delayed
+    here (the caller does it now)."""
     task = getattr(_local, "task", None)
     if task is None or task.deferred is None:
         return False
-    task.deferred.add(work)
+    task.deferred.add(work, param)
     return True
 
 
@@ -333,7 +346,8 @@ def run_interleaved(tasks: list[Callable[[], Any]], delay_wgrad: bool = False, l
 
 
 def train_micro_batches(forward: Callable[[Any], torch.Tensor], micro_batches: list, overlap: bool = True,
-                        delay_wgrad: bool = True) -> list[torch.Tensor]:
+                        delay_wgrad: bool = True, ready_first: Callable[[torch.Tensor], bool] | None = None,
+                        on_ready: Callable[[], None] | None = None) -> list[torch.Tensor]:
     """Forward and backward of every micro-batch, gradients accumulated; returns the losses
     (detached).
 
@@ -348,6 +362,12 @@ def train_micro_batches(forward: Callable[[Any], torch.Tensor], micro_batches: l
     either way, so gradients and
     losses are bitwise the same with and without overlap. Collective over every EP group the
     model uses: every rank passes the same number of micro-batches and the same ``overlap``.
+
+    ready_first / on_ready: once every gradient is complete but the delayed weight gradients
+    still queued at the end, those of the parameters ``ready_first`` picks are computed, then
+    ``on_ready()`` is called, then the rest run: a data-parallel all-reduce of the replicated
+    parameters' gradients started there travels while the experts' weight gradients are
+    computed. Without delayed weight gradients ``on_ready()`` is called at the end.
     """
     losses: list = [None] * len(micro_batches)
 
@@ -380,10 +400,13 @@ def train_micro_batches(forward: Callable[[Any], torch.Tensor], micro_batches: l
                             deferred)
         run_interleaved([lambda: bwd(last - 1), lambda: bwd(last)], delay_wgrad, [f"B{last - 1}", f"B{last}"],
                         deferred)
-        if deferred is not None:
-            start = time.perf_counter()
-            deferred.run_until(deferred.added)
+    if deferred is not None:                # what the last backwards left in the queue
+        start = time.perf_counter()
+        deferred.run_all(ready_first, on_ready)
+        if overlap and micro_batches:
             _record(f"B{last}", "run", "", start)
+    elif on_ready is not None:
+        on_ready()
     return [loss.detach() for loss in losses]
 
 

@@ -104,7 +104,7 @@ def _weight_grad(ctx, weight: torch.Tensor, compute):
     it to the schedule, which adds it into ``weight.grad`` at the task's next switch point."""
     if not ctx.needs_input_grad[1]:
         return None
-    if schedule.defer(lambda: schedule.accumulate_grad(weight, compute())):
+    if schedule.defer(lambda: schedule.accumulate_grad(weight, compute()), weight):
         return None
     return compute()
 

@@ -239,8 +239,14 @@ def _train_step(model, opt, cfg: TrainConfig, step: int, rank: int, world: int, 
         # dense gradients over ranks (experts already receive every rank's contribution).
         lm_losses[m] = loss = lm_loss(model, make_batch(cfg, step, rank, m))
         return (loss + router_loss(model)) / (world * cfg.micro_batches)
-    train_micro_batches(forward, list(range(cfg.micro_batches)), overlap=overlap)
-    sum_over_ranks([p.grad for p in model.parameters() if id(p) not in is_expert and p.grad is not None])
+    summing = []
+
+    def dense_grads_ready():      # travels while the experts' last delayed weight gradients run
+        summing.append(sum_over_ranks([p.grad for p in model.parameters()
+                                       if id(p) not in is_expert and p.grad is not None], async_op=True))
+    train_micro_batches(forward, list(range(cfg.micro_batches)), overlap=overlap,
+                        ready_first=lambda p: id(p) not in is_expert, on_ready=dense_grads_ready)
+    summing[0]()
     opt.step()
     opt.zero_grad()
     mean = sum(lm_losses[m].detach() for m in range(cfg.micro_batches)).reshape(1) / (world * cfg.micro_batches)
@@ -248,15 +254,25 @@ def _train_step(model, opt, cfg: TrainConfig, step: int, rank: int, world: int, 
     return mean.item()
 
 
-def sum_over_ranks(tensors: list) -> None:
+def sum_over_ranks(tensors: list, async_op: bool = False):
     """All-reduce (sum) ``tensors`` in place over the default group: one flat all-reduce per
-    dtype, not one per tensor (each would pay the inter-node round trip)."""
+    dtype, not one per tensor (each would pay the inter-node round trip). With ``async_op`` the
+    all-reduces are left in flight and a function is returned that waits for them and writes
+    the sums back."""
+    pending = []
     for dtype in dict.fromkeys(t.dtype for t in tensors):
         group = [t for t in tensors if t.dtype == dtype]
         flat = torch.cat([t.reshape(-1) for t in group])
-        dist.all_reduce(flat)
-        for t, summed in zip(group, flat.split([t.numel() for t in group])):
-            t.copy_(summed.view_as(t))
+        pending.append((group, flat, dist.all_reduce(flat, async_op=True)))
+
+    def finish():
+        for group, flat, work in pending:
+            work.wait()
+            for t, summed in zip(group, flat.split([t.numel() for t in group])):
+                t.copy_(summed.view_as(t))
+    if async_op:
+        return finish
+    finish()
 
 
 def _median_step(times: list) -> float:
