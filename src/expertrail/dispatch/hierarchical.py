@@ -201,7 +201,8 @@ class HierarchicalDispatcher(Dispatcher):
                     hop, meta_part = part(rows[a:b], a, b - a, recv_counts[d * size:(d + 1) * size, column].tolist())
                     late.append(Forwarded(d, j, a, b, hop))
                     late_meta.append(meta_part)
-            meta2 = yield Stage(SplitHop(early, late, (start, end), rows.numel()), [early_meta, *late_meta])
+            meta2 = yield Stage(SplitHop(early, late, (start, end), rows.numel(), streamed=chunks > 1),
+                                [early_meta, *late_meta])
 
         # Rows arrive grouped by forwarding rank; sort each expert's rows by (source, token).
         most = max(1, int(headers.num_tokens.max()))

@@ -465,12 +465,13 @@ class _Returning:
         self.upto(i + 1)
         return self.late[i].wait()
 
-    def early(self) -> torch.Tensor:
-        """Early's rows coming back, once landed (sent after every late piece)."""
+    def early(self, wait: bool = True) -> torch.Tensor | None:
+        """Early's rows coming back, once landed (sent after every late piece); ``wait=False``:
+        only send every part."""
         self.upto(len(self.split.late))
         if self._early is None:
             self._early = self.split.early.send_back(self.part(0, self.bounds[1]))
-        return self._early.wait()
+        return self._early.wait() if wait else None
 
     def wait_all(self) -> None:
         """Send and wait for every part (nothing left in flight)."""
@@ -492,6 +493,10 @@ class SplitHop:
         lands, in this order (the same on every rank of the channel: the exchanges draw their
         tags in it)
     level_rows: rows of the previous level
+    streamed: the next hop takes each part as it lands and combine sums and sends each part on
+        its own, one ahead of the previous hop's pieces (`_Forwarding`, `_Returning`); for a
+        pipeline over a slow link. Otherwise every late piece is forwarded, and every part sent
+        back, at once (a level of a few rows pays for parts more than they hide).
 
     Rows are received early's first, then each late piece's. Combine runs the mirror image:
     the late pieces' rows go back first, and each piece's sums start back through the previous
@@ -502,10 +507,11 @@ class SplitHop:
     communicates = True
     kind = "all-to-all"
 
-    def __init__(self, early: AllToAllHop, late: list, own: tuple, level_rows: int):
+    def __init__(self, early: AllToAllHop, late: list, own: tuple, level_rows: int, streamed: bool = True):
         if not late:
             raise ValueError("a split hop forwards pieces of other members' blocks: late is empty")
         self.early, self.late, self.own, self.level_rows = early, late, own, level_rows
+        self.streamed = streamed
 
     @property
     def parts(self) -> list:
@@ -544,6 +550,8 @@ class SplitHop:
         # holds back a piece its domain peers wait for while it waits for theirs.
         landing = [later(early_landed)] + [later(lambda i=i: late.landed(i)) for i in range(len(self.late))]
         bounds = [0, *accumulate(sizes)]
+        if not self.streamed:
+            late.upto(len(self.late))
 
         def finish(rows):
             for part in landing:
@@ -552,7 +560,8 @@ class SplitHop:
                 level.wait()
             return rows
         transfer = Transfer(out, then=finish)
-        transfer.parts = list(zip(bounds, bounds[1:], landing))
+        if self.streamed:
+            transfer.parts = list(zip(bounds, bounds[1:], landing))
         return transfer if async_op else transfer.wait()
 
     def send_meta(self, meta: list) -> Transfer:
@@ -566,7 +575,10 @@ class SplitHop:
         is summed and `reverse` sends a piece across the slow link while later parts are still
         being summed."""
         back = _Returning(self, rows)
-        back.upto(1 if callable(rows) else len(self.late))
+        if self.streamed:
+            back.upto(1 if callable(rows) else len(self.late))
+        else:
+            back.early(wait=False)
         return back
 
     def reverse(self, back: "_Returning", before: AllToAllHop | None, dtype: torch.dtype, landed):
@@ -813,7 +825,7 @@ class Route:
                 back = hop.reverse(back, before, dtype, lambda hop=hop: landed(hop))
             return back.to(out_dtype or dtype)
 
-        if earlier and isinstance(earlier[0], SplitHop) and last.streams:
+        if earlier and isinstance(earlier[0], SplitHop) and earlier[0].streamed and last.streams:
             # Each part of the level before goes back as soon as its copies are summed.
             table = summing_table(rows, dtype)
             back = earlier[0].send_back(lambda a, b: last.transpose_part(table, weights, dtype, a, b))
