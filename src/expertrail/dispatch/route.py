@@ -406,64 +406,74 @@ class Forwarded:
     hop: AllToAllHop
 
 
-class _Forwarding:
-    """A `SplitHop`'s late pieces, sent on in order, each once its piece of the previous level
+class _OneAhead:
+    """Exchanges of a `SplitHop`'s late pieces, started in order and only when asked for
+    (`upto`), so that each starts as late as its rows need and as early as its peers need:
+    waiting for piece i first starts piece i + 1 (`landed`), so a rank never holds back a piece
+    its domain peers wait for while it waits for theirs. ``started``: the Transfers so far."""
+
+    def __init__(self, late: list):
+        self.pieces, self.started = late, []
+
+    def _start(self, i: int, piece: Forwarded) -> Transfer:
+        raise NotImplementedError
+
+    def upto(self, last: int) -> None:
+        """Start every late piece's exchange up to ``last`` not started yet."""
+        while len(self.started) <= min(last, len(self.pieces) - 1):
+            i = len(self.started)
+            self.started.append(self._start(i, self.pieces[i]))
+
+    def landed(self, i: int) -> torch.Tensor:
+        """Late piece ``i``'s rows, once landed; piece ``i + 1``'s exchange is started first."""
+        self.upto(i + 1)
+        return self.started[i].wait()
+
+
+class _Forwarding(_OneAhead):
+    """A `SplitHop`'s late pieces sent on, each once its piece of the previous level
     (``level``: rows, or the `Transfer` bringing them, with its ``pieces``) has landed; ``outs``:
     where each piece's exchange receives its rows."""
 
     def __init__(self, late: list, outs: list, level, own_rows: torch.Tensor):
-        self.late, self.outs, self.level, self.own_rows = late, outs, level, own_rows
+        super().__init__(late)
+        self.outs, self.level, self.own_rows = outs, level, own_rows
         in_flight = isinstance(level, Transfer)
         self.landing = {(a, b): t for a, b, t in getattr(level, "pieces", ())} if in_flight else {}
-        self.exchanges = []
 
-    def upto(self, last: int) -> None:
-        """Send on every late piece up to ``last`` not sent on yet (waiting for each to land)."""
-        while len(self.exchanges) <= min(last, len(self.late) - 1):
-            piece = self.late[len(self.exchanges)]
-            if piece.end == piece.start:
-                rows = self.own_rows[:0]
-            elif (piece.start, piece.end) in self.landing:
-                rows = self.landing[(piece.start, piece.end)].wait()
-            else:
-                rows = (self.level.wait() if isinstance(self.level, Transfer) else self.level)[piece.start:piece.end]
-            if piece.end > piece.start:
-                _note(f"rail piece {piece.piece} from domain {piece.member} landed")
-            self.exchanges.append(piece.hop.forward(rows, async_op=True, out=self.outs[len(self.exchanges)]))
-            if piece.end > piece.start:
-                _note(f"domain hop: piece {piece.piece} from domain {piece.member} sent on")
-
-    def landed(self, i: int) -> torch.Tensor:
-        """Late piece ``i``'s received rows, once landed; the next piece is sent on first."""
-        self.upto(i + 1)
-        return self.exchanges[i].wait()
+    def _start(self, i: int, piece: Forwarded) -> Transfer:
+        if piece.end == piece.start:
+            rows = self.own_rows[:0]
+        elif (piece.start, piece.end) in self.landing:
+            rows = self.landing[(piece.start, piece.end)].wait()
+        else:
+            rows = (self.level.wait() if isinstance(self.level, Transfer) else self.level)[piece.start:piece.end]
+        if piece.end > piece.start:
+            _note(f"rail piece {piece.piece} from domain {piece.member} landed")
+        exchange = piece.hop.forward(rows, async_op=True, out=self.outs[i])
+        if piece.end > piece.start:
+            _note(f"domain hop: piece {piece.piece} from domain {piece.member} sent on")
+        return exchange
 
 
-class _Returning:
-    """A `SplitHop`'s reverse exchanges, started part by part: the late pieces' in order, each
-    once its rows are at hand (``rows``: all of them [level rows, C], or a function giving rows
-    [start, end)), then early's. Early's rows go back to the ranks of this domain that sent
-    them, which add them to rows that never cross the slow link again, so they go last."""
+class _Returning(_OneAhead):
+    """A `SplitHop`'s reverse exchanges: the late pieces' in order, each once its rows are at
+    hand (``rows``: all of them [level rows, C], or a function giving rows [start, end)), then
+    early's. Early's rows go back to the ranks of this domain that sent them, which add them to
+    rows that never cross the slow link again, so they go last."""
 
     def __init__(self, split: "SplitHop", rows):
+        super().__init__(split.late)
         self.split = split
         self.bounds = [0, *accumulate(sum(h.recv_splits) for h in split.parts)]
         self.part = rows if callable(rows) else lambda a, b: rows[a:b]
-        self.late, self._early = [], None
+        self._early = None
 
-    def upto(self, last: int) -> None:
-        """Send back every late piece up to ``last`` not sent yet."""
-        while len(self.late) <= min(last, len(self.split.late) - 1):
-            i, piece = len(self.late), self.split.late[len(self.late)]
-            self.late.append(piece.hop.send_back(self.part(self.bounds[i + 1], self.bounds[i + 2])))
-            if piece.end > piece.start:
-                _note(f"combine: piece {piece.piece} for domain {piece.member}, expert-side sums sent in the domain")
-
-    def landed(self, i: int) -> torch.Tensor:
-        """Late piece ``i``'s rows coming back, once landed; the next piece is sent back first (a
-        rank never holds back a piece its domain peers wait for while it waits for theirs)."""
-        self.upto(i + 1)
-        return self.late[i].wait()
+    def _start(self, i: int, piece: Forwarded) -> Transfer:
+        exchange = piece.hop.send_back(self.part(self.bounds[i + 1], self.bounds[i + 2]))
+        if piece.end > piece.start:
+            _note(f"combine: piece {piece.piece} for domain {piece.member}, expert-side sums sent in the domain")
+        return exchange
 
     def early(self, wait: bool = True) -> torch.Tensor | None:
         """Early's rows coming back, once landed (sent after every late piece); ``wait=False``:
@@ -476,7 +486,7 @@ class _Returning:
     def wait_all(self) -> None:
         """Send and wait for every part (nothing left in flight)."""
         self.early()
-        for transfer in self.late:
+        for transfer in self.started:
             transfer.wait()
 
 
@@ -546,8 +556,7 @@ class SplitHop:
         def early_landed():
             late.upto(0)
             return early.wait()
-        # A part is waited for only after the next late piece has been sent on: a rank never
-        # holds back a piece its domain peers wait for while it waits for theirs.
+        # Each part is waited for one piece ahead (`_OneAhead`).
         landing = [later(early_landed)] + [later(lambda i=i: late.landed(i)) for i in range(len(self.late))]
         bounds = [0, *accumulate(sizes)]
         if not self.streamed:
