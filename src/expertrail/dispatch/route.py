@@ -21,7 +21,7 @@ from itertools import accumulate
 import torch
 
 from .. import kernels
-from ..kernels.torch_ops import CopyPositions, reduce_bags, stable_argsort, summing_table
+from ..kernels.torch_ops import CopyPositions, reduce_copies_of, stable_argsort, summing_table
 from ..comm.topology import guarded
 from ..comm.transport import (MIN_PIECE_ROWS, Channel, LandingRuns, PieceSends, Transfer, TransferStats,
                               concat_transfers, later, link_class)
@@ -216,15 +216,7 @@ class ExpandHop(Hop):
         """Rows [start, end) of `transpose`'s result [end - start, C], the same bits:
         ``table`` is the output rows [M, C] as `torch_ops.summing_table` gives them (widened
         once for all parts), ``weights [M]`` as `transpose` takes them."""
-        copies = self.copies()
-        first, last = int(copies.offsets[start]), int(copies.offsets[end])
-        index = copies.pos[first:last]
-        if self.out_pos is not None:
-            index = self.out_pos.index_select(0, index)
-        if copies.max_copies == 1 and weights is None:      # each row picked, not summed, as `reduce` does
-            out = allocate_zeros((end - start, *table.shape[1:]), table.dtype, table.device)
-            return out.index_copy_(0, copies.source[first:last] - start, table.index_select(0, index)).to(out_dtype)
-        return reduce_bags(table, index, copies.offsets[start:end + 1] - first, weights, out_dtype)
+        return reduce_copies_of(table, self.copies(), weights, out_dtype, start, end, self.out_pos)
 
 
 @dataclass(kw_only=True)

@@ -170,13 +170,36 @@ def reduce_copies(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tens
     if copies.pos.numel() == 0:
         return rows.new_zeros(num_src, width, dtype=out_dtype)
     if copies.max_copies == 1 and weights is None:       # a permutation (with holes): no sum
-        if copies.pos.numel() == num_src:
-            picked = take_rows(rows, copies.pos, out=allocate((num_src, width), rows.dtype, rows.device))
-        else:
-            picked = allocate_zeros((num_src, width), rows.dtype, rows.device).index_copy_(
-                0, copies.source, take_rows(rows, copies.pos))
-        return cast(picked, out_dtype)
+        return _pick(rows, copies.pos, copies.source, num_src, out_dtype)
     return reduce_bags(rows, copies.pos, copies.offsets, weights, out_dtype)
+
+
+def reduce_copies_of(rows: torch.Tensor, copies: CopyPositions, weights: torch.Tensor | None,
+                     out_dtype: torch.dtype, start: int, end: int,
+                     rows_of: torch.Tensor | None = None) -> torch.Tensor:
+    """Source rows [start, end) of `reduce_copies`' result -> [end - start, C], the same bits.
+    rows_of: int64, the row of ``rows`` holding each copy position (the positions count real
+    rows, ``rows`` has padding); weights [rows] as ``rows``. For a caller summing one table in
+    several calls, ``rows`` as `summing_table` gives them (widened once)."""
+    first, last = int(copies.offsets[start]), int(copies.offsets[end])
+    index = copies.pos[first:last]
+    if rows_of is not None:
+        index = rows_of.index_select(0, index)
+    if copies.max_copies == 1 and weights is None:       # as `reduce_copies`: picked, not summed
+        return _pick(rows, index, copies.source[first:last] - start, end - start, out_dtype)
+    return reduce_bags(rows, index, copies.offsets[start:end + 1] - first, weights, out_dtype)
+
+
+def _pick(rows: torch.Tensor, index: torch.Tensor, source: torch.Tensor, num_out: int,
+          out_dtype: torch.dtype) -> torch.Tensor:
+    """out[source[j]] = rows[index[j]], zeros where no row lands -> [num_out, C] in ``out_dtype``."""
+    width = rows.shape[1]
+    if index.numel() == num_out:                # every output row has its one copy, in order
+        picked = take_rows(rows, index, out=allocate((num_out, width), rows.dtype, rows.device))
+    else:
+        picked = allocate_zeros((num_out, width), rows.dtype, rows.device).index_copy_(0, source,
+                                                                                     take_rows(rows, index))
+    return cast(picked, out_dtype)
 
 
 def reduce_bags(rows: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
