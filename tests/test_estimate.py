@@ -41,10 +41,10 @@ def test_published_runs_fit_and_keep_their_documented_error(run_id):
 
 
 def test_gb200_and_h100_layouts_of_one_model_in_the_published_order():
-    """The distinct layouts of one model on GB200 / H100 come out in the published order."""
+    """The distinct layouts of one model on GB200, GB300 and H100 come out in the published order."""
     ranks = calibration.ranking_groups()
-    for key in (("deepseek-v3", "gb200-nvl72", "Bridge"), ("qwen3-235b-a22b", "gb200-nvl72", "Bridge"),
-                ("qwen3-235b-a22b", "h100", "Bridge")):
+    for key in (("qwen3-235b-a22b", "gb200-nvl72", "Bridge"), ("qwen3-235b-a22b", "h100", "Bridge"),
+                ("qwen3-235b-a22b", "gb300-nvl72", "Bridge"), ("gpt-oss-120b", "gb200-nvl72", "Bridge")):
         assert ranks[key] == pytest.approx(1.0), (key, ranks[key])
 
 

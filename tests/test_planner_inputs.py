@@ -118,3 +118,14 @@ def test_gradients_reduced_in_bf16_move_less():
     fp32 = estimate(QWEN, HARDWARE["h100"], TrainingLayout.from_fields(fields, 256))
     bf16 = estimate(QWEN, HARDWARE["h100"], TrainingLayout.from_fields(dict(fields, grad_reduce_in_bf16=True), 256))
     assert bf16["terms_s"]["fsdp"] < fp32["terms_s"]["fsdp"]
+
+
+def test_gradient_buffers_in_bf16_halve_the_gradients_and_their_traffic():
+    """Bridge's GPT-OSS recipes set grad_reduce_in_fp32 false: the gradient buffers are BF16."""
+    fields = {"pipeline_model_parallel_size": 4, "expert_model_parallel_size": 8, "global_batch_size": 1024,
+              "moe_token_dispatcher_type": "alltoall"}
+    fp32 = estimate(QWEN, HARDWARE["h100"], TrainingLayout.from_fields(fields, 256))
+    bf16 = estimate(QWEN, HARDWARE["h100"], TrainingLayout.from_fields(dict(fields, grad_reduce_in_fp32=False), 256))
+    assert TrainingLayout.from_fields(dict(fields, grad_reduce_in_fp32=True), 256).main_grad_bytes == 4
+    assert bf16["memory"]["gradients_GB"] == pytest.approx(fp32["memory"]["gradients_GB"] / 2)
+    assert bf16["terms_s"]["dp"] < fp32["terms_s"]["dp"]

@@ -64,6 +64,7 @@ def test_train_overlap_reports_both_runs_with_identical_losses(tmp_path):
         assert r["max_abs_diff"] <= 1e-4, name
         assert r["overlap_speedup"] == r["without_overlap"]["step_time_s"] / r["step_time_s"]
         assert 0 < r["cpu_floor_s"] and r["overlap_ceiling"] == r["without_overlap"]["step_time_s"] / r["cpu_floor_s"]
+        assert 0 < r["without_overlap"]["cpu_floor_s"], name
     assert "losses identical: yes" in out.stdout
     assert "overlap can gain at most" in out.stdout
 

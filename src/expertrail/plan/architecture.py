@@ -129,6 +129,10 @@ ARCHITECTURES = {a.name: a for a in [
     Architecture("qwen3-30b-a3b", 48, 0, 2048, 6144, 768, 128, 8, 0, 32, 4, 128, 151936),
     # Its linear-attention layers are counted as full attention here (an upper bound).
     Architecture("qwen3-next-80b-a3b", 48, 0, 2048, 5120, 512, 512, 10, 512, 16, 2, 256, 151936),
+    # GPT-OSS (openai/gpt-oss-120b and -20b config.json): every other layer attends over a
+    # 128-token window; counted as full causal attention, as Megatron counts it.
+    Architecture("gpt-oss-120b", 36, 0, 2880, 2880, 2880, 128, 4, 0, 64, 8, 64, 201088),
+    Architecture("gpt-oss-20b", 24, 0, 2880, 2880, 2880, 32, 4, 0, 64, 8, 64, 201088),
     Architecture("mixtral-8x7b", 32, 0, 4096, 14336, 14336, 8, 2, 0, 32, 8, 128, 32000),
     Architecture("mixtral-8x22b", 56, 0, 6144, 16384, 16384, 8, 2, 0, 48, 8, 128, 32768),
 ]}

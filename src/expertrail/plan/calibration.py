@@ -143,7 +143,7 @@ def _decompose(run_id: str, consts: dict) -> tuple:
     st, parts = r["step"], r["step"]["micro_batch_parts_s"]
     precision = run["layout"]["precision"]
     arch = ARCHITECTURES[run["model"]]
-    width = min(arch.hidden, arch.moe_ffn)
+    width = arch.hidden
     eff = consts["gemm"][precision] * width / (width + consts["half_dim"])
     speed = consts["speed"].get(run["system"], 1.0)
     scale = (st["micro_batches_s"] + st["bubble_s"]) / st["gpu_s"] if st["gpu_s"] >= st["host_s"] else 0.0
@@ -283,7 +283,7 @@ def table() -> str:
     """docs/cost-model.md's table of the published runs against the estimate (Markdown)."""
     names = {"gb200-nvl72": "GB200", "gb300-nvl72": "GB300", "h100": "H100", "b200": "B200", "b300": "B300"}
     models = {"deepseek-v3": "DeepSeek-V3", "qwen3-235b-a22b": "Qwen3-235B", "qwen3-30b-a3b": "Qwen3-30B",
-              "kimi-k2": "Kimi-K2"}
+              "kimi-k2": "Kimi-K2", "gpt-oss-120b": "GPT-OSS-120B"}
     lines = ["| container | split | system | model | precision | layout (GPUs, GBS, MBS, TP/PP/VP/EP) | published TFLOPS "
              "| published tokens/s | predicted tokens/s | fits (GB / usable) |",
              "|---|---|---|---|---|---|---|---|---|---|"]

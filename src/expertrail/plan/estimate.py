@@ -7,7 +7,7 @@ pipeline rank, the busiest rank setting the pace:
            + exposed data-parallel communication + optimizer step
 
 A micro-batch's time on a rank is, per layer, GEMMs at an achievable fraction of the GPU's
-dense peak (`GEMM_EFFICIENCY`, times `width_factor` for the model's narrowest GEMM width and
+dense peak (`GEMM_EFFICIENCY`, times `width_factor` for the model's hidden size and
 the system's sustained speed `SYSTEM_SPEED`; routed experts lose more with few rows per
 expert), core attention in BF16 (`ATTENTION_EFFICIENCY`), memory-bound work (norms,
 activations, permutes: `ELEMENTWISE_PASSES` over the layer's activations at HBM speed),
@@ -36,12 +36,12 @@ from . import layout as layout_fields
 from .memory import GB, layer_activation_bytes, memory, offloaded_bytes, usable_GB
 from .simulate import domain_for
 
-GEMM_EFFICIENCY = {"bf16": 0.86, "fp8": 0.55}   # of the dense peak of that precision, before width_factor (calibration.fit)
+GEMM_EFFICIENCY = {"bf16": 0.85, "fp8": 0.45}   # of the dense peak of that precision, before width_factor (calibration.fit)
 # Sustained speed of a system's tensor cores against GB200's at the same datasheet peak (clocks under its
 # power limit, Blackwell Ultra's faster softmax exponentials): scales GEMMs and attention (calibration.fit).
 # Systems not named here (measured machines, user catalogs) run at 1.0.
-SYSTEM_SPEED = {"gb200-nvl72": 1.0, "gb300-nvl72": 1.22, "b200": 0.69, "b300": 0.86, "h100": 0.89}
-GEMM_HALF_DIM = 1536.0                           # a model's GEMMs run at d / (d + this) of it, d its narrowest width (calibration.fit)
+SYSTEM_SPEED = {"gb200-nvl72": 1.0, "gb300-nvl72": 1.19, "b200": 0.71, "b300": 0.82, "h100": 0.91}
+GEMM_HALF_DIM = 3072.0                           # a model's GEMMs run at d / (d + this) of it, d its hidden size (calibration.fit)
 GROUPED_HALF_ROWS = 128                          # rows per expert at which a grouped GEMM reaches half of that
 ATTENTION_EFFICIENCY = 0.45                      # fused attention, forward and backward, of the BF16 peak
 ELEMENTWISE_PASSES = 6                           # HBM passes over a layer's activations, forward + backward
@@ -99,10 +99,10 @@ def _speed(hw: Hardware) -> float:
 
 def width_factor(arch: Architecture) -> float:
     """The share of GEMM_EFFICIENCY a model's GEMMs reach for their width: d / (d + GEMM_HALF_DIM),
-    d the narrower of the hidden size and an expert's width (Qwen3-30B's 768-wide experts run
-    further from the peak than DeepSeek-V3's 2048-wide ones)."""
-    d = min(arch.hidden, arch.moe_ffn)
-    return d / (d + GEMM_HALF_DIM)
+    d the hidden size, which every GEMM of a layer has as its inner or outer dimension (the
+    projections' and the experts' inputs and outputs): DeepSeek-V3's 7168 run closer to the
+    peak than Qwen3-235B's 4096, GPT-OSS's 2880 and Qwen3-30B's 2048."""
+    return arch.hidden / (arch.hidden + GEMM_HALF_DIM)
 
 
 def _gemm_seconds(flops: float, hw: Hardware, precision: str, rows_per_expert: float | None = None,

@@ -161,7 +161,10 @@ class TrainingLayout:
             backend = "deepep"
         sms = get(f"moe_{backend}_num_sms", None) if backend else None
         state = 8
-        grads = 4
+        # Gradient buffers: FP32 under BF16 training (Megatron-LM turns accumulate_allreduce_grads_in_fp32
+        # on for BF16; Bridge's bf16 recipes set grad_reduce_in_fp32), the parameters' BF16 when a
+        # configuration sets grad_reduce_in_fp32 false (Bridge's GPT-OSS recipes).
+        grads = 2 if v.get("grad_reduce_in_fp32") is False else 4
         if get("use_precision_aware_optimizer", False):
             sizes = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
             state = sizes.get(get("exp_avg_dtype", "fp32"), 4) + sizes.get(get("exp_avg_sq_dtype", "fp32"), 4)

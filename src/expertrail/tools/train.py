@@ -299,7 +299,8 @@ def summarize(cfg: TrainConfig, reference: list, runs: dict) -> dict:
                                      "matches_reference": not bad}
         if cfg.overlap:
             without = modes["sequential"]
-            r["without_overlap"] = {"losses": without["losses"], "step_time_s": _median_step(without["step_times"])}
+            r["without_overlap"] = {"losses": without["losses"], "step_time_s": _median_step(without["step_times"]),
+                                  "cpu_floor_s": _median_step(without["cpu_floors"])}
             r["overlap_speedup"] = r["without_overlap"]["step_time_s"] / r["step_time_s"]
             # The most any schedule could gain here: the step without overlap over the CPU floor.
             r["overlap_ceiling"] = r["without_overlap"]["step_time_s"] / r["cpu_floor_s"] if r["cpu_floor_s"] else None
