@@ -13,7 +13,7 @@ from expertrail.plan import calibration
 from expertrail.plan.architecture import ARCHITECTURES, from_fields
 from expertrail.plan.catalog import HARDWARE
 from expertrail.plan.cost import Routing
-from expertrail.plan.estimate import estimate
+from expertrail.plan.estimate import estimate, layer_seconds
 from expertrail.plan.layout import TrainingLayout
 from expertrail.plan.memory import usable_GB
 from expertrail.plan.simulate import simulate
@@ -200,3 +200,14 @@ def test_ep_overlap_hides_only_what_the_other_micro_batch_covers():
     assert ep_overlap_exposed(4.0, 0.0, 0.0, False, 0.0) == pytest.approx(4.0)
     assert ep_overlap_exposed(4.0, 1.5, 3.0, True, 0.0) == pytest.approx(
         ep_overlap_exposed(4.0, 1.5, 3.0, False, 0.0))                          # wgrad moves, the sum stays
+
+
+def test_narrow_attention_heads_run_slower():
+    """64-wide heads (GPT-OSS) run fused attention at 0.67 of 128-wide heads' speed; MLA's
+    192-wide query-key heads and 128-wide heads at full speed."""
+    from expertrail.plan.estimate import attention_speed
+    assert attention_speed(ARCHITECTURES["gpt-oss-120b"]) == pytest.approx(0.67)
+    assert attention_speed(QWEN) == attention_speed(DSV3) == 1.0
+    wide, narrow = (layer_seconds(a, HARDWARE["gb200-nvl72"], TrainingLayout(gpus=64, ep=8), True, 0.0)["attention"]
+                    for a in (replace(QWEN, head_dim=128), replace(QWEN, head_dim=64)))
+    assert narrow == pytest.approx(wide / 2 / 0.67)          # half the FLOPs at 0.67 of the speed

@@ -65,6 +65,7 @@ FITTED_ON = {
     "estimate.GEMM_HALF_DIM": _FIT_ROWS,
     "estimate.GROUPED_HALF_ROWS": "the shape of the advisor's expert-GEMM curve",
     "estimate.ATTENTION_EFFICIENCY": "assumption (fused attention)",
+    "estimate.ATTENTION_HEAD_SPEED": "FlashAttention-3 paper (arXiv 2407.08608), cuDNN forward on H100 at sequence 4k by head dim",
     "estimate.ELEMENTWISE_PASSES": "assumption",
     "estimate.HOST_S_PER_LAYER": "assumption",
     "estimate.TP_OVERLAP_HIDES": "assumption",

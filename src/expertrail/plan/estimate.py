@@ -9,7 +9,7 @@ pipeline rank, the busiest rank setting the pace:
 A micro-batch's time on a rank is, per layer, GEMMs at an achievable fraction of the GPU's
 dense peak (`GEMM_EFFICIENCY`, times `width_factor` for the model's hidden size and
 the system's sustained speed `SYSTEM_SPEED`; routed experts lose more with few rows per
-expert), core attention in BF16 (`ATTENTION_EFFICIENCY`), memory-bound work (norms,
+expert), core attention in BF16 (`ATTENTION_EFFICIENCY`, slower for narrow heads), memory-bound work (norms,
 activations, permutes: `ELEMENTWISE_PASSES` over the layer's activations at HBM speed),
 recomputed forwards, and the communication left exposed: dispatch + combine from the cost
 model (`cost.predict`, forward and backward), of which EP overlap hides what the other
@@ -44,6 +44,10 @@ SYSTEM_SPEED = {"gb200-nvl72": 1.0, "gb300-nvl72": 1.19, "b200": 0.71, "b300": 0
 GEMM_HALF_DIM = 3072.0                           # a model's GEMMs run at d / (d + this) of it, d its hidden size (calibration.fit)
 GROUPED_HALF_ROWS = 128                          # rows per expert at which a grouped GEMM reaches half of that
 ATTENTION_EFFICIENCY = 0.45                      # fused attention, forward and backward, of the BF16 peak
+# Fused attention's speed at a head width against 128-wide heads (64: 0.67): cuDNN's forward on
+# H100 at sequence 4k in FlashAttention-3's paper (arXiv 2407.08608, Fig. 5), 408 TFLOPS at head
+# dim 64 against 609 at 128; wider heads run as fast as 128 (FlashAttention-3: 612 at 256, 638 at 128).
+ATTENTION_HEAD_SPEED = {64: 0.67, 128: 1.0}
 ELEMENTWISE_PASSES = 6                           # HBM passes over a layer's activations, forward + backward
 HOST_S_PER_LAYER = {False: 150e-6, True: 40e-6}  # launch time of a layer's forward + backward, without / with CUDA graphs
 TP_OVERLAP_HIDES = 0.6                           # share of TP collectives tp_comm_overlap hides
@@ -105,6 +109,15 @@ def width_factor(arch: Architecture) -> float:
     return arch.hidden / (arch.hidden + GEMM_HALF_DIM)
 
 
+def attention_speed(arch: Architecture) -> float:
+    """Fused attention's speed at the model's query-key head width against 128-wide heads
+    (`ATTENTION_HEAD_SPEED`, linear in between, 1 from 128 on)."""
+    width = (arch.qk_nope + arch.qk_rope) if arch.mla else arch.head_dim
+    (narrow, slow), (wide, fast) = sorted(ATTENTION_HEAD_SPEED.items())
+    share = min(1.0, max(0.0, (width - narrow) / (wide - narrow)))
+    return slow + share * (fast - slow)
+
+
 def _gemm_seconds(flops: float, hw: Hardware, precision: str, rows_per_expert: float | None = None,
                   width: float = 1.0) -> float:
     peak = (hw.fp8_TFLOPS if precision == "fp8" and hw.fp8_TFLOPS else hw.bf16_TFLOPS) * 1e12 * _speed(hw)
@@ -124,7 +137,7 @@ def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe:
     dense_mlp = _gemm_seconds(3 * t * f["dense_mlp"], hw, layout.precision, width=w)
     dense = attn_gemm + dense_mlp
     experts = _gemm_seconds(3 * t * f["experts"], hw, layout.precision, rows, width=w) if moe else 0.0
-    core = 3 * t * f["attention_core"] / (hw.bf16_TFLOPS * 1e12 * ATTENTION_EFFICIENCY * _speed(hw))
+    core = 3 * t * f["attention_core"] / (hw.bf16_TFLOPS * 1e12 * ATTENTION_EFFICIENCY * attention_speed(arch) * _speed(hw))
     full_acts = sum(layer_activation_bytes(arch, _no_recompute(layout), moe).values())
     elementwise = ELEMENTWISE_PASSES * full_acts / (hw.hbm_TBps * 1e12)
     compute = dense + experts + core + elementwise
