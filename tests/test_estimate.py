@@ -65,9 +65,13 @@ def test_every_constant_names_the_rows_it_was_fitted_on():
 
 def test_model_flops_are_megatrons_count():
     """Bridge's table gives TFLOP/s and tokens/s per GPU; their ratio is the FLOPs per token:
-    782e12 / 3139 for DeepSeek-V3 (without MTP), 728e12 / 4916 for Qwen3-235B."""
+    782e12 / 3139 for DeepSeek-V3 (without MTP), 728e12 / 4916 for Qwen3-235B, 428e12 / 15784
+    for GPT-OSS-120B."""
     assert DSV3.flops_per_token(4096) == pytest.approx(782e12 / 3139, rel=0.02)
     assert QWEN.flops_per_token(4096) == pytest.approx(728e12 / 4916, rel=0.02)
+    gpt_oss = ARCHITECTURES["gpt-oss-120b"]      # its clamped GEGLU experts count as two matrices
+    assert gpt_oss.flops_per_token(4096) == pytest.approx(428e12 / 15784, rel=0.02)
+    assert gpt_oss.flops_per_token(8192) == pytest.approx(488e12 / 15876, rel=0.02)
     assert DSV3.total_params() == pytest.approx(671e9, rel=0.01) and QWEN.total_params() == pytest.approx(235e9, rel=0.01)
 
 

@@ -45,6 +45,9 @@ class Architecture:
     v_head: int = 0
     num_groups: int | None = None
     group_topk: int | None = None
+    # Megatron counts an expert's gated activation as three matrices only when it is SwiGLU;
+    # GPT-OSS's clamped GEGLU it counts as two (its FLOPs per token, not its work).
+    swiglu_count: bool = True
 
     @property
     def moe_layers(self) -> int:
@@ -111,8 +114,11 @@ class Architecture:
 
     def flops_per_token(self, seq: int) -> float:
         """Model FLOPs of one token in one training step (forward + backward), Megatron's count."""
+        moe = self.layer_flops(seq, True)
+        if not self.swiglu_count:
+            moe["experts"] = moe["experts"] * 2 / 3
         total = sum(self.layer_flops(seq, False).values()) * self.dense_layers
-        total += sum(self.layer_flops(seq, True).values()) * self.moe_layers
+        total += sum(moe.values()) * self.moe_layers
         total += 2 * self.embedding_params()                                   # output layer
         total += self.mtp_layers * (sum(self.layer_flops(seq, True).values()) + 2 * 2 * self.hidden * self.hidden
                                     + 2 * self.embedding_params())
@@ -131,8 +137,8 @@ ARCHITECTURES = {a.name: a for a in [
     Architecture("qwen3-next-80b-a3b", 48, 0, 2048, 5120, 512, 512, 10, 512, 16, 2, 256, 151936),
     # GPT-OSS (openai/gpt-oss-120b and -20b config.json): every other layer attends over a
     # 128-token window; counted as full causal attention, as Megatron counts it.
-    Architecture("gpt-oss-120b", 36, 0, 2880, 2880, 2880, 128, 4, 0, 64, 8, 64, 201088),
-    Architecture("gpt-oss-20b", 24, 0, 2880, 2880, 2880, 32, 4, 0, 64, 8, 64, 201088),
+    Architecture("gpt-oss-120b", 36, 0, 2880, 2880, 2880, 128, 4, 0, 64, 8, 64, 201088, swiglu_count=False),
+    Architecture("gpt-oss-20b", 24, 0, 2880, 2880, 2880, 32, 4, 0, 64, 8, 64, 201088, swiglu_count=False),
     Architecture("mixtral-8x7b", 32, 0, 4096, 14336, 14336, 8, 2, 0, 32, 8, 128, 32000),
     Architecture("mixtral-8x22b", 56, 0, 6144, 16384, 16384, 8, 2, 0, 48, 8, 128, 32768),
 ]}
@@ -225,7 +231,8 @@ def from_hf_config(cfg: dict, name: str = "hf-model") -> Architecture:
         mtp_layers=cfg.get("num_nextn_predict_layers") or 0, q_lora=cfg.get("q_lora_rank") or 0,
         kv_lora=cfg.get("kv_lora_rank") or 0, qk_nope=cfg.get("qk_nope_head_dim") or 0,
         qk_rope=cfg.get("qk_rope_head_dim") or 0, v_head=cfg.get("v_head_dim") or 0,
-        num_groups=moe.num_groups, group_topk=moe.group_topk)
+        num_groups=moe.num_groups, group_topk=moe.group_topk,
+        swiglu_count=cfg.get("model_type") != "gpt_oss")
 
 
 def load_architecture(name: str | None) -> Architecture | None:
