@@ -8,7 +8,8 @@ import pytest
 
 from expertrail.tools.cli import main
 from expertrail.errors import ConfigError
-from expertrail.plan.catalog import HARDWARE, MODELS, MoEModel, from_hf_config, load_hardware, load_model
+from expertrail.plan.architecture import MODELS
+from expertrail.plan.catalog import HARDWARE, MoEModel, from_hf_config, load_hardware, load_model
 from expertrail.plan.calibration import KERNEL_FIGURES
 from expertrail.plan.cost import EPLayout, Routing, count_traffic, link_bandwidth, predict, row_bytes
 from expertrail.plan.simulate import parse_ints, simulate, usable_eps

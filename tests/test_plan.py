@@ -10,7 +10,8 @@ import pytest
 from expertrail.tools.cli import main
 from expertrail.names import both_names
 from expertrail.plan.advisor import DOMAIN_ENV, emit, expert_gemm_seconds, format_plan, megatron_dispatcher, plan
-from expertrail.plan.catalog import HARDWARE, MODELS
+from expertrail.plan.architecture import MODELS
+from expertrail.plan.catalog import HARDWARE
 from expertrail.plan.validate import load_config, unknown_fields, validate
 
 # (hardware, model, ep): one NVLink domain, several 8-GPU nodes, an NVL72 rack, several racks,

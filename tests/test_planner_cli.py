@@ -11,7 +11,8 @@ import pytest
 
 from expertrail import cli
 from expertrail.tools.cli import main
-from expertrail.plan.catalog import HARDWARE, MODELS
+from expertrail.plan.architecture import MODELS
+from expertrail.plan.catalog import HARDWARE
 
 def run(capsys, *argv):
     """`expertrail ARGV` in this process: (exit status, stdout, stderr)."""

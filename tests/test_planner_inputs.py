@@ -129,3 +129,14 @@ def test_gradient_buffers_in_bf16_halve_the_gradients_and_their_traffic():
     assert TrainingLayout.from_fields(dict(fields, grad_reduce_in_fp32=True), 256).main_grad_bytes == 4
     assert bf16["memory"]["gradients_GB"] == pytest.approx(fp32["memory"]["gradients_GB"] / 2)
     assert bf16["terms_s"]["dp"] < fp32["terms_s"]["dp"]
+
+
+def test_every_catalog_model_is_a_model_for_plan_and_estimate():
+    """One catalog: each whole-model shape's MoE part is what `plan` and `simulate` take."""
+    from expertrail.plan.architecture import MODELS
+    from expertrail.plan.catalog import load_model
+    assert set(MODELS) == set(ARCHITECTURES)
+    for name, arch in ARCHITECTURES.items():
+        model = load_model(name)
+        assert (model.hidden, model.num_experts, model.topk, model.moe_ffn, model.layers) == \
+            (arch.hidden, arch.experts, arch.topk, arch.moe_ffn, arch.moe_layers), name

@@ -143,6 +143,9 @@ ARCHITECTURES = {a.name: a for a in [
     Architecture("mixtral-8x22b", 56, 0, 6144, 16384, 16384, 8, 2, 0, 48, 8, 128, 32768),
 ]}
 
+# The MoE part of each: what the dispatch planner (`plan`, `simulate`) takes.
+MODELS = {name: arch.moe_model() for name, arch in ARCHITECTURES.items()}
+
 # Megatron field -> Architecture field, for configurations that spell the model out.
 FIELDS = {"num_layers": "layers", "hidden_size": "hidden", "ffn_hidden_size": "ffn", "moe_ffn_hidden_size": "moe_ffn",
           "num_moe_experts": "experts", "moe_router_topk": "topk",

@@ -65,16 +65,6 @@ HARDWARE = {h.name: h for h in [
     Hardware("gb200-nvl36", 36, 900, 50, 148, 186, 8.0, 2500, 5000, "blackwell"),
 ]}
 
-MODELS = {m.name: m for m in [
-    MoEModel("deepseek-v3", 7168, 256, 8, 2048, 58, shared_experts=1, num_groups=8, group_topk=4),
-    MoEModel("qwen3-235b-a22b", 4096, 128, 8, 1536, 94),
-    MoEModel("qwen3-30b-a3b", 2048, 128, 8, 768, 48),
-    MoEModel("qwen3-next-80b-a3b", 2048, 512, 10, 512, 48, shared_experts=1),
-    MoEModel("mixtral-8x7b", 4096, 8, 2, 14336, 32),
-    MoEModel("mixtral-8x22b", 6144, 8, 2, 16384, 56),
-]}
-
-
 def read_mapping(path: Path, what: str) -> dict:
     """The mapping in a YAML/JSON file; every way it can be unreadable is a `ConfigError`."""
     try:
@@ -153,7 +143,7 @@ def hf_config(name_or_file: str) -> tuple[dict, str] | None:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ConfigError(f"--model {name_or_file!r} is a directory without a config.json: give a Hugging Face "
-                              f"model directory, its config.json, a YAML/JSON file, or one of {', '.join(MODELS)}")
+                              f"model directory, its config.json, a YAML/JSON file, or one of {', '.join(_models())}")
         return read_mapping(path / "config.json", "--model"), path.name
     if path.is_file():
         data = read_mapping(path, "--model")
@@ -162,17 +152,24 @@ def hf_config(name_or_file: str) -> tuple[dict, str] | None:
     return None
 
 
+def _models() -> dict:
+    """The catalog's MoE models (`architecture.MODELS`: the MoE part of each whole-model shape)."""
+    from .architecture import MODELS
+    return MODELS
+
+
 def load_model(name_or_file: str) -> MoEModel:
     """A catalog name, a YAML/JSON file with MoEModel fields, a Hugging Face config.json, or
     a Hugging Face model directory (its config.json)."""
-    if name_or_file in MODELS:
-        return MODELS[name_or_file]
+    models = _models()
+    if name_or_file in models:
+        return models[name_or_file]
     found = hf_config(name_or_file)
     if found is not None:
         return from_hf_config(*found)
     path = Path(name_or_file)
     if not path.is_file():
-        raise ConfigError(f"--model {name_or_file!r}: choose one of {', '.join(MODELS)}, a YAML/JSON file, "
+        raise ConfigError(f"--model {name_or_file!r}: choose one of {', '.join(models)}, a YAML/JSON file, "
                           "a Hugging Face config.json or model directory")
     return _build(MoEModel, read_mapping(path, "--model"), str(path))
 

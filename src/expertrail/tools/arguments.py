@@ -101,7 +101,8 @@ def check_experts(experts: int, topk: int, world: int, ranks: str) -> None:
 
 def workload_arguments(p) -> None:
     """The hardware / model / traffic options shared by `simulate` and `plan`."""
-    from ..plan.catalog import HARDWARE, MODELS
+    from ..plan.architecture import MODELS
+    from ..plan.catalog import HARDWARE
     p.add_argument("--hardware", required=True, metavar="NAME|FILE",
                    help=f"GPU system: one of {', '.join(HARDWARE)}, or a YAML/JSON file with the Hardware fields "
                         "(required)")
