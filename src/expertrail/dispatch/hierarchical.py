@@ -115,24 +115,24 @@ class HierarchicalDispatcher(Dispatcher):
         to_rail_peer = torch.zeros(g.ep_size, dtype=torch.int64, device=topk_idx.device)
         to_rail_peer[g.domain_rank::g.domain_size] = per_domain
         domain, token = torch.nonzero(layout.token_in_domain.t()).unbind(1)            # hop 1 rows
+        blocks = per_domain.tolist()
         counts = [layout.tokens_per_rank, to_rail_peer]
         if self._pipelined():
-            counts += list(self._rows_per_piece(layout, domain, token, per_domain).unbind(1))
-        return Outgoing(topk_idx, torch.stack(counts, 1), token, per_domain.tolist(), g.domain_index, domain)
+            counts += list(self._rows_per_piece(layout, domain, token, per_domain, blocks).unbind(1))
+        return Outgoing(topk_idx, torch.stack(counts, 1), token, blocks, g.domain_index, domain)
 
-    def _rows_per_piece(self, layout, domain, token, per_domain) -> torch.Tensor:
+    def _rows_per_piece(self, layout, domain, token, per_domain, blocks: list) -> torch.Tensor:
         """int64 [P, chunks]: for each EP rank q, the hop-1 rows of each piece of this rank's block
-        to q's domain that q receives in hop 2 (the tokens with an expert on q)."""
+        to q's domain that q receives in hop 2 (the tokens with an expert on q). ``blocks``:
+        ``per_domain`` as a list."""
         g, chunks = self.groups, self.config.chunks
         dev = token.device
-        # The piece of each hop-1 row: its place in its domain's block, cut as `piece_bounds` cuts.
+        # The piece of each hop-1 row: its place in its domain's block against the pieces' ends.
         starts = torch.cumsum(per_domain, 0) - per_domain
         place = torch.arange(token.numel(), device=dev) - starts[domain]
-        used = (per_domain // self.config.pipeline_min_rows).clamp(1, chunks)[domain]      # `pieces_used`
-        base, extra = per_domain[domain] // used, per_domain[domain] % used
-        long_rows = extra * (base + 1)                    # the first `extra` pieces hold base + 1 rows
-        piece = torch.where(place < long_rows, place // (base + 1),
-                            extra + (place - long_rows) // base.clamp(min=1))
+        ends = torch.tensor([[b for _, b in piece_bounds(n, chunks, self.config.pipeline_min_rows)] for n in blocks],
+                            dtype=torch.int64, device=dev).view(-1, chunks)                  # [D, chunks]
+        piece = (ends[domain] <= place.unsqueeze(1)).sum(1)
         # Row (token t, domain d) goes on in hop 2 to the ranks of d holding one of t's experts.
         receivers = layout.token_in_rank.index_select(0, token).view(-1, g.num_domains, g.domain_size)
         receivers = receivers[torch.arange(token.numel(), device=dev), domain].to(torch.int64)      # [R, size]
