@@ -120,7 +120,7 @@ class Architecture:
         total = sum(self.layer_flops(seq, False).values()) * self.dense_layers
         total += sum(moe.values()) * self.moe_layers
         total += 2 * self.embedding_params()                                   # output layer
-        total += self.mtp_layers * (sum(self.layer_flops(seq, True).values()) + 2 * 2 * self.hidden * self.hidden
+        total += self.mtp_layers * (sum(moe.values()) + 2 * 2 * self.hidden * self.hidden
                                     + 2 * self.embedding_params())
         return 3.0 * total
 
