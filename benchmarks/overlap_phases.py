@@ -4,8 +4,9 @@ Runs `expertrail train`'s model (`train.build_ep_model`) on the ranks of a torch
 ranks all share one host (the emulated cluster: ``expertrail cluster run``), alternating a step
 without and a step with overlap (learning rate 0, so every step does the same work). For the
 overlapped step it splits rank 0's timeline (`schedule.Timeline`) into the phases of
-`train_micro_batches`' order: F0 + F1, each forward beside the backward of two micro-batches
-before, the last two backwards, and the tail (dense gradients summed over ranks, optimizer). A thread samples
+`train_micro_batches`' order, each the stretch between one task's end and the next (F0+F1,
+F1+B0, B0+F2, ..., the last backward alone), and the tail (dense gradients summed over ranks,
+optimizer). A thread samples
 the host's idle CPU time (``/proc/stat``) every 5 ms, so each phase gets its wall time and the
 CPU-seconds the host's cores sat idle in it.
 
@@ -13,8 +14,9 @@ Printed, median over steps (the first left out):
 
 - per phase: wall ms, idle CPU-s, and the CPU floor (busy CPU-s over the cores);
 - the step without and with overlap, their ratio, and the step's CPU floor;
-- the bound of the phase order: the tail as measured plus every pair at its CPU floor. Even
-  a perfect interleaving of the pairs cannot beat it, because nothing runs beside the tail.
+- the bound of the phase order: the tail and every task alone as measured plus every pair at
+  its CPU floor. Even a perfect interleaving of the pairs cannot beat it, because nothing runs
+  beside a task alone or the tail.
 
     expertrail cluster run --nodes 2 --ranks-per-node 2 --inter-link 1gbit -- \\
         benchmarks/overlap_phases.py --hidden 512 --ffn 128 --topk 8 --experts 16 --seq 64 --batch 8
@@ -77,22 +79,23 @@ class IdleSampler:
         return max(0.0, at(end) - at(start))
 
 
-def phases(spans: list, micro_batches: int, step_end: float) -> list:
+def phases(spans: list, step_end: float) -> list:
     """``spans`` (a Timeline's, times relative to the step's start) of one overlapped step ->
-    [(name, start, end)]: the pairs of `train_micro_batches` (F0+F1, F2+B0, ..., B{M-2}+B{M-1};
-    with one micro-batch F0 and B0 alone), then the tail."""
+    [(name, start, end)]: the stretches between one task's end (the next one's start) and the
+    next, each named by the tasks that ran in it ("B0+F2"), then the tail."""
     runs = {}
     for lane, kind, _, a, b in spans:
         if kind == "run":
             lo, hi = runs.get(lane, (a, b))
             runs[lane] = (min(lo, a), max(hi, b))
-    last = micro_batches - 1
-    if last == 0:
-        pairs = [("F0",), ("B0",)]
-    else:
-        pairs = [("F0", "F1")] + [(f"F{i}", f"B{i - 2}") for i in range(2, last + 1)] + [(f"B{last - 1}", f"B{last}")]
-    out = [("+".join(p), min(runs[x][0] for x in p), max(runs[x][1] for x in p)) for p in pairs]
-    out.append(("tail", out[-1][2], step_end))
+    start = min(lo for lo, _ in runs.values())
+    out = []
+    for end in sorted({hi for _, hi in runs.values()}):
+        lanes = sorted((lane for lane, (lo, hi) in runs.items() if lo < end and hi > start), key=lambda x: runs[x][0])
+        if end > start:
+            out.append(("+".join(lanes), start, end))
+        start = end
+    out.append(("tail", start, step_end))
     return out
 
 
@@ -125,7 +128,7 @@ def main() -> None:
             if overlap:
                 spans = [(lane, kind, what, a - start, b - start) for lane, kind, what, a, b in timeline.spans]
                 rows = [(name, b - a, idle.idle_between(start + a, start + b))
-                        for name, a, b in phases(spans, cfg.micro_batches, end - start)]
+                        for name, a, b in phases(spans, end - start)]
             steps[overlap].append((end - start, idle.idle_between(start, end), rows))
     if rank == 0:
         report(steps, cores, args)

@@ -22,6 +22,61 @@ def test_tasks_take_turns_at_switch_points_and_return_their_results():
     assert order == ["a0", "b0", "a1", "b1", "a2"]       # b ended: a goes on alone
 
 
+def _steps(order, name, steps):
+    for i in range(steps):
+        order.append(f"{name}{i}")
+        schedule.switch_point()
+    return name
+
+
+def test_width_keeps_that_many_in_flight_and_starts_the_next_as_one_ends():
+    order = []
+    tasks = [lambda: _steps(order, "a", 3), lambda: _steps(order, "b", 1), lambda: _steps(order, "c", 2)]
+    assert schedule.run_interleaved(tasks, width=2) == ["a", "b", "c"]
+    # b ends at its first switch point: c takes its place at once, after a
+    assert order == ["a0", "b0", "a1", "c0", "a2", "c1"]
+
+
+def test_a_task_starts_only_once_the_task_it_comes_after_has_ended():
+    order = []
+    tasks = [lambda: _steps(order, "x", 1), lambda: _steps(order, "y", 3), lambda: _steps(order, "z", 1)]
+    schedule.run_interleaved(tasks, width=2, after=[None, None, 1])
+    assert order == ["x0", "y0", "y1", "y2", "z0"]          # a slot was free, but y had not ended
+
+
+def test_after_must_name_an_earlier_task():
+    with pytest.raises(ValueError, match="after="):
+        schedule.run_interleaved([lambda: None, lambda: None], width=1, after=[1, None])
+
+
+def test_no_task_starts_after_one_failed():
+    ran = []
+
+    def fails():
+        schedule.switch_point()
+        raise ValueError("the first task failed")
+    tasks = [fails, lambda: _steps(ran, "b", 2), lambda: ran.append("never")]
+    with pytest.raises(ValueError, match="the first task failed"):
+        schedule.run_interleaved(tasks, width=2)
+    assert ran == ["b0", "b1"]                                # the running one ended, the next never began
+
+
+def test_train_micro_batches_starts_tasks_in_1f1b_order_two_in_flight():
+    """F0 F1 B0 F2 B1 F3 B2 B3: each backward right after its forward's neighbour ends."""
+    w = torch.ones(1, requires_grad=True)
+
+    def forward(m):
+        schedule.switch_point()
+        return (w * m).sum()
+    with schedule.Timeline() as t:
+        losses = schedule.train_micro_batches(forward, [1.0, 2.0, 3.0, 4.0])
+    first = {}
+    for lane, kind, _, start, _ in t.spans:
+        first[lane] = min(first.get(lane, start), start)
+    assert sorted(first, key=first.get) == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    assert [x.item() for x in losses] == [1.0, 2.0, 3.0, 4.0] and w.grad.item() == 10.0
+
+
 def test_small_exchanges_are_waited_for_without_giving_the_turn_away():
     order = []
 

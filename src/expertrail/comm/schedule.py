@@ -3,9 +3,9 @@
 One micro-batch alone leaves the link idle while it computes and the cores idle while its rows
 travel. Two micro-batches in flight fill each other's gaps: while A's dispatch or combine (or
 their backwards) is on the wire, B's attention, router and experts run, and the other way
-round. `train_micro_batches` runs every phase of a step as such a pair (F0 + F1, then the
-forward of micro-batch i beside the backward of i-2, then the last two backwards);
-`forward_interleaved` is the two-batch overlap of inference.
+round. `train_micro_batches` keeps two of a step's tasks in flight in 1F1B order (F0 F1 B0 F2
+B1 ...: each starts as soon as one ends); `forward_interleaved` is the two-batch overlap of
+inference.
 
 How: each micro-batch's work runs as a task on its own thread (the caller's for the first,
 long-lived workers for the others), but only one task runs at a time. A task gives its turn
@@ -29,6 +29,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
+from functools import partial
 import time
 from typing import Any, Callable
 
@@ -67,22 +68,57 @@ def _record(lane: str, kind: str, what: str, start: float) -> None:
 
 
 class _Turns:
-    """Whose turn it is among ``n`` tasks; a task that ends passes its turn on."""
+    """Whose turn it is among tasks ``0..n-1``, and which of them have started.
 
-    def __init__(self, n: int):
+    At most ``width`` tasks are in flight; the others start in list order as running ones end,
+    each only once the task it comes ``after`` has ended. The turn goes round the running tasks
+    in list order; a task that ends passes its turn on to the next running one (a task it let
+    start comes last in that order). Every rank of a group sees the same switch points, so
+    every rank starts the same tasks at the same places."""
+
+    def __init__(self, n: int, width: int | None = None, after: list | None = None):
         self.cond = threading.Condition()
-        self.turn, self.done = 0, [False] * n
+        self.width = n if width is None else max(1, min(width, n))
+        self.after = after or [None] * n
+        self.started, self.done = [False] * n, [False] * n
+        self.slot_of: dict[int, int] = {}         # a started task -> the thread slot it runs on
+        self.assigned: dict[int, int] = {}        # a slot -> the task it is to run next
+        self.stopped = False                      # a task failed: start no more
+        self._start_ready(free_slots=list(range(self.width)))
+        self.turn = 0
+
+    def _running(self) -> list[int]:
+        return [i for i, (s, d) in enumerate(zip(self.started, self.done)) if s and not d]
+
+    def _start_ready(self, free_slots: list[int]) -> None:
+        """Start pending tasks in list order while a slot is free and the next one's
+        predecessor has ended."""
+        for i in range(len(self.started)):
+            if self.started[i]:
+                continue
+            dep = self.after[i]
+            if self.stopped or not free_slots or (dep is not None and not self.done[dep]):
+                break
+            slot = free_slots.pop(0)
+            self.started[i], self.slot_of[i], self.assigned[slot] = True, slot, i
 
     def _next(self, me: int) -> int | None:
-        n = len(self.done)
-        return next((j % n for j in range(me + 1, me + 1 + n) if not self.done[j % n]), None)
+        running = self._running()
+        return next((i for i in running if i > me), running[0] if running else None)
+
+    def next_task(self, slot: int) -> int | None:
+        """Wait until this slot is given a task (its index) or no task is left to run (None)."""
+        with self.cond:
+            self.cond.wait_for(lambda: slot in self.assigned or all(
+                d or (self.stopped and not s) for s, d in zip(self.started, self.done)))
+            return self.assigned.pop(slot, None)
 
     def wait_for(self, me: int) -> None:
         with self.cond:
             self.cond.wait_for(lambda: self.turn == me)
 
     def pass_on(self, me: int) -> None:
-        """Give the turn to the next unfinished task and wait until it comes back."""
+        """Give the turn to the next running task and wait until it comes back."""
         with self.cond:
             nxt = self._next(me)
             if nxt is None or nxt == me:
@@ -91,9 +127,13 @@ class _Turns:
             self.cond.notify_all()
             self.cond.wait_for(lambda: self.turn == me)
 
-    def finish(self, me: int) -> None:
+    def finish(self, me: int, failed: bool = False) -> None:
         with self.cond:
             self.done[me] = True
+            self.stopped |= failed
+            busy = {self.slot_of[i] for i in self._running()} | set(self.assigned)
+            mine = self.slot_of[me]                  # its thread goes on with the next task
+            self._start_ready([mine] + [s for s in range(self.width) if s not in busy and s != mine])
             nxt = self._next(me)
             if nxt is not None:
                 self.turn = nxt
@@ -285,28 +325,34 @@ def _waiter() -> _Waiter:
 
 
 def run_interleaved(tasks: list[Callable[[], Any]], delay_wgrad: bool = False, lanes: list | None = None,
-                    deferred: _Deferred | None = None) -> list:
+                    deferred: _Deferred | None = None, width: int | None = None,
+                    after: list | None = None) -> list:
     """Run ``tasks`` taking turns at their switch points (task 0 first); returns their results.
 
-    Task 0 runs on the calling thread, the others on worker threads, each under the caller's
-    grad and inference modes; one runs at a time. With ``delay_wgrad`` the delayable weight
-    gradients of the tasks (those their backwards hand to `defer`) fill the tasks' waits for
-    exchanges in flight, and what is left runs once every task has ended. ``deferred`` (with
-    ``delay_wgrad``): a queue shared with the calls before and after this one, where work
-    queued by this call may stay for the next call's waits (`train_micro_batches`); only the
-    work queued before this call is finished at its end. If tasks raise, the first one's (in
-    task order) error is raised once all have ended. Tasks must reach their switch points in
-    the same order on every rank of a group (the same code does). lanes: the tasks' names on a
-    `Timeline`. Not from inside a task.
+    width: at most this many tasks in flight (all by default); the others start in list order
+    as running ones end, task ``i`` only once task ``after[i]`` (an index, or None) has ended.
+    Tasks run on ``width`` threads (the caller's and long-lived workers), each under the
+    caller's grad and inference modes; one runs at a time. With ``delay_wgrad`` the delayable
+    weight gradients of the tasks (those their backwards hand to `defer`) fill the tasks' waits
+    for exchanges in flight, and what is left runs once every task has ended. ``deferred``
+    (with ``delay_wgrad``): a queue shared with the calls before and after this one, where work
+    queued by this call may stay for the next call's waits; only the work queued before this
+    call is finished at its end. If tasks raise, no further task starts, and the first error
+    (in task order) is raised once the running ones have ended. Tasks must reach their switch
+    points in the same order on every rank of a group (the same code does). lanes: the tasks'
+    names on a `Timeline`. Not from inside a task.
     """
     if getattr(_local, "task", None) is not None:
         raise RuntimeError("run_interleaved was called from inside one of its own tasks; run the inner work directly")
     if not tasks:
         return []
+    if after is not None and (len(after) != len(tasks) or any(
+            a is not None and not 0 <= a < i for i, a in enumerate(after))):
+        raise ValueError(f"after={after!r}: give one entry per task, None or the index of an earlier task")
     own_queue = delay_wgrad and deferred is None
     queue_ = (_Deferred() if own_queue else deferred) if delay_wgrad else None
     queued_before = queue_.added if queue_ is not None else 0
-    turns = _Turns(len(tasks))
+    turns = _Turns(len(tasks), width, after)
     results: list = [None] * len(tasks)
     errors: list = [None] * len(tasks)
     grad_enabled, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
@@ -322,14 +368,18 @@ def run_interleaved(tasks: list[Callable[[], Any]], delay_wgrad: bool = False, l
         finally:
             _record(task.lane, "run", "", task.since)
             _local.task = None
-            turns.finish(i)
+            turns.finish(i, failed=errors[i] is not None)
 
-    while len(_workers) < len(tasks) - 1:
+    def slot(s: int) -> None:                   # one thread: the tasks given to it, one by one
+        while (i := turns.next_task(s)) is not None:
+            body(i)
+
+    while len(_workers) < turns.width - 1:
         _workers.append(_Worker(len(_workers) + 1))
-    done = [threading.Event() for _ in tasks[1:]]
-    for i, event in enumerate(done, start=1):
-        _workers[i - 1].jobs.put((lambda i=i: body(i), event))
-    body(0)
+    done = [threading.Event() for _ in range(turns.width - 1)]
+    for s, event in enumerate(done, start=1):
+        _workers[s - 1].jobs.put((lambda s=s: slot(s), event))
+    slot(0)
     for event in done:
         event.wait()
     first = next((e for e in errors if e is not None), None)
@@ -353,10 +403,12 @@ def train_micro_batches(forward: Callable[[Any], torch.Tensor], micro_batches: l
 
     forward(micro_batch) -> the scalar to call ``backward()`` on (scaled as the gradients
     should accumulate). ``overlap=False``: F0 B0 F1 B1 ..., one at a time. ``overlap=True``:
-    every phase a pair taking turns at every dispatch and combine (see the module docstring):
-    F0 + F1, then the forward of micro-batch i beside the backward of i-2, then the last two
-    backwards (one micro-batch more in flight than Megatron-Core's combined 1F1B order, whose
-    first forward and last backward run alone); ``delay_wgrad`` delays the delayable weight
+    two tasks in flight taking turns at every dispatch and combine (see the module docstring),
+    started in the order F0 F1 B0 F2 B1 F3 ... B(M-1), each as soon as one ends (a backward
+    once its forward has ended): the forward of micro-batch i runs beside the backwards of i-2
+    and i-1, and the first two forwards and the last two backwards pair with each other (one
+    micro-batch more in flight than Megatron-Core's combined 1F1B order, whose first forward
+    and last backward run alone); ``delay_wgrad`` delays the delayable weight
     gradients (experts, shared expert, `experts.delayable_linear` projections) into the waits
     for exchanges. Every parameter accumulates its micro-batch gradients in micro-batch order
     either way, so gradients and
@@ -389,17 +441,16 @@ def train_micro_batches(forward: Callable[[Any], torch.Tensor], micro_batches: l
         for i in range(last + 1):
             alone(fwd, i, f"F{i}")
             alone(bwd, i, f"B{i}")
-    elif last == 0:
-        alone(fwd, 0, "F0")
-        run_interleaved([lambda: bwd(0)], delay_wgrad, ["B0"], deferred)
     elif micro_batches:
-        # Every phase a pair: F0 + F1, then F(i) + B(i-2), then B(M-2) + B(M-1).
-        run_interleaved([lambda: fwd(0), lambda: fwd(1)], delay_wgrad, ["F0", "F1"], deferred)
-        for i in range(2, last + 1):
-            run_interleaved([lambda i=i: fwd(i), lambda i=i: bwd(i - 2)], delay_wgrad, [f"F{i}", f"B{i - 2}"],
-                            deferred)
-        run_interleaved([lambda: bwd(last - 1), lambda: bwd(last)], delay_wgrad, [f"B{last - 1}", f"B{last}"],
-                        deferred)
+        # 1F1B with two in flight: F0 F1 B0 F2 B1 F3 ... B(M-1); each starts as soon as one
+        # ends (each backward once its forward has ended), so no exchange waits for a phase to end.
+        order = [("F", 0)] + [("F", 1)] * (last > 0)
+        for i in range(last + 1):
+            order += [("B", i)] + [("F", i + 2)] * (i + 2 <= last)
+        index = {t: n for n, t in enumerate(order)}
+        run_interleaved([partial(fwd if kind == "F" else bwd, i) for kind, i in order],
+                        delay_wgrad, [f"{kind}{i}" for kind, i in order], deferred, width=2,
+                        after=[index[("F", i)] if kind == "B" else None for kind, i in order])
     if deferred is not None:                # what the last backwards left in the queue
         start = time.perf_counter()
         deferred.run_all(ready_first, on_ready)
