@@ -111,7 +111,7 @@ def main() -> None:
                 "is left out)")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cores = len(os.sched_getaffinity(0))
+    cores = os.cpu_count()           # /proc/stat's idle time is the whole host's
     cfg = TrainConfig(hidden=args.hidden, ffn=args.ffn, topk=args.topk, experts=args.experts, seq=args.seq,
                       batch=args.batch, micro_batches=args.micro_batches, layers=args.layers, lr=0.0)
     model = build_ep_model(cfg, EPGroups.from_default(), args.backend)     # a node's ranks form a domain

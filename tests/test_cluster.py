@@ -135,6 +135,12 @@ def test_two_nodes_launch_like_a_multinode_job_and_shape_the_inter_node_link(no_
     for node, result in enumerate(results):
         node_ranks = {json.loads(line)["rank"] for line in result.stdout.splitlines() if line.startswith("{")}
         assert node_ranks == {2 * node, 2 * node + 1}
+    # each node runs on its own share of the machine's cores, and torch's threads fit in it
+    shares = c.node_cores()
+    if shares is not None:
+        assert not set(shares[0]) & set(shares[1])
+        for r in rows:
+            assert r["cores"] == shares[r["rank"] // 2] and 1 <= r["threads"] <= len(r["cores"]), r
     # Each rank sends half of its 4 MiB to the other node, and two ranks share a node's link:
     # 4 MiB per direction at 100 Mbit/s is 0.34 s (the token bucket's burst takes a little off),
     # while the same exchange inside a node takes milliseconds.

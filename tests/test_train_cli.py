@@ -69,10 +69,13 @@ def test_train_overlap_reports_both_runs_with_identical_losses(tmp_path):
     assert "overlap can gain at most" in out.stdout
 
 
-def test_cpu_floor_is_the_busiest_hosts_cpu_time_over_its_cores():
+def test_cpu_floor_is_the_busiest_core_sets_cpu_time_over_its_cores():
     from expertrail.tools.train import floor_per_step
     ranks = [("a", 2, [1.0, 2.0]), ("a", 2, [3.0, 4.0]), ("b", 4, [6.0, 1.0]), ("b", 4, [2.0, 3.0])]
     assert floor_per_step(ranks) == [2.0, 3.0]          # host a: [4, 6] / 2; host b: [8, 4] / 4
+    # two emulated nodes on one host, each pinned to a core of its own: not one pool of two cores
+    pinned = [(("h", (0,)), 1, [1.0, 2.0]), (("h", (1,)), 1, [3.0, 1.0])]
+    assert floor_per_step(pinned) == [3.0, 2.0]
 
 
 def test_overlap_needs_two_micro_batches():

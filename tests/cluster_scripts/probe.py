@@ -36,6 +36,7 @@ def main() -> None:
                       "domain_size": groups.domain_size, "domain": groups.domain_index,
                       "node": os.environ.get("EXPERTRAIL_CLUSTER", ""), "y_finite": bool(torch.isfinite(y).all()),
                       "inter_bytes": res.stats.bytes["inter"],
+                      "cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
                       "intra_s": timed_exchange(groups.domain_group, rows),
                       "inter_s": timed_exchange(groups.rail_group, rows)}), flush=True)
     dist.barrier()

@@ -310,15 +310,29 @@ class Cluster:
         --nproc-per-node R --rdzv-backend static --rdzv-endpoint <node 0>:port ...``, running
         ``command`` (a python script with its arguments, ``-m module ...``, or any program).
         The static rendezvous gives node i the global ranks [i*R, (i+1)*R), as a fixed-size
-        multi-node job has (c10d's elastic rendezvous numbers nodes in the order they join)."""
+        multi-node job has (c10d's elastic rendezvous numbers nodes in the order they join).
+        Each node runs on its own share of this machine's cores (`node_cores`), as a node has
+        cores of its own: torch then sizes its thread pool to them."""
         torchrun = [sys.executable, "-m", "torch.distributed.run"]
         if command and command[0] not in ("-m",) and not command[0].endswith(".py"):
             torchrun.append("--no-python")
-        return [["ip", "netns", "exec", ns, *torchrun, "--nnodes", str(self.nodes), "--node-rank", str(i),
+        cores = self.node_cores()
+        return [["ip", "netns", "exec", ns,
+                 *(["taskset", "-c", ",".join(map(str, cores[i]))] if cores else []), *torchrun, "--nnodes", str(self.nodes), "--node-rank", str(i),
                  "--nproc-per-node", str(ranks_per_node), "--rdzv-backend", "static",
                  "--rdzv-endpoint", f"{self.address[0]}:{port}", "--rdzv-id", self.prefix,
                  "--local-addr", self.address[i], "--max-restarts", "0", *command]
                 for i, ns in enumerate(self.netns)]
+
+    def node_cores(self) -> list | None:
+        """The cores each node's ranks may run on: this process's cores dealt out in equal
+        contiguous shares, one per node (the remainder unused), or None (no pinning) when
+        there are fewer cores than nodes."""
+        available = sorted(os.sched_getaffinity(0))
+        share = len(available) // self.nodes
+        if share == 0:
+            return None
+        return [available[i * share:(i + 1) * share] for i in range(self.nodes)]
 
     def node_env(self, i: int) -> dict:
         """Environment of node i's ranks: gloo bound to the node's link, so traffic to another

@@ -211,21 +211,22 @@ def cpu_floors(cpu_times: list) -> list:
     """Per step, the least wall time the CPUs allow (`floor_per_step`) from this rank's
     ``cpu_times`` (every thread of the process) and every other rank's. Collective over the
     default group."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (socket.gethostname(), cores, list(cpu_times)))
+    dist.all_gather_object(everyone, ((socket.gethostname(), tuple(cores)), len(cores), list(cpu_times)))
     return floor_per_step(everyone)
 
 
 def floor_per_step(ranks: list) -> list:
-    """``ranks``: (host, cores, CPU seconds per step) of every rank -> per step, the CPU time all
-    ranks on one host spent over that host's cores, the largest over hosts. When ranks share
-    cores no schedule, overlapped or not, makes a step shorter than this."""
+    """``ranks``: (the cores it runs on, as (host, core ids), their number, CPU seconds per step)
+    of every rank -> per step, the CPU time all ranks on one set of cores spent over those cores,
+    the largest over the sets (an emulated node pins its ranks to its own cores). When ranks
+    share cores no schedule, overlapped or not, makes a step shorter than this."""
     totals, cores_of = {}, {}
-    for host, cores, times in ranks:
-        totals[host] = [a + b for a, b in zip(totals.get(host, [0.0] * len(times)), times)]
-        cores_of[host] = cores
-    return [max(totals[host][i] / cores_of[host] for host in totals) for i in range(len(ranks[0][2]))]
+    for where, cores, times in ranks:
+        totals[where] = [a + b for a, b in zip(totals.get(where, [0.0] * len(times)), times)]
+        cores_of[where] = cores
+    return [max(totals[where][i] / cores_of[where] for where in totals) for i in range(len(ranks[0][2]))]
 
 
 def _train_step(model, opt, cfg: TrainConfig, step: int, rank: int, world: int, overlap: bool) -> float:

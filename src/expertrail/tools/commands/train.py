@@ -18,8 +18,9 @@ def overlap_lines(name: str, r: dict) -> list[str]:
     lines = [f"{name}: step {1e3 * without['step_time_s']:.1f} ms without overlap, {1e3 * r['step_time_s']:.1f} ms "
              f"with ({r['overlap_speedup']:.2f}x); losses identical: {'yes' if r['same_losses'] else 'NO'}"]
     if r.get("overlap_ceiling"):
-        lines.append(f"{name}: CPU floor {1e3 * r['cpu_floor_s']:.1f} ms (all ranks' CPU time per step over the host's "
-                     f"cores): overlap can gain at most {r['overlap_ceiling']:.2f}x on this machine")
+        lines.append(f"{name}: CPU floor {1e3 * r['cpu_floor_s']:.1f} ms (the CPU time per step of the ranks on a set of "
+                     f"cores over those cores, the busiest set): overlap can gain at most {r['overlap_ceiling']:.2f}x "
+                     f"on this machine")
     return lines
 
 
