@@ -114,6 +114,18 @@ def test_node_count_out_of_range_is_refused(nodes):
         cl.Cluster(nodes, cl.LinkSpec.parse("1gbit"))
 
 
+@pytest.mark.parametrize("cores,nodes,shares", [(range(8), 2, [[0, 1, 2, 3], [4, 5, 6, 7]]), (range(5), 2, [[0, 1], [2, 3]]),
+                                                ([3, 5], 2, [[3], [5]]), (range(2), 4, None)])
+def test_each_node_gets_its_own_share_of_the_cores(cores, nodes, shares, monkeypatch):
+    monkeypatch.setattr(cl.os, "sched_getaffinity", lambda pid: set(cores))
+    c = cl.Cluster(nodes, cl.LinkSpec.parse("1gbit"))
+    assert c.node_cores() == shares
+    if shares:
+        c.netns, c.address, c.prefix = [f"n{i}" for i in range(nodes)], [f"10.0.0.{i}" for i in range(nodes)], "er0000"
+        for share, argv in zip(shares, c.torchrun_commands(["s.py"], 1)):
+            assert argv[4:7] == ["taskset", "-c", ",".join(map(str, share))]
+
+
 def test_missing_iproute2_is_named(monkeypatch):
     monkeypatch.setattr(cl.shutil, "which", lambda tool: None)
     with pytest.raises(cl.ClusterError, match=r"needs iproute2 \(ip, tc not found\)"):

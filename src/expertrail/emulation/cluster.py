@@ -317,8 +317,8 @@ class Cluster:
         if command and command[0] not in ("-m",) and not command[0].endswith(".py"):
             torchrun.append("--no-python")
         cores = self.node_cores()
-        return [["ip", "netns", "exec", ns,
-                 *(["taskset", "-c", ",".join(map(str, cores[i]))] if cores else []), *torchrun, "--nnodes", str(self.nodes), "--node-rank", str(i),
+        pin = [["taskset", "-c", ",".join(map(str, share))] for share in cores] if cores else [[]] * self.nodes
+        return [["ip", "netns", "exec", ns, *pin[i], *torchrun, "--nnodes", str(self.nodes), "--node-rank", str(i),
                  "--nproc-per-node", str(ranks_per_node), "--rdzv-backend", "static",
                  "--rdzv-endpoint", f"{self.address[0]}:{port}", "--rdzv-id", self.prefix,
                  "--local-addr", self.address[i], "--max-restarts", "0", *command]
@@ -327,10 +327,10 @@ class Cluster:
     def node_cores(self) -> list | None:
         """The cores each node's ranks may run on: this process's cores dealt out in equal
         contiguous shares, one per node (the remainder unused), or None (no pinning) when
-        there are fewer cores than nodes."""
+        there are fewer cores than nodes or no `taskset` (util-linux) to pin with."""
         available = sorted(os.sched_getaffinity(0))
         share = len(available) // self.nodes
-        if share == 0:
+        if share == 0 or shutil.which("taskset") is None:
             return None
         return [available[i * share:(i + 1) * share] for i in range(self.nodes)]
 
