@@ -49,7 +49,14 @@ ATTENTION_EFFICIENCY = 0.45                      # fused attention, forward and 
 # dim 64 against 609 at 128; wider heads run as fast as 128 (FlashAttention-3: 612 at 256, 638 at 128).
 ATTENTION_HEAD_SPEED = {64: 0.67, 128: 1.0}
 ELEMENTWISE_PASSES = 6                           # HBM passes over a layer's activations, forward + backward
-HOST_S_PER_LAYER = {False: 150e-6, True: 40e-6}  # launch time of a layer's forward + backward, without / with CUDA graphs
+# The host's time to launch one layer's forward + backward of one micro-batch (kernels, the
+# dispatcher's host synchronisations), without / with CUDA graphs; a micro-batch runs no faster.
+# x86 hosts of 8-GPU nodes: the fastest layer of the fit split's launch-bound runs
+# (`calibration.launch_floor`: 8.8 ms, Qwen3-30B-A3B on one B200 node at micro-batch 1); with
+# graphs, in the same proportion as on Grace. Grace hosts (GB200 / GB300): no published run
+# pins it (their fastest layers take 7.5 ms), so the assumption stands.
+GRACE_HOSTED = ("gb200-nvl72", "gb300-nvl72", "gb200-nvl36")
+HOST_S_PER_LAYER = {"x86": {False: 8.8e-3, True: 8.8e-3 * 40 / 150}, "grace": {False: 150e-6, True: 40e-6}}
 TP_OVERLAP_HIDES = 0.6                           # share of TP collectives tp_comm_overlap hides
 DP_EXPOSED = {True: 0.1, False: 1.0}             # share of gradient / parameter traffic left after the last backward
 # A dispatch or combine as a framework calls it (layout pass, host synchronisation) against the
@@ -63,7 +70,7 @@ ROUTING_SAMPLE = 1024
 OVERLAP_COMM_SMS = {"deepep": 20, "hybridep": 16, None: 20}
 # Host link per GPU, each way, for activation and optimizer offloading: NVLink-C2C on Grace
 # systems (900 GB/s both ways), PCIe Gen5 x16 (64 GB/s) elsewhere; 80% of it achieved.
-HOST_LINK_GBPS = {"gb200-nvl72": 360.0, "gb300-nvl72": 360.0, "gb200-nvl36": 360.0, None: 50.0}
+HOST_LINK_GBPS = {**{name: 360.0 for name in GRACE_HOSTED}, None: 50.0}
 CPU_ADAM_PARAMS_PER_S = 1e9                      # host Adam step, parameters per second per GPU's share of the cores
 
 
@@ -243,7 +250,7 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     dense_layer = layer_seconds(arch, hw, layout, False, 0.0)
     t = layout.tokens_per_gpu
     output_s = _gemm_seconds(3 * t * 2 * arch.embedding_params() / 1, hw, "bf16", width=width_factor(arch))
-    host_per_layer = HOST_S_PER_LAYER[layout.cuda_graphs]
+    host_per_layer = HOST_S_PER_LAYER["grace" if hw.name in GRACE_HOSTED else "x86"][layout.cuda_graphs]
     pp_link = "nic" if layout.gpus // layout.pp >= hw.domain_size and layout.gpus > hw.domain_size else "nvlink"
     pp_send = 2 * t * arch.hidden * 2 / link_bandwidth(hw, pp_link, None) * layout.vpp if layout.pp > 1 else 0.0
     per_rank = []
@@ -259,7 +266,8 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
         parts["pipeline"] = pp_send
         gpu = sum(parts.values())
         host = host_per_layer * (layers + mtp)
-        per_rank.append({"rank": rank, "gpu_s": gpu, "host_s": host, "micro_batch_s": max(gpu, host), "parts": parts})
+        per_rank.append({"rank": rank, "gpu_s": gpu, "host_s": host, "micro_batch_s": max(gpu, host), "parts": parts,
+                         "layers": layers + mtp})
     slowest = max(per_rank, key=lambda r: r["micro_batch_s"])
     m = layout.micro_batches
     bubble = (layout.pp - 1) / layout.vpp * slowest["micro_batch_s"]
@@ -318,7 +326,7 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
         "step": {"micro_batches_s": m * slowest["micro_batch_s"], "bubble_s": bubble, "dp_exposed_s": dp_s,
                  "optimizer_s": optimizer_s, "slowest_rank": slowest["rank"],
                  "micro_batch_parts_s": dict(parts), "host_s": slowest["host_s"], "gpu_s": slowest["gpu_s"],
-                 "ep_comm_per_layer_s": ep_comm},
+                 "layers": slowest["layers"], "ep_comm_per_layer_s": ep_comm},
         "terms_s": terms,
     }
     result["wall"], result["wall_reason"] = wall(result, busiest, usable)
