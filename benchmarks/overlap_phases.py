@@ -6,14 +6,17 @@ without and a step with overlap (learning rate 0, so every step does the same wo
 overlapped step it splits rank 0's timeline (`schedule.Timeline`) into the phases of
 `train_micro_batches`' order, each the stretch between one task's end and the next (F0+F1,
 F1+B0, B0+F2, ..., the last backward alone), and the tail (dense gradients summed over ranks,
-optimizer). A thread samples
-the host's idle CPU time (``/proc/stat``) every 5 ms, so each phase gets its wall time and the
-CPU-seconds the host's cores sat idle in it.
+optimizer). A thread samples the host's idle CPU time (``/proc/stat``) and the node link's byte
+counters every 5 ms, so each phase gets its wall time, the CPU-seconds the host's cores sat idle
+in it, and how long the link was busy.
 
 Printed, median over steps (the first left out):
 
-- per phase: wall ms, idle CPU-s, and the CPU floor (busy CPU-s over the cores);
-- the step without and with overlap, their ratio, and the step's CPU floor;
+- per phase: wall ms, idle CPU-s, the CPU floor (busy CPU-s over the cores) and, on the
+  emulated cluster, the link's busy time (the bytes of the busier direction of this node's
+  link, sampled from its interface counters, at line rate);
+- the step without and with overlap, their ratio, and the step's CPU floor; on the emulated
+  cluster also the link's busy time over the step: no schedule beats the larger of the two;
 - the bound of the phase order: the tail and every task alone as measured plus every pair at
   its CPU floor. Even a perfect interleaving of the pairs cannot beat it, because nothing runs
   beside a task alone or the tail.
@@ -36,47 +39,69 @@ import torch.distributed as dist
 from expertrail.tools.configs import TrainConfig
 from expertrail.comm.schedule import Timeline
 from expertrail.comm.topology import EPGroups
+from expertrail.emulation.cluster import LinkSpec
 from expertrail.tools.train import _train_step, build_ep_model
 
 
-class IdleSampler:
-    """Samples (time, the host's idle CPU-seconds so far) every ``period`` s on a thread."""
+class HostSampler:
+    """Samples every ``period`` s on a thread: the host's idle CPU-seconds so far (``/proc/stat``)
+    and, on the emulated cluster, the bytes this node's link has sent and received
+    (``/sys/class/net/$GLOO_SOCKET_IFNAME/statistics``; the link's rate from
+    ``EXPERTRAIL_INTER_LINK``)."""
 
     def __init__(self, period: float = 0.005):
         self.period, self.samples, self._stop = period, [], threading.Event()
         self._tick = os.sysconf("SC_CLK_TCK")
+        link, ifname = os.environ.get("EXPERTRAIL_INTER_LINK"), os.environ.get("GLOO_SOCKET_IFNAME")
+        self.rate = LinkSpec.parse(link).rate if link and ifname else None       # bits/s
+        self._counters = [f"/sys/class/net/{ifname}/statistics/{d}_bytes" for d in ("tx", "rx")] if self.rate else []
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _idle(self) -> float:
+    def _read(self) -> tuple:
         with open("/proc/stat") as f:
             fields = f.readline().split()[1:]
-        return (int(fields[3]) + int(fields[4])) / self._tick          # idle + iowait
+        counters = []
+        for path in self._counters:
+            with open(path) as f:
+                counters.append(int(f.read()))
+        return ((int(fields[3]) + int(fields[4])) / self._tick, *counters)        # idle + iowait, tx, rx
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.perf_counter(), self._idle()))
+            self.samples.append((time.perf_counter(), *self._read()))
             time.sleep(self.period)
 
-    def __enter__(self) -> "IdleSampler":
+    def __enter__(self) -> "HostSampler":
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.samples.append((time.perf_counter(), self._idle()))
+        self.samples.append((time.perf_counter(), *self._read()))
 
-    def idle_between(self, start: float, end: float) -> float:
-        """Idle CPU-seconds between two perf_counter times, linearly interpolated."""
-        times, idles = zip(*self.samples)
+    def _between(self, column: int, start: float, end: float) -> float:
+        """How much sample column ``column`` grew between two perf_counter times, linearly interpolated."""
+        times = [s[0] for s in self.samples]
 
         def at(t):
             i = min(bisect.bisect_left(times, t), len(times) - 1)       # first sample at or after t
             if i == 0 or times[i] == times[i - 1]:
-                return idles[i]
+                return self.samples[i][column]
             w = (t - times[i - 1]) / (times[i] - times[i - 1])
-            return idles[i - 1] + w * (idles[i] - idles[i - 1])
+            return self.samples[i - 1][column] + w * (self.samples[i][column] - self.samples[i - 1][column])
         return max(0.0, at(end) - at(start))
+
+    def idle_between(self, start: float, end: float) -> float:
+        """Idle CPU-seconds of the host between two perf_counter times."""
+        return self._between(1, start, end)
+
+    def link_between(self, start: float, end: float) -> float | None:
+        """Seconds the node's link spent sending its busier direction's bytes at line rate between
+        two perf_counter times (None off the emulated cluster)."""
+        if not self.rate:
+            return None
+        return max(self._between(2, start, end), self._between(3, start, end)) * 8 / self.rate
 
 
 def phases(spans: list, step_end: float) -> list:
@@ -120,16 +145,16 @@ def main() -> None:
     for _ in range(args.steps):
         for overlap in (False, True):
             dist.barrier()
-            with IdleSampler() as idle, Timeline() as timeline:
+            with HostSampler() as host, Timeline() as timeline:
                 start = time.perf_counter()
                 _train_step(model, opt, cfg, 0, rank, world, overlap)
                 end = time.perf_counter()
             rows = []
             if overlap:
                 spans = [(lane, kind, what, a - start, b - start) for lane, kind, what, a, b in timeline.spans]
-                rows = [(name, b - a, idle.idle_between(start + a, start + b))
+                rows = [(name, b - a, host.idle_between(start + a, start + b), host.link_between(start + a, start + b))
                         for name, a, b in phases(spans, end - start)]
-            steps[overlap].append((end - start, idle.idle_between(start, end), rows))
+            steps[overlap].append((end - start, host.idle_between(start, end), rows, host.link_between(start, end)))
     if rank == 0:
         report(steps, cores, args)
     dist.destroy_process_group()
@@ -144,16 +169,23 @@ def report(steps: dict, cores: int, args) -> None:
     print(f"overlap phases: {args.backend}, hidden {args.hidden}, ffn {args.ffn}, top-{args.topk} of {args.experts}, "
           f"{args.micro_batches} micro-batches of {args.batch} x {args.seq}; {cores} cores on this host; "
           f"medians of {len(ovl)} steps")
-    print(f"{'phase':>9} {'wall ms':>8} {'idle CPU-s':>11} {'CPU floor ms':>13}")
+    linked = ovl[0][3] is not None
+    print(f"{'phase':>9} {'wall ms':>8} {'idle CPU-s':>11} {'CPU floor ms':>13}" + (f" {'link ms':>8}" if linked else ""))
     bound = 0.0
     for j, name in enumerate(r[0] for r in ovl[0][2]):
         wall = med(s[2][j][1] for s in ovl) * 1e3
         idle = med(s[2][j][2] for s in ovl)
         floor = wall - idle / cores * 1e3
         bound += floor if "+" in name else wall
-        print(f"{name:>9} {wall:8.0f} {idle:11.2f} {floor:13.0f}")
+        link = f" {med(s[2][j][3] for s in ovl) * 1e3:8.0f}" if linked else ""
+        print(f"{name:>9} {wall:8.0f} {idle:11.2f} {floor:13.0f}{link}")
     print(f"without overlap {seq_ms:.0f} ms, with {ovl_ms:.0f} ms: {seq_ms / ovl_ms:.2f}x")
     print(f"CPU floor of the overlapped step {floor_ms:.0f} ms: no schedule beats {seq_ms / floor_ms:.2f}x here")
+    if linked:
+        link_ms = med(s[3] for s in ovl) * 1e3
+        both = max(floor_ms, link_ms)
+        print(f"the node's link is busy {link_ms:.0f} ms of the step at line rate (its busier direction): "
+              f"with the CPU floor, no schedule beats {both:.0f} ms, {seq_ms / both:.2f}x here")
     print(f"bound of the phase order (the tail as measured, every pair at its CPU floor) "
           f"{bound:.0f} ms: this order cannot beat {seq_ms / bound:.2f}x here")
 
