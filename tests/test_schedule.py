@@ -44,9 +44,12 @@ def test_a_task_starts_only_once_the_task_it_comes_after_has_ended():
     assert order == ["x0", "y0", "y1", "y2", "z0"]          # a slot was free, but y had not ended
 
 
-def test_after_must_name_an_earlier_task():
+def test_after_must_name_an_earlier_task_and_width_be_at_least_one():
     with pytest.raises(ValueError, match="after="):
         schedule.run_interleaved([lambda: None, lambda: None], width=1, after=[1, None])
+    for width in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="width="):
+            schedule.run_interleaved([lambda: None], width=width)
 
 
 def test_no_task_starts_after_one_failed():

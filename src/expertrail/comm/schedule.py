@@ -78,7 +78,7 @@ class _Turns:
 
     def __init__(self, n: int, width: int | None = None, after: list | None = None):
         self.cond = threading.Condition()
-        self.width = n if width is None else max(1, min(width, n))
+        self.width = n if width is None else min(width, n)
         self.after = after or [None] * n
         self.started, self.done = [False] * n, [False] * n
         self.slot_of: dict[int, int] = {}         # a started task -> the thread slot it runs on
@@ -346,6 +346,9 @@ def run_interleaved(tasks: list[Callable[[], Any]], delay_wgrad: bool = False, l
         raise RuntimeError("run_interleaved was called from inside one of its own tasks; run the inner work directly")
     if not tasks:
         return []
+    if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
+        raise ValueError(f"width={width!r}: give how many tasks may be in flight at once, an int of at least 1 "
+                         "(or None for all)")
     if after is not None and (len(after) != len(tasks) or any(
             a is not None and not 0 <= a < i for i, a in enumerate(after))):
         raise ValueError(f"after={after!r}: give one entry per task, None or the index of an earlier task")
