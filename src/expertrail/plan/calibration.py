@@ -42,13 +42,25 @@ KERNEL_FIGURES = {
 OUTLIER_SHARE = 0.6
 
 
-def _outliers() -> set:
+def _layout_key(run: dict) -> str:
+    """A run's layout as a hashable key (the same layout in several containers shares it)."""
+    return json.dumps(run["layout"], sort_keys=True)
+
+
+def _best_published(key) -> dict:
+    """{key(run): the best published tokens/s of the runs sharing that key}."""
     best = {}
     for run in TRAINING_RUNS.values():
-        key = (run["model"], run["system"], run["layout"]["precision"])
-        best[key] = max(best.get(key, 0.0), run["published_tokens_per_s"])
+        best[key(run)] = max(best.get(key(run), 0.0), run["published_tokens_per_s"])
+    return best
+
+
+def _outliers() -> set:
+    def key(run):
+        return run["model"], run["system"], run["layout"]["precision"]
+    best = _best_published(key)
     return {rid for rid, run in TRAINING_RUNS.items()
-            if run["published_tokens_per_s"] < OUTLIER_SHARE * best[(run["model"], run["system"], run["layout"]["precision"])]}
+            if run["published_tokens_per_s"] < OUTLIER_SHARE * best[key(run)]}
 
 
 OUTLIERS = _outliers()
@@ -152,8 +164,7 @@ def _decompose(run_id: str, consts: dict) -> tuple:
     gemm = scale * (parts["gemm"] + parts["recompute"]) * eff * speed
     attention = scale * parts["attention"] * speed
     rest = r["step_time_s"] - gemm / (eff * speed) - attention / speed
-    published_step = r["step_time_s"] * r["tokens_per_s_per_gpu"] / run["published_tokens_per_s"]
-    return precision, run["system"], gemm, attention, rest, published_step, width
+    return precision, run["system"], gemm, attention, rest, _published_step_s(run_id, r), width
 
 
 # A run is launch-bound when it took this much longer per layer than its GPUs' work (the host,
@@ -161,14 +172,19 @@ def _decompose(run_id: str, consts: dict) -> tuple:
 LAUNCH_BOUND = 1.5
 
 
+def _published_step_s(run_id: str, r: dict) -> float:
+    """The published step time of ``run_id``: estimate ``r``'s step scaled by its predicted over
+    the published throughput."""
+    return r["step_time_s"] * r["tokens_per_s_per_gpu"] / TRAINING_RUNS[run_id]["published_tokens_per_s"]
+
+
 def published_layer_s(run_id: str) -> float:
     """The published time of one layer's forward + backward for one micro-batch on the slowest
-    pipeline rank: the published step (the predicted one scaled by predicted over published
-    throughput) over the micro-batches and the pipeline's fill, and that rank's layers."""
+    pipeline rank: the published step over the micro-batches and the pipeline's fill, and that
+    rank's layers."""
     r = predicted(run_id)
-    published_step = r["step_time_s"] * r["tokens_per_s_per_gpu"] / TRAINING_RUNS[run_id]["published_tokens_per_s"]
     lay = r["layout"]
-    return published_step / (lay["micro_batches"] + (lay["pp"] - 1) / lay["vpp"]) / r["step"]["layers"]
+    return _published_step_s(run_id, r) / (lay["micro_batches"] + (lay["pp"] - 1) / lay["vpp"]) / r["step"]["layers"]
 
 
 def launch_floor() -> tuple:
@@ -177,18 +193,16 @@ def launch_floor() -> tuple:
     the GPU model puts at under 1 / `LAUNCH_BOUND` of its published time, and that no release
     ran `LAUNCH_BOUND` times faster in the same layout). A floor is what the fastest of them
     reached; slower ones pay for other things too."""
-    import json
     from .estimate import GRACE_HOSTED
-    best_of_layout = {}
-    for rid, run in TRAINING_RUNS.items():
-        key = (run["model"], run["system"], json.dumps(run["layout"], sort_keys=True))
-        best_of_layout[key] = max(best_of_layout.get(key, 0.0), run["published_tokens_per_s"])
+
+    def key(run):
+        return run["model"], run["system"], _layout_key(run)
+    best_of_layout = _best_published(key)
     bound = []
     for rid, run in TRAINING_RUNS.items():
         if run["split"] != "fit" or run["system"] in GRACE_HOSTED:
             continue
-        key = (run["model"], run["system"], json.dumps(run["layout"], sort_keys=True))
-        if best_of_layout[key] > LAUNCH_BOUND * run["published_tokens_per_s"]:
+        if best_of_layout[key(run)] > LAUNCH_BOUND * run["published_tokens_per_s"]:
             continue                                    # a release's regression, not the host
         r = predicted(rid)
         gpu_layer = r["step"]["gpu_s"] / r["step"]["layers"]
@@ -299,12 +313,11 @@ def ranking_groups() -> dict:
     """{(model, system, source): Spearman correlation of predicted and published throughput}
     over the distinct layouts of one model on one system in one publication (two or more; a
     layout published in several containers counts once, at its mean throughput; OUTLIERS left out)."""
-    import json
     groups = {}
     for rid, run in TRAINING_RUNS.items():
         if rid not in OUTLIERS:
             layouts = groups.setdefault((run["model"], run["system"], source_of(run)), {})
-            layouts.setdefault(json.dumps(run["layout"], sort_keys=True), []).append(rid)
+            layouts.setdefault(_layout_key(run), []).append(rid)
     out = {}
     for key, layouts in groups.items():
         if len(layouts) >= 2:
@@ -314,11 +327,10 @@ def ranking_groups() -> dict:
 
 
 def _ranks_with_counts() -> dict:
-    import json
     counts = {}
     for rid, run in TRAINING_RUNS.items():
         if rid not in OUTLIERS:
-            counts.setdefault((run["model"], run["system"], source_of(run)), set()).add(json.dumps(run["layout"], sort_keys=True))
+            counts.setdefault((run["model"], run["system"], source_of(run)), set()).add(_layout_key(run))
     return {key: (rho, len(counts[key])) for key, rho in ranking_groups().items()}
 
 
