@@ -17,6 +17,7 @@ from expertrail.plan.estimate import estimate, layer_seconds
 from expertrail.plan.layout import TrainingLayout
 from expertrail.plan.memory import usable_GB
 from expertrail.plan.simulate import simulate
+from expertrail.plan.validate import load_config, validate
 
 DSV3, QWEN = ARCHITECTURES["deepseek-v3"], ARCHITECTURES["qwen3-235b-a22b"]
 
@@ -215,3 +216,19 @@ def test_narrow_attention_heads_run_slower():
     wide, narrow = (layer_seconds(a, HARDWARE["gb200-nvl72"], TrainingLayout(gpus=64, ep=8), True, 0.0)["attention"]
                     for a in (replace(QWEN, head_dim=128), replace(QWEN, head_dim=64)))
     assert narrow == pytest.approx(wide / 2 / 0.67)          # half the FLOPs at 0.67 of the speed
+
+
+def test_moe_enable_deepep_selects_deepep_as_megatron_does(capsys):
+    """Megatron-Core maps the deprecated ``--moe-enable-deepep`` onto the DeepEP backend of the flex
+    dispatcher: validate then finds no missing backend, and estimate costs DeepEP."""
+    flags = ["--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "32", "--global-batch-size",
+             "1024", "--moe-token-dispatcher-type", "flex"]
+    values = load_config(None, flags + ["--moe-enable-deepep"])
+    assert [v.rule for v in validate(values)] == []
+    assert TrainingLayout.from_fields(values, 256).flex_backend == "deepep"
+    assert main(["estimate", "--hardware", "h100", "--gpus", "256", "--model", "qwen3-235b-a22b", *flags,
+                 "--moe-enable-deepep"]) == 0
+    assert "flex-backend" not in capsys.readouterr().err
+    # Without a backend, Megatron-Core's default (DeepEP) is costed and said to be assumed.
+    assert "moe_flex_dispatcher_backend=deepep" in TrainingLayout.from_fields(load_config(None, flags), 256).assumed
+    assert "deepep-needs-flex" in [v.rule for v in validate(load_config(None, ["--moe-enable-deepep"]))]

@@ -156,9 +156,14 @@ class TrainingLayout:
         if modules and granularity is None:
             granularity = "selective"
         dispatcher = get("moe_token_dispatcher_type", "allgather")
-        backend = get("moe_flex_dispatcher_backend", None) if dispatcher == "flex" else None
-        if dispatcher == "flex" and backend is None:
-            backend = "deepep"
+        backend = None
+        if dispatcher == "flex":
+            # moe_enable_deepep: the deprecated switch Megatron-Core maps onto the DeepEP backend;
+            # without either, Megatron-Core's default backend, DeepEP.
+            backend = get("moe_flex_dispatcher_backend", None) or ("deepep" if get("moe_enable_deepep", False) else None)
+            if backend is None:
+                assumed.append("moe_flex_dispatcher_backend=deepep")
+                backend = "deepep"
         sms = get(f"moe_{backend}_num_sms", None) if backend else None
         state = 8
         # Gradient buffers: FP32 under BF16 training (Megatron-LM turns accumulate_allreduce_grads_in_fp32

@@ -281,6 +281,8 @@ class Config:
         self.values = values
 
     def __getitem__(self, name):
+        if name == "moe_flex_dispatcher_backend" and not self.given(name) and self.values.get("moe_enable_deepep"):
+            return "deepep"                 # Megatron-Core maps the deprecated switch onto the backend
         return self.values.get(name, DEFAULTS.get(name))
 
     def given(self, name) -> bool:
@@ -420,6 +422,14 @@ RULES = [
          "call apply_flex_dispatcher_backend(cfg.model, 'deepep' | 'hybridep'), i.e. set "
          "moe_flex_dispatcher_backend", lambda c: c["moe_token_dispatcher_type"] == "flex",
          lambda c: c["moe_flex_dispatcher_backend"] in FLEX_BACKENDS),
+    Rule("deepep-needs-flex", "moe_enable_deepep needs the flex dispatcher (Megatron-Core raises otherwise)",
+         ("moe_enable_deepep", "moe_token_dispatcher_type"),
+         "set moe_token_dispatcher_type='flex', or drop moe_enable_deepep",
+         lambda c: bool(c["moe_enable_deepep"]), lambda c: c["moe_token_dispatcher_type"] == "flex"),
+    Rule("deepep-one-backend", "moe_enable_deepep selects DeepEP, but moe_flex_dispatcher_backend names another "
+         "backend (Megatron-Core raises)", ("moe_enable_deepep", "moe_flex_dispatcher_backend"),
+         "drop moe_enable_deepep (deprecated) and keep moe_flex_dispatcher_backend",
+         lambda c: bool(c["moe_enable_deepep"]), lambda c: c["moe_flex_dispatcher_backend"] == "deepep"),
     Rule("flex-no-pad", "the flex dispatcher (DeepEP/HybridEP) does not pad experts to capacity",
          ("moe_token_dispatcher_type", "moe_pad_expert_input_to_capacity"),
          "set moe_pad_expert_input_to_capacity=false, or use the alltoall dispatcher",
