@@ -232,3 +232,18 @@ def test_moe_enable_deepep_selects_deepep_as_megatron_does(capsys):
     # Without a backend, Megatron-Core's default (DeepEP) is costed and said to be assumed.
     assert "moe_flex_dispatcher_backend=deepep" in TrainingLayout.from_fields(load_config(None, flags), 256).assumed
     assert "deepep-needs-flex" in [v.rule for v in validate(load_config(None, ["--moe-enable-deepep"]))]
+
+
+def test_fields_the_estimate_leaves_out_are_named_and_sequence_parallel_is_required_with_tp(capsys):
+    """FP8 weights and shared-expert overlap change memory or time but are not modelled: the
+    estimate names them. An MoE model with TP > 1 needs sequence parallelism in Megatron-Core:
+    estimate assumes it (and says so), validate refuses an explicit false."""
+    flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "8", "--expert-model-parallel-size",
+             "32", "--global-batch-size", "1024", "--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
+    layout = TrainingLayout.from_fields(load_config(None, flags + ["--fp8-param-gather", "--moe-shared-expert-overlap"]),
+                                        512)
+    assert {"fp8_param_gather", "moe_shared_expert_overlap"} <= set(layout.not_modelled)
+    assert "sequence_parallel=true" in layout.assumed
+    assert main(["estimate", "--hardware", "h100", "--gpus", "512", "--model", "qwen3-235b-a22b", *flags,
+                 "--no-sequence-parallel"]) == 0
+    assert "[moe-tp-needs-sp]" in capsys.readouterr().err

@@ -38,6 +38,8 @@ CASES = {   # rule -> (breaking config, satisfying config)
                           "cuda_graph_scope": "attn", "add_qkv_bias": True}),
     "flex-backend": ({"moe_token_dispatcher_type": "flex"},
                      {"moe_token_dispatcher_type": "flex", "moe_flex_dispatcher_backend": "hybridep"}),
+    "moe-tp-needs-sp": ({"tensor_model_parallel_size": 2, "expert_model_parallel_size": 8},
+                        {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 8, "sequence_parallel": True}),
     "deepep-needs-flex": ({"moe_enable_deepep": True, "moe_token_dispatcher_type": "alltoall"},
                           {"moe_enable_deepep": True, "moe_token_dispatcher_type": "flex"}),
     "deepep-one-backend": ({"moe_enable_deepep": True, "moe_token_dispatcher_type": "flex",

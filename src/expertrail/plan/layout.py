@@ -13,13 +13,15 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 
-RECIPE_DEFAULTS = {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True}
+RECIPE_DEFAULTS = {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
+                   "sequence_parallel": True}
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 PIPELINE_STAGE_MARKS = {"E": "embedding", "t": "layer", "m": "mtp", "L": "loss"}
 # Fields that change a run's memory or time which the estimate does not model: named in its
 # output when a configuration sets them, never silently ignored.
 NOT_MODELLED = ("cpu_offloading", "cpu_offloading_num_layers", "moe_router_dtype", "cuda_graph_scope",
-                "moe_router_force_load_balancing")
+                "moe_router_force_load_balancing", "fp8_param_gather", "fp8_param", "moe_shared_expert_overlap",
+                "moe_expert_capacity_factor")
 # Megatron-FSDP's data_parallel_sharding_strategy: what each rank keeps 1/DP of.
 FSDP_SHARDS = {"no_shard": (), "optim": ("optimizer",), "optim_grads": ("optimizer", "gradients"),
                "optim_grads_params": ("optimizer", "gradients", "weights")}
@@ -142,6 +144,8 @@ class TrainingLayout:
             return value
 
         tp = size("tensor_model_parallel_size")
+        if tp > 1:
+            get("sequence_parallel", True)  # MoE with TP needs it (validate's moe-tp-needs-sp): costed with it
         fp8 = v.get("fp8")
         precision = "fp8" if fp8 not in (None, False, "none") else "bf16"
         granularity = get("recompute_granularity", None)
