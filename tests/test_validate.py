@@ -265,3 +265,16 @@ def test_planner_never_imports_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'; print(rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_a_bridge_precision_recipe_name_expands_into_its_fields(tmp_path):
+    """``mixed_precision: bf16_with_mxfp8_mixed`` (Bridge's recipe by name) sets the recipe's
+    fields, under the configuration's own; an unknown name is refused with the list."""
+    path = tmp_path / "bridge.yaml"
+    path.write_text("model:\n  expert_model_parallel_size: 8\nmixed_precision: bf16-with-mxfp8-mixed\n")
+    values = load_config(str(path), ["mixed_precision.fp8_param_gather=false"])
+    assert (values["fp8"], values["fp8_recipe"], values["bf16"], values["fp8_param_gather"]) == ("e4m3", "mxfp8", True,
+                                                                                                  False)
+    assert unknown_fields(values) == [] and validate(values) == []
+    with pytest.raises(ConfigError, match="bf16_with_mxfp8_mixed"):
+        load_config(None, ["mixed_precision=bf16_fp8"])

@@ -39,6 +39,24 @@ DEFAULTS = {
 }
 
 
+# Megatron-Bridge's mixed-precision recipes (megatron/bridge/training/mixed_precision.py): the
+# fields each sets that change memory or time, by the name a config gives as mixed_precision.
+_BF16, _FP16 = {"bf16": True, "grad_reduce_in_fp32": True}, {"fp16": True, "grad_reduce_in_fp32": False}
+_DELAYED = {"fp8": "hybrid", "fp8_recipe": "delayed", "fp8_param_gather": True}
+_MXFP8 = {"fp8": "e4m3", "fp8_recipe": "mxfp8", "fp8_param_gather": True, "reuse_grad_buf_for_mxfp8_param_ag": True}
+_CURRENT = {"fp8": "hybrid", "fp8_recipe": "tensorwise", "first_last_layers_bf16": True,
+            "num_layers_at_start_in_bf16": 1, "num_layers_at_end_in_bf16": 1, "fp8_param_gather": True}
+_SUBCHANNEL = {"fp8": "hybrid", "fp8_recipe": "blockwise", "fp8_param_gather": False}
+PRECISION_RECIPES = {
+    "bf16_mixed": _BF16, "fp16_mixed": _FP16,
+    "bf16_with_fp8_delayed_scaling_mixed": {**_BF16, **_DELAYED}, "fp16_with_fp8_delayed_scaling_mixed": {**_FP16, **_DELAYED},
+    "bf16_with_mxfp8_mixed": {**_BF16, **_MXFP8}, "fp16_with_mxfp8_mixed": {**_FP16, **_MXFP8},
+    "bf16_with_fp8_current_scaling_mixed": {**_BF16, **_CURRENT},
+    "fp16_with_fp8_current_scaling_mixed": {**_FP16, **_CURRENT},
+    "bf16_with_fp8_subchannel_scaling_mixed": {**_BF16, **_SUBCHANNEL},
+    "fp16_with_fp8_subchannel_scaling_mixed": {**_FP16, **_SUBCHANNEL},
+}
+
 # Fields the rules read that are expertrail's, not Megatron's.
 EXPERTRAIL_FIELDS = {"hardware": "str", "world_size": "int", "num_nodes": "int", "gpus_per_node": "int",
                      "torch_version": "str", DOMAIN_FIELD: "int", "data_parallel_size": "int"}
@@ -52,6 +70,7 @@ def _kinds() -> dict:
     kinds.update((n.lower(), ("choice", c)) for n, c in mf.CHOICES.items())
     kinds.update((n.lower(), ("list_choice", c)) for n, c in mf.LIST_CHOICES.items())
     kinds.update(EXPERTRAIL_FIELDS)
+    kinds["mixed_precision"] = ("choice", [n for r in PRECISION_RECIPES for n in (r, r.replace("_", "-"))])
     return kinds
 
 
@@ -205,7 +224,8 @@ def read_file(source: str) -> dict:
 
 def load_config(source: str | None = None, overrides: list | None = None) -> dict:
     """Flat config from a YAML/JSON file (optional) plus command-line entries (`split_arguments`:
-    ``key=value``, ``--flag value``, ``--flag=value``, ``--switch``)."""
+    ``key=value``, ``--flag value``, ``--flag=value``, ``--switch``), a Bridge mixed-precision
+    recipe name expanded (`expand_precision_recipe`)."""
     cfg = read_file(source) if source is not None else {}
     files, pairs = split_arguments(list(overrides or []))
     if files:
@@ -215,7 +235,31 @@ def load_config(source: str | None = None, overrides: list | None = None) -> dic
     if not cfg:
         raise ConfigError("no config fields given: give a YAML/JSON file, key=value overrides or Megatron flags "
                           "such as --expert-model-parallel-size 8")
-    return cfg
+    return expand_precision_recipe(cfg)
+
+
+def config_values(tokens: list) -> dict:
+    """The flat config of a command line's config entries: at most one YAML/JSON file, then
+    ``key=value`` / Megatron flags over it (`load_config`)."""
+    files, _ = split_arguments(list(tokens))
+    if len(files) > 1:
+        raise ConfigError(f"give at most one config file, got {files} (a bare word is read as a file: write "
+                          "key=value or --flag VALUE for the others)")
+    return load_config(files[0] if files else None, [t for t in tokens if t not in files])
+
+
+def expand_precision_recipe(values: dict) -> dict:
+    """``mixed_precision: bf16_with_mxfp8_mixed`` (Megatron-Bridge names a mixed-precision recipe
+    this way, in YAML or as an override) -> the fields that recipe sets, beside ``values``'s own
+    (which win where both give one). Other values are returned as they are."""
+    name = values.get("mixed_precision")
+    if not isinstance(name, str):
+        return values
+    recipe = PRECISION_RECIPES.get(name.replace("-", "_"))
+    if recipe is None:
+        raise ConfigError(f"mixed_precision={name!r} is not a Megatron-Bridge mixed-precision recipe: choose one of "
+                          f"{', '.join(PRECISION_RECIPES)}, or give its fields (bf16, fp8, fp8_recipe, ...)")
+    return {**recipe, **values}
 
 
 def unknown_fields(values: dict) -> list:

@@ -38,12 +38,8 @@ def _estimate_inputs(args, config: list) -> tuple:
     """(architecture, hardware, layout fields, validate violations) from --model and config entries."""
     from ...plan.architecture import from_fields, load_architecture
     from ...plan.catalog import load_hardware
-    from ...plan.validate import read_file, split_arguments, validate
-    files, pairs = split_arguments(config)
-    if len(files) > 1:
-        raise ExpertrailError(f"give at most one config file, got {files}")
-    values = read_file(files[0]) if files else {}
-    values.update(pairs)
+    from ...plan.validate import config_values, validate
+    values = config_values(config) if config else {}
     # A value of the wrong kind (moe_ffn_hidden_size=2k) is refused as validate refuses it,
     # before the estimator would compute with it.
     wrong = [v for v in validate(values) if v.rule == "field-value"]

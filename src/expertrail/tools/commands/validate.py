@@ -39,16 +39,11 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ...plan.output import dumps
-    from ...plan.validate import RULES, read_file, split_arguments, unknown_fields, validate
+    from ...plan.validate import RULES, config_values, unknown_fields, validate
     if not args.config:
         raise ExpertrailError("nothing to validate: give a YAML/JSON file, key=value overrides or Megatron flags, "
                               "e.g. expertrail validate --expert-model-parallel-size 8 --num-experts 64")
-    files, pairs = split_arguments(args.config)
-    if len(files) > 1:
-        raise ExpertrailError(f"give at most one config file, got {files} (a bare word is read as a file: write "
-                              "key=value or --flag VALUE for the others)")
-    values = read_file(files[0]) if files else {}
-    values.update(pairs)
+    values = config_values(args.config)
     violations = validate(values)
     warnings = unknown_fields(values)
     failed = bool(violations) or (args.strict and bool(warnings))
