@@ -20,7 +20,7 @@ PIPELINE_STAGE_MARKS = {"E": "embedding", "t": "layer", "m": "mtp", "L": "loss"}
 # Fields that change a run's memory or time which the estimate does not model: named in its
 # output when a configuration sets them, never silently ignored.
 NOT_MODELLED = ("cpu_offloading", "cpu_offloading_num_layers", "moe_router_dtype", "cuda_graph_scope",
-                "moe_router_force_load_balancing", "fp8_param_gather", "fp8_param", "moe_shared_expert_overlap",
+                "fp8_param_gather", "fp8_param", "moe_shared_expert_overlap",
                 "moe_expert_capacity_factor")
 # Megatron-FSDP's data_parallel_sharding_strategy: what each rank keeps 1/DP of.
 FSDP_SHARDS = {"no_shard": (), "optim": ("optimizer",), "optim_grads": ("optimizer", "gradients"),
@@ -197,6 +197,10 @@ class TrainingLayout:
             unknown = []
         optimizer_offload = float(get("optimizer_offload_fraction", 1.0)) if get("optimizer_cpu_offload", False) else 0.0
         pp = size("pipeline_model_parallel_size")
+        if size("expert_model_parallel_size") > 1 and not get("moe_router_force_load_balancing", False):
+            # Every EP rank is costed with its even share of the rows, which forced balancing gives.
+            assumed.append("balanced expert loads (as moe_router_force_load_balancing=true gives; "
+                           "a natural router's imbalance is left out)")
         vpp = size("virtual_pipeline_model_parallel_size") if v.get("virtual_pipeline_model_parallel_size") else \
             size("num_virtual_stages_per_pipeline_rank") if v.get("num_virtual_stages_per_pipeline_rank") else 1
         per_virtual = size("num_layers_per_virtual_pipeline_stage") if v.get("num_layers_per_virtual_pipeline_stage") \
