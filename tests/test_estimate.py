@@ -247,3 +247,15 @@ def test_fields_the_estimate_leaves_out_are_named_and_sequence_parallel_is_requi
     assert main(["estimate", "--hardware", "h100", "--gpus", "512", "--model", "qwen3-235b-a22b", *flags,
                  "--no-sequence-parallel"]) == 0
     assert "[moe-tp-needs-sp]" in capsys.readouterr().err
+
+
+def test_older_recompute_switches_are_read_and_other_memory_fields_named():
+    def layout(*flags):
+        return TrainingLayout.from_fields(load_config(None, ["--expert-model-parallel-size", "8", *flags]), 64)
+    assert (layout("--recompute-activations").recompute, layout("--recompute-activations").recompute_modules) == \
+        ("selective", ("core_attn",))
+    assert layout("--moe-layer-recompute").recompute_modules == ("moe",)
+    assert layout("--recompute-activations", "--moe-layer-recompute").recompute_modules == ("core_attn", "moe")
+    assert set(layout("--use-torch-fsdp2", "--num-distributed-optimizer-instances", "2").not_modelled) == \
+        {"use_torch_fsdp2", "num_distributed_optimizer_instances"}
+    assert layout("--num-distributed-optimizer-instances", "1", "--main-params-dtype", "fp32").not_modelled == ()

@@ -21,7 +21,11 @@ PIPELINE_STAGE_MARKS = {"E": "embedding", "t": "layer", "m": "mtp", "L": "loss"}
 # output when a configuration sets them, never silently ignored.
 NOT_MODELLED = ("cpu_offloading", "cpu_offloading_num_layers", "moe_router_dtype", "cuda_graph_scope",
                 "fp8_param_gather", "fp8_param", "moe_shared_expert_overlap",
-                "moe_expert_capacity_factor")
+                "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "use_torch_fsdp2",
+                "num_distributed_optimizer_instances", "main_params_dtype", "distribute_saved_activations")
+# Values of those fields that leave the run as the estimate costs it: nothing to name.
+UNSET = (None, False, "no_shard", "none", [])
+NOT_MODELLED_DEFAULTS = {"num_distributed_optimizer_instances": 1, "main_params_dtype": "fp32"}
 # Megatron-FSDP's data_parallel_sharding_strategy: what each rank keeps 1/DP of.
 FSDP_SHARDS = {"no_shard": (), "optim": ("optimizer",), "optim_grads": ("optimizer", "gradients"),
                "optim_grads_params": ("optimizer", "gradients", "weights")}
@@ -152,6 +156,15 @@ class TrainingLayout:
         modules = get("recompute_modules", None)
         if isinstance(modules, str):
             modules = modules.replace(",", " ").split()
+        # Megatron-LM's older switches, read as Megatron-LM reads them: recompute_activations is
+        # selective recompute (of core attention), moe_layer_recompute the "moe" module.
+        if get("recompute_activations", False) and granularity is None:
+            granularity = "selective"
+        if get("moe_layer_recompute", False):
+            if modules is None:
+                modules = ["core_attn"] if granularity == "selective" else []
+            modules = list(modules) + ["moe"]
+            granularity = granularity or "selective"
         if granularity == "selective" and modules is None:
             modules = ["core_attn"]
         unknown = [m for m in modules or [] if m not in RECOMPUTE_MODULES]
@@ -229,7 +242,8 @@ class TrainingLayout:
             loss_in_split=bool(get("account_for_loss_in_pipeline_split", False)),
             layout_string=v.get("pipeline_model_parallel_layout"), cuda_graphs=graphs, fsdp=fsdp,
             offload_modules=tuple(offload), optimizer_offload=optimizer_offload, assumed=tuple(assumed),
-            not_modelled=tuple(f for f in NOT_MODELLED if v.get(f) not in (None, False, "no_shard", "none", [])) + tuple(unknown))
+            not_modelled=tuple(f for f in NOT_MODELLED if v.get(f) not in UNSET
+                               and v.get(f) != NOT_MODELLED_DEFAULTS.get(f, UNSET)) + tuple(unknown))
         return layout
 
     def for_model(self, layers: int) -> "TrainingLayout":
