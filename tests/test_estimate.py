@@ -268,7 +268,8 @@ def test_older_recompute_switches_are_read_and_other_memory_fields_named():
 ])
 def test_dispatchers_on_gb200_rank_as_hybrid_eps_blog_publishes(run_id, faster, slower, published):
     """Held out: Hybrid-EP's blog runs GB200 with two dispatchers (docs/cost-model.md,
-    "Dispatchers, held out"). The order is right; against NCCL's all-to-all, within 3 points."""
+    "Dispatchers, held out"). The order is right; the ratio within 3 points against NCCL's
+    all-to-all and within 10 against DeepEP (whose rack bandwidth is a cited measurement)."""
     run = calibration.TRAINING_RUNS[run_id]
     layout, arch, hw = calibration.layout_of(run), ARCHITECTURES[run["model"]], HARDWARE[run["system"]]
 
@@ -276,5 +277,4 @@ def test_dispatchers_on_gb200_rank_as_hybrid_eps_blog_publishes(run_id, faster, 
         return estimate(arch, hw, replace(layout, dispatcher=dispatcher, flex_backend=backend))["tflops_per_gpu"]
     ratio = tflops(*faster) / tflops(*slower)
     assert ratio > 1
-    if slower[0] == "alltoall":
-        assert abs(ratio - published) < 0.03
+    assert abs(ratio - published) < (0.03 if slower[0] == "alltoall" else 0.10)

@@ -64,6 +64,12 @@ DP_EXPOSED = {True: 0.1, False: 1.0}             # share of gradient / parameter
 # figures are 1.17-1.33x apart (the cost model's cross-domain stages match the kernel figures;
 # inside a domain it is calibrated on Torch-API figures already).
 FRAMEWORK_CALL_FACTOR = 1.25
+# DeepEP's normal kernels were written for 8 NVLink peers (NUM_MAX_NVL_PEERS); across an NVL72
+# rack at EP 32 they reach about 400 GB/s of algorithm bandwidth in dispatch and 190 GB/s in
+# combine with 24 SMs (Megatron-LM docs/discussions/deepseek-v3-gb200-optimization, "2.2.1
+# DeepEP"), far below the rack's NVLink: the most a DeepEP exchange gets beyond 8 peers in a rack.
+DEEPEP_NVLINK_PEERS = 8
+DEEPEP_RACK_GBPS = {"dispatch": 400.0, "combine": 190.0}
 ROUTING_SAMPLE = 1024
 # EP overlap: SMs the dispatcher's kernels hold while the other micro-batch computes beside them
 # (DeepEP's and Megatron's default moe_deepep_num_sms 20, Hybrid-EP's 16; NCCL's all-to-all about as many).
@@ -100,8 +106,13 @@ def dispatch_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout) -
     sample = min(tokens, ROUTING_SAMPLE)
     p = predict(hw, arch.moe_model(), EPLayout(layout.ep, domain), algorithm, _routing(arch, sample), sms,
                 "fp8" if layout.precision == "fp8" and layout.flex_backend else "bf16")
+    dispatch, combine = p.dispatch_s, p.combine_s
+    if layout.flex_backend == "deepep" and min(layout.ep, domain) > DEEPEP_NVLINK_PEERS:
+        logical_GB = p.algo_bandwidth_GBps * p.dispatch_s          # the rows' bytes, as algorithm bandwidth counts them
+        dispatch = max(dispatch, logical_GB / DEEPEP_RACK_GBPS["dispatch"])
+        combine = max(combine, logical_GB / DEEPEP_RACK_GBPS["combine"])
     framework = FRAMEWORK_CALL_FACTOR if domain < layout.ep else 1.0
-    return 2 * (p.dispatch_s + p.combine_s) * framework * tokens / sample, algorithm
+    return 2 * (dispatch + combine) * framework * tokens / sample, algorithm
 
 
 def _speed(hw: Hardware) -> float:
