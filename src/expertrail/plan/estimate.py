@@ -107,7 +107,7 @@ def dispatch_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout) -
     p = predict(hw, arch.moe_model(), EPLayout(layout.ep, domain), algorithm, _routing(arch, sample), sms,
                 "fp8" if layout.precision == "fp8" and layout.flex_backend else "bf16")
     dispatch, combine = p.dispatch_s, p.combine_s
-    if layout.flex_backend == "deepep" and min(layout.ep, domain) > DEEPEP_NVLINK_PEERS:
+    if layout.flex_backend == "deepep" and domain > DEEPEP_NVLINK_PEERS:      # an EP group beyond 8 in one rack
         logical_GB = p.algo_bandwidth_GBps * p.dispatch_s          # the rows' bytes, as algorithm bandwidth counts them
         dispatch = max(dispatch, logical_GB / DEEPEP_RACK_GBPS["dispatch"])
         combine = max(combine, logical_GB / DEEPEP_RACK_GBPS["combine"])
