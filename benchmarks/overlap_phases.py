@@ -79,10 +79,12 @@ class HostSampler:
         self._stop.set()
         self._thread.join()
         self.samples.append((time.perf_counter(), *self._read()))
+        self.times = [s[0] for s in self.samples]                # the samples' times, for bisect
 
     def _between(self, column: int, start: float, end: float) -> float:
-        """How much sample column ``column`` grew between two perf_counter times, linearly interpolated."""
-        times = [s[0] for s in self.samples]
+        """How much sample column ``column`` grew between two perf_counter times, linearly
+        interpolated (after the sampling has ended)."""
+        times = self.times
 
         def at(t):
             i = min(bisect.bisect_left(times, t), len(times) - 1)       # first sample at or after t

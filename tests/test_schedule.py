@@ -153,8 +153,9 @@ def test_work_is_deferred_only_inside_a_task_with_delayed_weight_gradients():
 
 
 def test_deferred_work_runs_in_order_across_calls_sharing_a_queue():
-    """train_micro_batches' queue: work queued by one call may fill the next call's waits; a
-    call finishes only the work queued before it began."""
+    """A queue shared by several calls: work queued by one call may fill the next call's waits;
+    a call finishes only the work queued before it began (`train_micro_batches` makes one call
+    and runs what is left itself)."""
     done = []
     deferred = schedule._Deferred()
     schedule.run_interleaved([lambda: schedule.defer(lambda: done.append("B0"))], True, deferred=deferred)

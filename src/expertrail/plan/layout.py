@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from .megatron_fields import flex_backend
 
 RECIPE_DEFAULTS = {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
                    "sequence_parallel": True}
@@ -25,7 +26,7 @@ NOT_MODELLED = ("cpu_offloading", "cpu_offloading_num_layers", "moe_router_dtype
                 "num_distributed_optimizer_instances", "main_params_dtype", "distribute_saved_activations")
 # Values of those fields that leave the run as the estimate costs it: nothing to name.
 UNSET = (None, False, "no_shard", "none", [])
-NOT_MODELLED_DEFAULTS = {"num_distributed_optimizer_instances": 1, "main_params_dtype": "fp32"}
+NOT_MODELLED_DEFAULTS = {"num_distributed_optimizer_instances": 1, "main_params_dtype": "fp32"}   # beside UNSET
 # Megatron-FSDP's data_parallel_sharding_strategy: what each rank keeps 1/DP of.
 FSDP_SHARDS = {"no_shard": (), "optim": ("optimizer",), "optim_grads": ("optimizer", "gradients"),
                "optim_grads_params": ("optimizer", "gradients", "weights")}
@@ -175,10 +176,8 @@ class TrainingLayout:
         dispatcher = get("moe_token_dispatcher_type", "allgather")
         backend = None
         if dispatcher == "flex":
-            # moe_enable_deepep: the deprecated switch Megatron-Core maps onto the DeepEP backend;
-            # without either, Megatron-Core's default backend, DeepEP.
-            backend = get("moe_flex_dispatcher_backend", None) or ("deepep" if get("moe_enable_deepep", False) else None)
-            if backend is None:
+            backend = flex_backend(v)
+            if backend is None:                      # Megatron-Core's default backend
                 assumed.append("moe_flex_dispatcher_backend=deepep")
                 backend = "deepep"
         sms = get(f"moe_{backend}_num_sms", None) if backend else None
@@ -209,8 +208,8 @@ class TrainingLayout:
         else:
             unknown = []
         optimizer_offload = float(get("optimizer_offload_fraction", 1.0)) if get("optimizer_cpu_offload", False) else 0.0
-        pp = size("pipeline_model_parallel_size")
-        if size("expert_model_parallel_size") > 1 and not get("moe_router_force_load_balancing", False):
+        pp, ep = size("pipeline_model_parallel_size"), size("expert_model_parallel_size")
+        if ep > 1 and not get("moe_router_force_load_balancing", False):
             # Every EP rank is costed with its even share of the rows, which forced balancing gives.
             assumed.append("balanced expert loads (as moe_router_force_load_balancing=true gives; "
                            "a natural router's imbalance is left out)")
@@ -220,7 +219,7 @@ class TrainingLayout:
             else None
         layout = cls(
             gpus=gpus, tp=tp, pp=pp, vpp=vpp, layers_per_virtual_stage=per_virtual,
-            cp=size("context_parallel_size"), ep=size("expert_model_parallel_size"),
+            cp=size("context_parallel_size"), ep=ep,
             etp=size("expert_tensor_parallel_size", tp) if v.get("expert_tensor_parallel_size") else tp,
             micro_batch=size("micro_batch_size"), global_batch=v.get("global_batch_size"),
             seq=size("seq_length", 4096), precision=precision, fp8_recipe=get("fp8_recipe", None) if fp8 else None,
@@ -242,8 +241,8 @@ class TrainingLayout:
             loss_in_split=bool(get("account_for_loss_in_pipeline_split", False)),
             layout_string=v.get("pipeline_model_parallel_layout"), cuda_graphs=graphs, fsdp=fsdp,
             offload_modules=tuple(offload), optimizer_offload=optimizer_offload, assumed=tuple(assumed),
-            not_modelled=tuple(f for f in NOT_MODELLED if v.get(f) not in UNSET
-                               and v.get(f) != NOT_MODELLED_DEFAULTS.get(f, UNSET)) + tuple(unknown))
+            not_modelled=tuple(f for f in NOT_MODELLED if v.get(f) not in (*UNSET, NOT_MODELLED_DEFAULTS.get(f)))
+            + tuple(unknown))
         return layout
 
     def for_model(self, layers: int) -> "TrainingLayout":

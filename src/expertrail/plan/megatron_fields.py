@@ -29,3 +29,10 @@ BOOL, INT, FLOAT, STR, LIST, ANY, TRUE_BY_DEFAULT = (
 CHOICES = {field: tuple(values) for field, values in _DATA["CHOICES"].items()}
 LIST_CHOICES = {field: tuple(values) for field, values in _DATA["LIST_CHOICES"].items()}
 FLAG_ALIASES = {flag: tuple(target) for flag, target in _DATA["FLAG_ALIASES"].items()}
+
+
+def flex_backend(values: dict) -> str | None:
+    """The flex dispatcher's backend a flat config sets: ``moe_flex_dispatcher_backend``, or
+    DeepEP where it sets only the deprecated ``moe_enable_deepep`` (Megatron-Core maps the one
+    onto the other); None where it sets neither."""
+    return values.get("moe_flex_dispatcher_backend") or ("deepep" if values.get("moe_enable_deepep") else None)

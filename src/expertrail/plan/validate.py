@@ -239,13 +239,16 @@ def load_config(source: str | None = None, overrides: list | None = None) -> dic
 
 
 def config_values(tokens: list) -> dict:
-    """The flat config of a command line's config entries: at most one YAML/JSON file, then
-    ``key=value`` / Megatron flags over it (`load_config`)."""
-    files, _ = split_arguments(list(tokens))
+    """The flat config of a command line's config entries (empty for none): at most one
+    YAML/JSON file, then ``key=value`` / Megatron flags over it, a Bridge mixed-precision recipe
+    name expanded (as `load_config`)."""
+    files, pairs = split_arguments(list(tokens))
     if len(files) > 1:
         raise ConfigError(f"give at most one config file, got {files} (a bare word is read as a file: write "
                           "key=value or --flag VALUE for the others)")
-    return load_config(files[0] if files else None, [t for t in tokens if t not in files])
+    values = read_file(files[0]) if files else {}
+    values.update(pairs)
+    return expand_precision_recipe(values)
 
 
 def expand_precision_recipe(values: dict) -> dict:
@@ -325,8 +328,8 @@ class Config:
         self.values = values
 
     def __getitem__(self, name):
-        if name == "moe_flex_dispatcher_backend" and not self.given(name) and self.values.get("moe_enable_deepep"):
-            return "deepep"                 # Megatron-Core maps the deprecated switch onto the backend
+        if name == "moe_flex_dispatcher_backend":
+            return mf.flex_backend(self.values)
         return self.values.get(name, DEFAULTS.get(name))
 
     def given(self, name) -> bool:

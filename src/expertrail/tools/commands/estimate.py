@@ -39,7 +39,7 @@ def _estimate_inputs(args, config: list) -> tuple:
     from ...plan.architecture import from_fields, load_architecture
     from ...plan.catalog import load_hardware
     from ...plan.validate import config_values, validate
-    values = config_values(config) if config else {}
+    values = config_values(config)
     # A value of the wrong kind (moe_ffn_hidden_size=2k) is refused as validate refuses it,
     # before the estimator would compute with it.
     wrong = [v for v in validate(values) if v.rule == "field-value"]
