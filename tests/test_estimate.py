@@ -8,12 +8,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from expertrail.errors import ConfigError
 from expertrail.tools.cli import main
 from expertrail.plan import calibration
 from expertrail.plan.architecture import ARCHITECTURES, from_fields
 from expertrail.plan.catalog import HARDWARE
 from expertrail.plan.cost import Routing
-from expertrail.plan.estimate import estimate, layer_seconds
+from expertrail.plan.estimate import estimate, fsdp_seconds, layer_seconds
 from expertrail.plan.layout import TrainingLayout
 from expertrail.plan.memory import usable_GB
 from expertrail.plan.simulate import simulate
@@ -185,6 +186,44 @@ def test_fsdp_shards_more_with_each_strategy():
     assert totals == sorted(totals, reverse=True) and totals[-1] < usable_GB(80)
     # A published Megatron-FSDP run (Megatron-MoE-ModelZoo, 256 H100, TP 2 EP 8, no PP) fits only sharded.
     assert not run("h100", QWEN, **base)["fits"] and run("h100", QWEN, fsdp="optim_grads_params", **base)["fits"]
+
+
+def test_megatron_fsdp_keeps_and_reduces_gradients_in_its_own_dtypes():
+    """Megatron-FSDP's megatron_fsdp_main_grads_dtype / megatron_fsdp_grad_comm_dtype are read:
+    "auto" (the default, said on the assumed line) keeps BF16 gradients and reduces them as kept,
+    so an FP32 setting costs more memory and more FSDP traffic; an unknown dtype is refused
+    by name; a non-FP32 megatron_fsdp_main_params_dtype is named as not modelled."""
+    flags = ["--use-megatron-fsdp", "--bf16", "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "8",
+             "--micro-batch-size", "4", "--global-batch-size", "2048", "--recompute-granularity", "full",
+             "--recompute-method", "uniform"]
+
+    def layout(*extra):
+        return TrainingLayout.from_fields(load_config(None, flags + list(extra)), 256)
+    auto, fp32 = layout(), layout("--megatron-fsdp-main-grads-dtype", "fp32")
+    assert (auto.main_grad_bytes, auto.grad_reduce_bytes) == (2, 2)
+    assert {"megatron_fsdp_main_grads_dtype=auto (BF16)",
+            "megatron_fsdp_grad_comm_dtype=auto (as the main gradients)"} <= set(auto.assumed)
+    assert (fp32.main_grad_bytes, fp32.grad_reduce_bytes) == (4, 4)
+    mixed = layout("--megatron-fsdp-main-grads-dtype", "fp32", "--megatron-fsdp-grad-comm-dtype", "bf16")
+    assert (mixed.main_grad_bytes, mixed.grad_reduce_bytes) == (4, 2)
+    assert (layout("--grad-reduce-in-bf16").main_grad_bytes, layout("--grad-reduce-in-bf16").assumed) == \
+        (2, tuple(a for a in auto.assumed if not a.startswith("megatron_fsdp_")))
+    small, large = (estimate(QWEN, HARDWARE["h100"], lay) for lay in (auto, fp32))
+    assert small["memory"]["gradients_GB"] < large["memory"]["gradients_GB"]
+    assert fsdp_seconds(QWEN, HARDWARE["h100"], auto, True) < fsdp_seconds(QWEN, HARDWARE["h100"], fp32, True)
+    with pytest.raises(ConfigError, match="megatron_fsdp_main_grads_dtype='fp8'"):
+        layout("--megatron-fsdp-main-grads-dtype", "fp8")
+    assert layout("--megatron-fsdp-main-params-dtype", "bf16").not_modelled == ("megatron_fsdp_main_params_dtype",)
+    assert layout("--megatron-fsdp-main-params-dtype", "fp32").not_modelled == ()
+
+
+def test_wall_counts_every_exposed_transfer():
+    """The wall names FSDP's exposed collectives when they are the largest transfer, instead of
+    calling a run whose micro-batch is half FSDP traffic compute-bound."""
+    r = run("h100", QWEN, pp=1, ep=8, tp=2, micro_batch=4, global_batch=2048, recompute="full",
+            recompute_method="uniform", fsdp="optim_grads_params")
+    assert r["step"]["micro_batch_parts_s"]["fsdp"] > r["step"]["micro_batch_parts_s"]["ep"]
+    assert r["wall"] == "communication" and "most of it fsdp" in r["wall_reason"]
 
 
 def test_activation_offloading_moves_its_modules_tensors():

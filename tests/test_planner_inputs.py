@@ -114,10 +114,12 @@ def test_gradients_reduced_in_bf16_move_less():
     fields = {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 8, "expert_tensor_parallel_size": 1,
               "micro_batch_size": 4,
               "global_batch_size": 2048, "use_megatron_fsdp": True, "recompute_granularity": "full",
-              "recompute_method": "uniform", "moe_token_dispatcher_type": "flex"}
+              "recompute_method": "uniform", "moe_token_dispatcher_type": "flex",
+              "megatron_fsdp_main_grads_dtype": "fp32"}          # Megatron-FSDP's gradients before its dtype options
     fp32 = estimate(QWEN, HARDWARE["h100"], TrainingLayout.from_fields(fields, 256))
     bf16 = estimate(QWEN, HARDWARE["h100"], TrainingLayout.from_fields(dict(fields, grad_reduce_in_bf16=True), 256))
     assert bf16["terms_s"]["fsdp"] < fp32["terms_s"]["fsdp"]
+    assert bf16["memory"]["gradients_GB"] == fp32["memory"]["gradients_GB"]      # kept FP32, reduced in BF16
 
 
 def test_gradient_buffers_in_bf16_halve_the_gradients_and_their_traffic():

@@ -352,6 +352,10 @@ def _expert_share(arch: Architecture, layout: TrainingLayout, stage: tuple) -> f
     return experts / (experts + dense) if experts + dense else 0.0
 
 
+# A micro-batch's parts that are data movement left exposed beside the compute.
+EXPOSED_PARTS = ("ep", "tp", "cp", "fsdp", "offload", "pipeline")
+
+
 def wall(result: dict, busiest, usable: float) -> tuple:
     """(memory | communication | host | compute, why): the limit this configuration runs into."""
     mem = result["memory"]
@@ -362,13 +366,13 @@ def wall(result: dict, busiest, usable: float) -> tuple:
                           f"({mem[top + '_GB']:.1f} GB)")
     step = result["step"]
     parts = step["micro_batch_parts_s"]
-    comm = sum(parts.get(k, 0.0) for k in ("ep", "tp", "cp", "pipeline")) + step["dp_exposed_s"] / max(
+    comm = sum(parts.get(k, 0.0) for k in EXPOSED_PARTS) + step["dp_exposed_s"] / max(
         1, result["layout"]["micro_batches"])
     if step["host_s"] >= step["gpu_s"]:
         return "host", (f"kernel launches take {step['host_s'] * 1e3:.1f} ms per micro-batch against "
                         f"{step['gpu_s'] * 1e3:.1f} ms of GPU work: CUDA graphs or larger micro-batches")
     if comm > 0.25 * step["gpu_s"]:
-        biggest = max(("ep", "tp", "cp", "pipeline"), key=lambda k: parts.get(k, 0.0))
+        biggest = max(EXPOSED_PARTS, key=lambda k: parts.get(k, 0.0))
         return "communication", (f"{comm / step['gpu_s']:.0%} of a micro-batch is exposed communication, most of it "
                                  f"{biggest} ({parts.get(biggest, 0.0) * 1e3:.1f} ms)")
     headroom = usable - result["peak_memory_GB"]

@@ -23,13 +23,41 @@ PIPELINE_STAGE_MARKS = {"E": "embedding", "t": "layer", "m": "mtp", "L": "loss"}
 NOT_MODELLED = ("cpu_offloading", "cpu_offloading_num_layers", "moe_router_dtype", "cuda_graph_scope",
                 "fp8_param_gather", "fp8_param", "moe_shared_expert_overlap",
                 "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "use_torch_fsdp2",
-                "num_distributed_optimizer_instances", "main_params_dtype", "distribute_saved_activations")
+                "num_distributed_optimizer_instances", "main_params_dtype", "distribute_saved_activations",
+                "megatron_fsdp_main_params_dtype")
 # Values of those fields that leave the run as the estimate costs it: nothing to name.
 UNSET = (None, False, "no_shard", "none", [])
-NOT_MODELLED_DEFAULTS = {"num_distributed_optimizer_instances": 1, "main_params_dtype": "fp32"}   # beside UNSET
+NOT_MODELLED_DEFAULTS = {"num_distributed_optimizer_instances": 1, "main_params_dtype": "fp32",
+                         "megatron_fsdp_main_params_dtype": "fp32"}   # beside UNSET
 # Megatron-FSDP's data_parallel_sharding_strategy: what each rank keeps 1/DP of.
 FSDP_SHARDS = {"no_shard": (), "optim": ("optimizer",), "optim_grads": ("optimizer", "gradients"),
                "optim_grads_params": ("optimizer", "gradients", "weights")}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def fsdp_gradient_bytes(values: dict, assumed: list) -> tuple:
+    """(bytes per kept gradient, bytes per reduced gradient or None for as kept) under Megatron-FSDP.
+
+    Megatron-FSDP keeps its own gradient buffer in ``megatron_fsdp_main_grads_dtype`` and reduces in
+    ``megatron_fsdp_grad_comm_dtype``; "auto" (the default) keeps the parameters' dtype (BF16, as
+    the estimate costs the parameters; Megatron-Core's MixedPrecisionPolicy) and reduces as kept.
+    ``grad_reduce_in_bf16`` sets both to BF16. Unset fields are named in ``assumed``. (Megatron-Core
+    before its Megatron-FSDP dtype options, 2026-03, kept and reduced FP32 gradients unless
+    ``grad_reduce_in_bf16``: give ``megatron_fsdp_main_grads_dtype=fp32`` for such a run.)"""
+    chosen = {}
+    for name in ("megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype"):
+        dtype = values.get(name, "bf16" if values.get("grad_reduce_in_bf16") else None)
+        if dtype is None:
+            dtype = "auto"
+            kept_as = "BF16" if name.endswith("main_grads_dtype") else "as the main gradients"
+            assumed.append(f"{name}=auto ({kept_as})")
+        if dtype != "auto" and dtype not in DTYPE_BYTES:
+            raise ConfigError(f"{name}={dtype!r}: choose among auto, {', '.join(DTYPE_BYTES)}")
+        chosen[name] = dtype
+    kept = DTYPE_BYTES.get(chosen["megatron_fsdp_main_grads_dtype"], 2)
+    return kept, DTYPE_BYTES.get(chosen["megatron_fsdp_grad_comm_dtype"])
+
+
 # Fine-grained activation offloading's offload_modules: the tensors of layer_activation_bytes each moves to the host.
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
 
@@ -192,12 +220,14 @@ class TrainingLayout:
             grads = sizes.get(get("main_grads_dtype", "fp32"), 4)
         graphs = get("cuda_graph_impl", None) not in (None, "none") or bool(get("enable_cuda_graph", False))
         fsdp = None
+        grad_comm = 2 if get("grad_reduce_in_bf16", False) else None
         if get("use_megatron_fsdp", False) or get("use_custom_fsdp", False):
             if "data_parallel_sharding_strategy" not in v:
                 assumed.append("data_parallel_sharding_strategy=optim_grads_params")
             fsdp = v.get("data_parallel_sharding_strategy", "optim_grads_params")
             if fsdp not in FSDP_SHARDS:
                 raise ConfigError(f"data_parallel_sharding_strategy={fsdp!r}: choose among {', '.join(FSDP_SHARDS)}")
+            grads, grad_comm = fsdp_gradient_bytes(v, assumed)
         offload = ()
         if get("fine_grained_activation_offloading", False):
             offload = get("offload_modules", None) or ()
@@ -234,7 +264,7 @@ class TrainingLayout:
             overlap_grad_reduce=bool(get("overlap_grad_reduce", True)),
             precision_aware_optimizer=bool(get("use_precision_aware_optimizer", False)),
             optimizer_state_bytes=state, main_grad_bytes=grads,
-            grad_comm_bytes=2 if get("grad_reduce_in_bf16", False) else None,
+            grad_comm_bytes=grad_comm,
             first_stage_layers=v.get("decoder_first_pipeline_num_layers"),
             last_stage_layers=v.get("decoder_last_pipeline_num_layers"),
             embedding_in_split=bool(get("account_for_embedding_in_pipeline_split", False)),
