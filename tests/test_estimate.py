@@ -15,7 +15,7 @@ from expertrail.plan.architecture import ARCHITECTURES, from_fields
 from expertrail.plan.catalog import HARDWARE
 from expertrail.plan.cost import Routing
 from expertrail.plan.estimate import estimate, fsdp_seconds, layer_seconds
-from expertrail.plan.layout import TrainingLayout
+from expertrail.plan.layout import TrainingLayout, stage_layers
 from expertrail.plan.memory import usable_GB
 from expertrail.plan.simulate import simulate
 from expertrail.plan.validate import load_config, validate
@@ -215,6 +215,47 @@ def test_megatron_fsdp_keeps_and_reduces_gradients_in_its_own_dtypes():
         layout("--megatron-fsdp-main-grads-dtype", "fp8")
     assert layout("--megatron-fsdp-main-params-dtype", "bf16").not_modelled == ("megatron_fsdp_main_params_dtype",)
     assert layout("--megatron-fsdp-main-params-dtype", "fp32").not_modelled == ()
+
+
+def test_a_pipeline_layout_sets_vpp_as_megatron_derives_it():
+    """VPP is the layout's stages over PP, over any VPP given beside it (said on the assumed line);
+    a stage count PP does not divide is refused by name."""
+    def layout(*flags):
+        return TrainingLayout.from_fields(load_config(None, ["--pipeline-model-parallel-size", "2",
+                                                             "--expert-model-parallel-size", "64", *flags]), 128)
+    derived = layout("--pipeline-model-parallel-layout", "Et|t|(tt|)*29tL")     # ModelZoo's Kimi-K2 128k run
+    assert derived.vpp == 16 and not [a for a in derived.assumed if a.startswith("virtual_")]
+    given = layout("--pipeline-model-parallel-layout", "Et|t|(tt|)*29tL", "--virtual-pipeline-model-parallel-size", "4")
+    assert given.vpp == 16 and any(a.startswith("virtual_pipeline_model_parallel_size=16") for a in given.assumed)
+    assert [sum(s[0] for s in stage_layers(derived, 61, 0))] == [61]
+    with pytest.raises(ConfigError, match="31 stages, which PP 2 does not divide"):
+        layout("--pipeline-model-parallel-layout", "Et|(tt|)*29tL")
+
+
+def test_optimizer_states_kept_on_the_host_between_updates():
+    """chunked_optimizer_state_offload (alias offload_optimizer_states, as ModelZoo's Kimi-K2 128k
+    run sets it) takes the optimizer states off the GPU for the forward and backward; the update
+    stages them back once the activations are freed (through a window of
+    optimizer_state_offload_chunk_size_mb for the moments), and the copies cost time."""
+    base = dict(pp=2, vpp=16, ep=64, tp=16, etp=1, micro_batch=1, global_batch=128, seq=131072, precision="fp8",
+                fp8_recipe="mxfp8", optimizer_state_bytes=4, recompute="selective",
+                recompute_modules=("mla_up_proj", "mlp", "layernorm", "moe_act"), offload_modules=("expert_fc1",),
+                gpus=128, dispatcher="flex", flex_backend="hybridep")
+    arch, hw = ARCHITECTURES["kimi-k2"], HARDWARE["gb200-nvl72"]
+    kept, away = (estimate(arch, hw, TrainingLayout(**base, optimizer_state_offload=f)) for f in (0.0, 1.0))
+    assert not kept["fits"] and away["fits"]
+    assert away["memory"]["optimizer_GB"] < kept["memory"]["optimizer_GB"] / 10
+    assert away["terms_s"]["optimizer_offload"] > 0 == kept["terms_s"]["optimizer_offload"]
+    # Short activations: the staged states set the peak, a small window less of it.
+    small = dict(base, seq=4096, global_batch=512, offload_modules=())
+    whole, windowed = (estimate(arch, hw, TrainingLayout(**small, optimizer_state_offload=1.0,
+                                                         optimizer_state_chunk_MB=mb)) for mb in (0, 256))
+    assert whole["peak_memory_GB"] > windowed["peak_memory_GB"]
+    flags = ["--expert-model-parallel-size", "8", "--offload-optimizer-states"]
+    assert TrainingLayout.from_fields(load_config(None, flags), 64).optimizer_state_offload == 1.0
+    both = TrainingLayout.from_fields(load_config(None, flags + ["--optimizer-cpu-offload"]), 64)
+    with pytest.raises(ConfigError, match="exclude each other"):
+        estimate(QWEN, HARDWARE["h100"], both)
 
 
 def test_wall_counts_every_exposed_transfer():

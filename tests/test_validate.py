@@ -73,6 +73,13 @@ CASES = {   # rule -> (breaking config, satisfying config)
                            {"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"}),
     "experts-divide-ep": ({"num_moe_experts": 60, "expert_model_parallel_size": 8},
                           {"num_moe_experts": 64, "expert_model_parallel_size": 8}),
+    "state-offload-one-way": ({"offload_optimizer_states": True, "optimizer_cpu_offload": True},
+                              {"chunked_optimizer_state_offload": True, "optimizer_cpu_offload": False}),
+    "one-vpp-source": ({"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|t|t|tL",
+                        "num_virtual_stages_per_pipeline_rank": 2},
+                       {"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|t|t|tL"}),
+    "pipeline-layout": ({"pipeline_model_parallel_size": 3, "pipeline_model_parallel_layout": "Et|(tt|)*2tL"},
+                        {"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|(tt|)*2tL"}),
     "parallel-sizes": ({"world_size": 64, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 4,
                         "data_parallel_size": 4},
                        {"world_size": 64, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 4,
@@ -106,6 +113,16 @@ def test_rule_breaks_and_holds(rule, tmp_path):
             cfg["hardware"] = str(path)
     assert rule in {v.rule for v in validate(bad)}
     assert rule not in {v.rule for v in validate(good)}
+
+
+def test_a_pipeline_layout_gives_the_virtual_stages_ep_overlap_needs():
+    """Megatron takes VPP from pipeline_model_parallel_layout (its stages over PP): ModelZoo's
+    DeepSeek-V3 command (PP 8, EP overlap, "Et|(tt|)*30mL", 32 stages) needs no VPP beside it; a
+    layout that does not parse is a violation, not a crash."""
+    cfg = {**OVERLAP, "pipeline_model_parallel_size": 8, "pipeline_model_parallel_layout": "Et|(tt|)*30mL"}
+    assert validate(cfg) == []
+    assert {v.rule for v in validate({**cfg, "pipeline_model_parallel_layout": "Et|(tt|)*30mX"})} == \
+        {"pipeline-layout", "ep-overlap-vpp"}
 
 
 def test_bridge_nested_yaml_and_overrides(tmp_path):

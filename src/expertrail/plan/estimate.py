@@ -292,14 +292,18 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     dp_s = dp_bytes / bw * DP_EXPOSED[layout.overlap_grad_reduce]
     if "gradients" in layout_fields.FSDP_SHARDS.get(layout.fsdp, ()):
         dp_s = 0.0                                    # reduce-scattered every micro-batch (the fsdp part)
-    optimizer_s = busiest.optimizer_GB * GB * 3 / (hw.hbm_TBps * 1e12)
+    state_bytes = 4 + layout.optimizer_state_bytes                  # FP32 main weight and the moments
+    optimizer_s = busiest.optimizer_params * (1 - layout.optimizer_offload) * state_bytes * 3 / (hw.hbm_TBps * 1e12)
     offload_optimizer_s = 0.0
+    host = HOST_LINK_GBPS.get(hw.name, HOST_LINK_GBPS[None]) * 1e9
     if layout.optimizer_offload:
         # The host's share: gradients down, weights back up, and the host's Adam step.
         params = busiest.optimizer_params * layout.optimizer_offload
-        host = HOST_LINK_GBPS.get(hw.name, HOST_LINK_GBPS[None]) * 1e9
         offload_optimizer_s = params * (layout.main_grad_bytes + 2) / host + params / CPU_ADAM_PARAMS_PER_S
-        optimizer_s += offload_optimizer_s
+    if layout.optimizer_state_offload:
+        # Kept on the host between updates: back for the update and out again after it, counted exposed.
+        offload_optimizer_s = 2 * busiest.optimizer_params * layout.optimizer_state_offload * state_bytes / host
+    optimizer_s += offload_optimizer_s
     step = m * slowest["micro_batch_s"] + bubble + dp_s + optimizer_s
     tokens = m * layout.micro_batch * layout.seq * layout.dp
     model_flops = tokens * arch.flops_per_token(layout.seq)

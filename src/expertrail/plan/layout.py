@@ -102,6 +102,11 @@ class TrainingLayout:
     fsdp: str | None = None                 # Megatron-FSDP's data_parallel_sharding_strategy (None: not FSDP)
     offload_modules: tuple = ()             # fine-grained activation offloading's modules
     optimizer_offload: float = 0.0          # optimizer_cpu_offload: share of the optimizer states on the host
+    # chunked_optimizer_state_offload (or its alias offload_optimizer_states): the share of the optimizer
+    # states and FP32 main weights kept on the host between updates, and the GPU window (MB; 0: all
+    # at once) its moments come back through for the update.
+    optimizer_state_offload: float = 0.0
+    optimizer_state_chunk_MB: int = 0
     assumed: tuple = field(default=(), compare=False)
     not_modelled: tuple = field(default=(), compare=False)   # NOT_MODELLED fields the configuration sets
 
@@ -132,6 +137,9 @@ class TrainingLayout:
     def problems(self, experts: int, layers: int) -> list:
         """Why this layout cannot run, each with its fix (empty when it can)."""
         out = []
+        if self.optimizer_offload and self.optimizer_state_offload:
+            out.append("optimizer_cpu_offload and chunked_optimizer_state_offload (offload_optimizer_states) exclude "
+                       "each other (Megatron-Core asserts): keep one")
         model = self.tp * self.pp * self.cp
         if self.gpus % model:
             out.append(f"TP {self.tp} x PP {self.pp} x CP {self.cp} = {model} does not divide {self.gpus} GPUs: "
@@ -238,6 +246,9 @@ class TrainingLayout:
         else:
             unknown = []
         optimizer_offload = float(get("optimizer_offload_fraction", 1.0)) if get("optimizer_cpu_offload", False) else 0.0
+        state_offload = 0.0
+        if get("chunked_optimizer_state_offload", False) or get("offload_optimizer_states", False):
+            state_offload = float(get("optimizer_state_offload_fraction", 1.0))
         pp, ep = size("pipeline_model_parallel_size"), size("expert_model_parallel_size")
         if ep > 1 and not get("moe_router_force_load_balancing", False):
             # Every EP rank is costed with its even share of the rows, which forced balancing gives.
@@ -245,6 +256,13 @@ class TrainingLayout:
                            "a natural router's imbalance is left out)")
         vpp = size("virtual_pipeline_model_parallel_size") if v.get("virtual_pipeline_model_parallel_size") else \
             size("num_virtual_stages_per_pipeline_rank") if v.get("num_virtual_stages_per_pipeline_rank") else 1
+        if v.get("pipeline_model_parallel_layout"):
+            # Megatron derives VPP from the layout (its stages over PP), over any VPP given beside it.
+            derived = layout_vpp(v["pipeline_model_parallel_layout"], pp)
+            if v.get("virtual_pipeline_model_parallel_size") and derived != vpp:
+                assumed.append(f"virtual_pipeline_model_parallel_size={derived} (the layout's stages over PP "
+                               f"{pp}, which Megatron takes over the {vpp} given)")
+            vpp = derived
         per_virtual = size("num_layers_per_virtual_pipeline_stage") if v.get("num_layers_per_virtual_pipeline_stage") \
             else None
         layout = cls(
@@ -270,7 +288,9 @@ class TrainingLayout:
             embedding_in_split=bool(get("account_for_embedding_in_pipeline_split", False)),
             loss_in_split=bool(get("account_for_loss_in_pipeline_split", False)),
             layout_string=v.get("pipeline_model_parallel_layout"), cuda_graphs=graphs, fsdp=fsdp,
-            offload_modules=tuple(offload), optimizer_offload=optimizer_offload, assumed=tuple(assumed),
+            offload_modules=tuple(offload), optimizer_offload=optimizer_offload,
+            optimizer_state_offload=state_offload,
+            optimizer_state_chunk_MB=int(get("optimizer_state_offload_chunk_size_mb", 0) or 0), assumed=tuple(assumed),
             not_modelled=tuple(f for f in NOT_MODELLED if v.get(f) not in (*UNSET, NOT_MODELLED_DEFAULTS.get(f)))
             + tuple(unknown))
         return layout
@@ -304,7 +324,7 @@ def stage_layers(layout: TrainingLayout, layers: int, mtp_layers: int, dense_lay
     The model's first ``dense_layers`` layers are its dense ones."""
     pp, vpp = layout.pp, layout.vpp
     if layout.layout_string:
-        stages = _expand_layout(layout.layout_string)
+        stages = expand_layout(layout.layout_string)
         if len(stages) != pp * vpp:
             raise ConfigError(f"pipeline_model_parallel_layout has {len(stages)} stages; PP {pp} x VPP {vpp} = "
                               f"{pp * vpp} expected")
@@ -360,7 +380,17 @@ def _even_split(layout: TrainingLayout, layers: int) -> list:
     return [fixed.get(i, even.get(i, 0)) for i in range(n)]
 
 
-def _expand_layout(text: str) -> list:
+def layout_vpp(text: str, pp: int) -> int:
+    """VPP as Megatron derives it from ``pipeline_model_parallel_layout``: its stages over PP
+    (which must divide them)."""
+    stages = len(expand_layout(text))
+    if stages % pp:
+        raise ConfigError(f"pipeline_model_parallel_layout has {stages} stages, which PP {pp} does not divide: "
+                          "give every pipeline rank the same number of virtual stages")
+    return stages // pp
+
+
+def expand_layout(text: str) -> list:
     out = text.replace(" ", "").replace(",", "")
     while "(" in out:                                   # innermost group first
         start = out.rfind("(")

@@ -12,8 +12,11 @@ ModelParallelConfig, OptimizerConfig, DistributedDataParallelConfig, the trainin
 (TrainingConfig, ValidationConfig, SchedulerConfig, LoggerConfig, CheckpointConfig,
 TokenizerConfig, RNGConfig, ProfilingConfig, DistributedInitConfig, RerunStateMachineConfig,
 StragglerDetectionConfig), BlendedMegatronDatasetConfig / GPTDatasetConfig, and the arguments
-declared in megatron/training/arguments.py. Names only, no code. ``ANY`` holds fields whose
-type the validator does not check (unions, enums, callables).
+declared in megatron/training/arguments.py; from its dev branch (commit d48bd6be0a), the
+optimizer-state offload fields recipes already use (``chunked_optimizer_state_offload``, its
+alias ``offload_optimizer_states``, ``optimizer_state_offload_chunk_size_mb``,
+``optimizer_state_offload_fraction``). Names only, no code. ``ANY`` holds fields whose type the
+validator does not check (unions, enums, callables).
 
 BOOL, INT, FLOAT, STR, LIST, ANY, TRUE_BY_DEFAULT: frozensets of field names; CHOICES /
 LIST_CHOICES: field -> allowed values (tuple); FLAG_ALIASES: flag -> (field, value it sets, or

@@ -22,7 +22,10 @@ working set: two layers' weights (the one computing and the one prefetched) and 
 gradients before their reduce-scatter. Fine-grained activation offloading moves the tensors of
 its ``offload_modules`` to the host; two layers' worth stay on the GPU (one going out, one
 coming back). ``optimizer_cpu_offload`` keeps its share of the optimizer states (FP32 main
-weights and moments) on the host.
+weights and moments) on the host. ``chunked_optimizer_state_offload`` keeps its share there
+between updates: the update, after the step's activations are freed, brings the main weights
+back whole and the moments through a window of ``optimizer_state_offload_chunk_size_mb`` (all
+at once at 0), so they count only where they exceed the activations.
 """
 from __future__ import annotations
 
@@ -146,6 +149,15 @@ def stage_memory(arch: Architecture, layout: TrainingLayout, rank: int, stage: t
         optimizer = (dense + experts) * main
     optimizer_params = optimizer / main
     optimizer *= 1 - layout.optimizer_offload
+    # Kept on the host between updates (chunked_optimizer_state_offload): the update brings the
+    # FP32 main weights back whole and the moments through a window of optimizer_state_chunk_MB.
+    away = optimizer * layout.optimizer_state_offload
+    optimizer -= away
+    staged = 0.0
+    if away:
+        master, moments = away * 4 / main, away * layout.optimizer_state_bytes / main
+        chunk = layout.optimizer_state_chunk_MB * 1e6
+        staged = master + (min(moments, chunk) if chunk else moments)
     # One layer's parameters (for FSDP's unsharded working set).
     per_layer = (arch.moe_layer_dense_params() / layout.tp + arch.experts // layout.ep * arch.expert_params() / layout.etp
                  if moe_layers else arch.dense_layer_params() / layout.tp)
@@ -182,6 +194,8 @@ def stage_memory(arch: Architecture, layout: TrainingLayout, rank: int, stage: t
         act += flight * layout.tokens_per_gpu * arch.hidden * 2
     if has_output:
         act += (1 + mtp) * layout.seq * layout.micro_batch / layout.cp * arch.vocab / layout.tp * LOGITS_BYTES
+    # The update runs once the step's activations are freed: its staged states count where they exceed them.
+    optimizer += max(0.0, staged - act)
     return StageMemory(rank, layers, weights / GB, gradients / GB, optimizer / GB, act / GB,
                        dispatcher_GB(arch, layout, domain), flight, optimizer_params)
 

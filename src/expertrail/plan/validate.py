@@ -26,6 +26,7 @@ from typing import Callable
 from ..errors import ConfigError
 from . import megatron_fields as mf
 from .catalog import HARDWARE, load_hardware, read_mapping
+from .layout import expand_layout
 from .simulate import domain_for
 
 FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
@@ -408,6 +409,20 @@ def _graph_scope(c) -> str:
     return "" if impl in (None, "none") else str(scope or "")
 
 
+VPP_SOURCES = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+               "pipeline_model_parallel_layout")
+
+
+def _layout_stages(c) -> int | None:
+    """The stages of ``pipeline_model_parallel_layout`` (None: not given, or not a layout)."""
+    if not c.given("pipeline_model_parallel_layout"):
+        return None
+    try:
+        return len(expand_layout(str(c["pipeline_model_parallel_layout"])))
+    except ConfigError:
+        return None
+
+
 def _expected_domain(c) -> int:
     return domain_for(c.hardware, c.ep)
 
@@ -434,7 +449,8 @@ RULES = [
          lambda c: _overlap(c) and int(c["pipeline_model_parallel_size"]) > 1,
          lambda c: any(c.given(f) for f in ("virtual_pipeline_model_parallel_size",
                                             "num_virtual_stages_per_pipeline_rank",
-                                            "num_layers_per_virtual_pipeline_stage"))),
+                                            "num_layers_per_virtual_pipeline_stage"))
+         or (_layout_stages(c) or 0) > int(c["pipeline_model_parallel_size"])),
     Rule("ep-overlap-recompute", "EP overlap does not work with full recompute",
          ("recompute_granularity", "recompute_method", "recompute_num_layers"),
          "use selective recompute (recompute_granularity='selective') and unset recompute_method / "
@@ -534,6 +550,22 @@ RULES = [
          "set sequence_parallel=true (--sequence-parallel)",
          lambda c: int(c["tensor_model_parallel_size"]) > 1 and (c.given("num_moe_experts") or c.ep > 1),
          lambda c: bool(c["sequence_parallel"])),
+    Rule("state-offload-one-way", "optimizer states go to the host one way: chunked_optimizer_state_offload "
+         "(offload_optimizer_states) and optimizer_cpu_offload exclude each other (Megatron-Core asserts)",
+         ("chunked_optimizer_state_offload", "offload_optimizer_states", "optimizer_cpu_offload"),
+         "keep one: chunked_optimizer_state_offload keeps the states on the host between updates and steps on "
+         "the GPU, optimizer_cpu_offload steps on the host",
+         lambda c: bool(c["chunked_optimizer_state_offload"]) or bool(c["offload_optimizer_states"]),
+         lambda c: not c["optimizer_cpu_offload"] or float(c["optimizer_state_offload_fraction"] or 1.0) == 0.0),
+    Rule("one-vpp-source", "at most one of the virtual-pipeline splits may be given (Megatron asserts)",
+         VPP_SOURCES, "keep one of num_layers_per_virtual_pipeline_stage, num_virtual_stages_per_pipeline_rank, "
+         "pipeline_model_parallel_layout", lambda c: True, lambda c: sum(c.given(f) for f in VPP_SOURCES) <= 1),
+    Rule("pipeline-layout", "pipeline_model_parallel_layout must parse and its stages split evenly over PP",
+         ("pipeline_model_parallel_layout", "pipeline_model_parallel_size"),
+         "write stages of E, t, m, L between |, with (..)*N or X*N repeats, a multiple of "
+         "pipeline_model_parallel_size of them (Megatron takes VPP = stages / PP)",
+         lambda c: c.given("pipeline_model_parallel_layout"),
+         lambda c: _layout_stages(c) is not None and _layout_stages(c) % int(c["pipeline_model_parallel_size"]) == 0),
     Rule("parallel-sizes", "TP x PP x CP x DP must equal the world size",
          ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
           "data_parallel_size"), "choose sizes whose product is the number of GPUs (DP = world / (TP x PP x CP))",
