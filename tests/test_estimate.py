@@ -258,6 +258,19 @@ def test_optimizer_states_kept_on_the_host_between_updates():
         estimate(QWEN, HARDWARE["h100"], both)
 
 
+def test_host_optimizer_step_beside_its_copies_with_overlap_cpu_optimizer_d2h_h2d():
+    """ModelZoo's optimizer-offload runs set overlap_cpu_optimizer_d2h_h2d: the host's step runs
+    beside the copies, so the offload costs the longer of the two, not their sum."""
+    flags = ["--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "32", "--global-batch-size", "8192",
+             "--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0"]
+    serial, overlapped = (estimate(DSV3, HARDWARE["h100"], TrainingLayout.from_fields(load_config(None, flags + extra),
+                                                                                      256))
+                          for extra in ([], ["--overlap-cpu-optimizer-d2h-h2d"]))
+    assert 0 < overlapped["terms_s"]["optimizer_offload"] < serial["terms_s"]["optimizer_offload"]
+    assert "use_torch_optimizer_for_cpu_offload" in TrainingLayout.from_fields(
+        load_config(None, flags + ["--use-torch-optimizer-for-cpu-offload"]), 256).not_modelled
+
+
 def test_wall_counts_every_exposed_transfer():
     """The wall names FSDP's exposed collectives when they are the largest transfer, instead of
     calling a run whose micro-batch is half FSDP traffic compute-bound."""

@@ -299,7 +299,9 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     if layout.optimizer_offload:
         # The host's share: gradients down, weights back up, and the host's Adam step.
         params = busiest.optimizer_params * layout.optimizer_offload
-        offload_optimizer_s = params * (layout.main_grad_bytes + 2) / host + params / CPU_ADAM_PARAMS_PER_S
+        copies, step = params * (layout.main_grad_bytes + 2) / host, params / CPU_ADAM_PARAMS_PER_S
+        # overlap_cpu_optimizer_d2h_h2d runs the host's step beside the copies, bucket by bucket.
+        offload_optimizer_s = max(copies, step) if layout.optimizer_offload_overlap else copies + step
     if layout.optimizer_state_offload:
         # Kept on the host between updates: back for the update and out again after it, counted exposed.
         offload_optimizer_s = 2 * busiest.optimizer_params * layout.optimizer_state_offload * state_bytes / host

@@ -24,7 +24,7 @@ NOT_MODELLED = ("cpu_offloading", "cpu_offloading_num_layers", "moe_router_dtype
                 "fp8_param_gather", "fp8_param", "moe_shared_expert_overlap",
                 "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "use_torch_fsdp2",
                 "num_distributed_optimizer_instances", "main_params_dtype", "distribute_saved_activations",
-                "megatron_fsdp_main_params_dtype")
+                "megatron_fsdp_main_params_dtype", "use_torch_optimizer_for_cpu_offload")
 # Values of those fields that leave the run as the estimate costs it: nothing to name.
 UNSET = (None, False, "no_shard", "none", [])
 NOT_MODELLED_DEFAULTS = {"num_distributed_optimizer_instances": 1, "main_params_dtype": "fp32",
@@ -102,6 +102,7 @@ class TrainingLayout:
     fsdp: str | None = None                 # Megatron-FSDP's data_parallel_sharding_strategy (None: not FSDP)
     offload_modules: tuple = ()             # fine-grained activation offloading's modules
     optimizer_offload: float = 0.0          # optimizer_cpu_offload: share of the optimizer states on the host
+    optimizer_offload_overlap: bool = False  # overlap_cpu_optimizer_d2h_h2d: the host's step beside the copies
     # chunked_optimizer_state_offload (or its alias offload_optimizer_states): the share of the optimizer
     # states and FP32 main weights kept on the host between updates, and the GPU window (MB; 0: all
     # at once) its moments come back through for the update.
@@ -289,6 +290,7 @@ class TrainingLayout:
             loss_in_split=bool(get("account_for_loss_in_pipeline_split", False)),
             layout_string=v.get("pipeline_model_parallel_layout"), cuda_graphs=graphs, fsdp=fsdp,
             offload_modules=tuple(offload), optimizer_offload=optimizer_offload,
+            optimizer_offload_overlap=bool(get("overlap_cpu_optimizer_d2h_h2d", False)),
             optimizer_state_offload=state_offload,
             optimizer_state_chunk_MB=int(get("optimizer_state_offload_chunk_size_mb", 0) or 0), assumed=tuple(assumed),
             not_modelled=tuple(f for f in NOT_MODELLED if v.get(f) not in (*UNSET, NOT_MODELLED_DEFAULTS.get(f)))
