@@ -112,6 +112,22 @@ def test_pipeline_layout_string_and_dense_layers_place_the_work():
                               "moe_ffn_hidden_size": 128, "moe_layer_freq": "([0]*1+[1]*3)"}).dense_layers == 1
 
 
+def test_a_model_spelled_out_by_fields_says_its_vocabulary_was_assumed(capsys):
+    """Megatron sizes the vocabulary from the tokenizer, which flags name but do not size: a
+    model spelled out by its fields without vocab_size is costed at 32000 entries, and said so."""
+    model = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "8", "--num-experts", "16",
+             "--moe-ffn-hidden-size", "512", "--moe-router-topk", "2", "--expert-model-parallel-size", "8",
+             "--moe-router-force-load-balancing"]
+    args = ["estimate", "--hardware", "h100", "--gpus", "8", *model]
+    assert main(args) == 0
+    assert "vocab_size=32000 (Megatron sizes it from the tokenizer" in capsys.readouterr().out
+    assert main(args + ["--vocab-size", "129280"]) == 0
+    assert "vocab_size" not in capsys.readouterr().out
+    assert main(["estimate", "--hardware", "h100", "--gpus", "8", "--model", "qwen3-30b-a3b",
+                 "--expert-model-parallel-size", "8", "--moe-router-force-load-balancing"]) == 0
+    assert "vocab_size" not in capsys.readouterr().out
+
+
 def test_estimate_cli_is_torch_free_and_writes_json(tmp_path):
     path = tmp_path / "e.json"
     code = ("import sys; from expertrail.tools.cli import main; "

@@ -182,6 +182,19 @@ def _expand_pattern(text: str) -> list:
     return out
 
 
+# The vocabulary of a model spelled out by Megatron fields that give none: Megatron takes it from
+# the tokenizer, which a configuration names but does not size.
+UNSTATED_VOCAB = 32000
+
+
+def unstated_model_fields(fields: dict) -> list:
+    """What a model spelled out by Megatron fields (no catalog or Hugging Face base) leaves to
+    the estimate, for its assumed line: the vocabulary, when no vocab_size is given."""
+    if any(fields.get(k) for k in ("vocab_size", "padded_vocab_size")):
+        return []
+    return [f"vocab_size={UNSTATED_VOCAB} (Megatron sizes it from the tokenizer: give vocab_size)"]
+
+
 def from_fields(base: Architecture | None, fields: dict) -> Architecture:
     """``base`` (a catalog architecture, or None) with the Megatron fields of ``fields`` applied."""
     given = {FIELDS[k]: v for k, v in fields.items() if k in FIELDS and v is not None}
@@ -195,7 +208,7 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
                               f"--model NAME (one of {', '.join(ARCHITECTURES)}) or those fields")
         hidden, heads = given["hidden"], given["heads"]
         base = Architecture("config", given["layers"], 0, hidden, 4 * hidden, given["moe_ffn"], given["experts"], 2, 0,
-                            heads, heads, hidden // heads, 32000)
+                            heads, heads, hidden // heads, UNSTATED_VOCAB)
     dense = dense_layers_of(fields.get("moe_layer_freq"))
     if dense is not None:
         given["dense_layers"] = dense

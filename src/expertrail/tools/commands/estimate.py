@@ -55,11 +55,16 @@ def _estimate_inputs(args, config: list) -> tuple:
 
 
 def run(args) -> int:
+    from dataclasses import replace
+    from ...plan.architecture import unstated_model_fields
     from ...plan.estimate import estimate, format_estimate
     from ...plan.layout import TrainingLayout
     from ...plan.output import dumps
     arch, hw, values, violations = _estimate_inputs(args, args.config)
-    result = estimate(arch, hw, TrainingLayout.from_fields(values, args.gpus))
+    layout = TrainingLayout.from_fields(values, args.gpus)
+    if args.model is None:
+        layout = replace(layout, assumed=(*layout.assumed, *unstated_model_fields(values)))
+    result = estimate(arch, hw, layout)
     result["violations"] = [v.__dict__ for v in violations]
     print(format_estimate(result))
     for v in violations:
