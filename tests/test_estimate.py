@@ -287,6 +287,33 @@ def test_host_optimizer_step_beside_its_copies_with_overlap_cpu_optimizer_d2h_h2
         load_config(None, flags + ["--use-torch-optimizer-for-cpu-offload"]), 256).not_modelled
 
 
+def test_flex_dispatcher_fields_of_megatron_core_are_read():
+    """Megatron-Core's unified moe_flex_dispatcher_num_sms (over the deprecated per-backend
+    counts); the ncclep backend, costed as DeepEP and said so, its wire dtype from
+    moe_dispatch_fwd_dtype; moe_expert_rank_capacity_factor bounding HybridEP's receive buffer,
+    sized for the worst case without it."""
+    def layout(*flags):
+        base = ["--expert-model-parallel-size", "64", "--pipeline-model-parallel-size", "4",
+                "--virtual-pipeline-model-parallel-size", "4", "--global-batch-size", "4096",
+                "--moe-token-dispatcher-type", "flex", "--moe-router-force-load-balancing"]
+        return TrainingLayout.from_fields(load_config(None, base + list(flags)), 256)
+    hw = HARDWARE["gb200-nvl72"]
+    assert layout("--moe-flex-dispatcher-backend", "hybridep", "--moe-flex-dispatcher-num-sms", "32",
+                  "--moe-hybridep-num-sms", "16").dispatcher_sms == 32
+    nccl, deep = layout("--moe-flex-dispatcher-backend", "ncclep"), layout("--moe-flex-dispatcher-backend", "deepep")
+    assert any(a.startswith("moe_flex_dispatcher_backend=ncclep costed as DeepEP") for a in nccl.assumed)
+    assert estimate(DSV3, hw, nccl)["terms_s"]["ep"] == pytest.approx(estimate(DSV3, hw, deep)["terms_s"]["ep"])
+    fp8 = ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--moe-flex-dispatcher-backend", "ncclep"]
+    bf16_wire, fp8_wire = layout(*fp8), layout(*fp8, "--moe-dispatch-fwd-dtype", "mxfp8")
+    assert estimate(DSV3, hw, fp8_wire)["terms_s"]["ep"] < estimate(DSV3, hw, bf16_wire)["terms_s"]["ep"]
+    worst, bounded = (estimate(DSV3, hw, layout("--moe-flex-dispatcher-backend", "hybridep", *extra))
+                      for extra in ([], ["--moe-expert-rank-capacity-factor", "1.5"]))
+    assert bounded["memory"]["dispatcher_GB"] == pytest.approx(worst["memory"]["dispatcher_GB"] * 1.5 * 8 / 64)
+    assert set(layout("--moe-flex-dispatcher-backend", "ncclep", "--moe-paged-stash", "--moe-ncclep-zero-copy",
+                      "--moe-combine-bwd-dtype", "mxfp8").not_modelled) == \
+        {"moe_paged_stash", "moe_ncclep_zero_copy", "moe_combine_bwd_dtype"}
+
+
 def test_wall_counts_every_exposed_transfer():
     """The wall names FSDP's exposed collectives when they are the largest transfer, instead of
     calling a run whose micro-batch is half FSDP traffic compute-bound."""

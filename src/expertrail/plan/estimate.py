@@ -69,11 +69,12 @@ FRAMEWORK_CALL_FACTOR = 1.25
 # combine with 24 SMs (Megatron-LM docs/discussions/deepseek-v3-gb200-optimization, "2.2.1
 # DeepEP"), far below the rack's NVLink: the most a DeepEP exchange gets beyond 8 peers in a rack.
 DEEPEP_NVLINK_PEERS = 8
+DEEPEP_LIKE = ("deepep", "ncclep")               # NCCL EP is costed as DeepEP's kernels (no published figures)
 DEEPEP_RACK_GBPS = {"dispatch": 400.0, "combine": 190.0}
 ROUTING_SAMPLE = 1024
 # EP overlap: SMs the dispatcher's kernels hold while the other micro-batch computes beside them
 # (DeepEP's and Megatron's default moe_deepep_num_sms 20, Hybrid-EP's 16; NCCL's all-to-all about as many).
-OVERLAP_COMM_SMS = {"deepep": 20, "hybridep": 16, None: 20}
+OVERLAP_COMM_SMS = {"deepep": 20, "ncclep": 20, "hybridep": 16, None: 20}
 # Host link per GPU, each way, for activation and optimizer offloading: NVLink-C2C on Grace
 # systems (900 GB/s both ways), PCIe Gen5 x16 (64 GB/s) elsewhere; 80% of it achieved.
 HOST_LINK_GBPS = {**{name: 360.0 for name in GRACE_HOSTED}, None: 50.0}
@@ -84,7 +85,7 @@ def algorithm_for(layout: TrainingLayout, domain: int) -> str:
     """The cost model's algorithm for Megatron's dispatcher settings."""
     if layout.dispatcher in ("alltoall", "allgather"):
         return layout.dispatcher
-    if layout.flex_backend == "deepep" and layout.ep <= domain:
+    if layout.flex_backend in DEEPEP_LIKE and layout.ep <= domain:
         return "dedup"
     return "hierarchical"
 
@@ -100,14 +101,17 @@ def dispatch_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout) -
         return 0.0, None
     domain = domain_for(hw, layout.ep)
     algorithm = algorithm_for(layout, domain)
-    sms = layout.dispatcher_sms or {"deepep": 20, "hybridep": 16}.get(layout.flex_backend, 20)
+    sms = layout.dispatcher_sms or OVERLAP_COMM_SMS.get(layout.flex_backend, OVERLAP_COMM_SMS[None])
     # Rows grow with the tokens: a sample of at most ROUTING_SAMPLE tokens, scaled, keeps large EP fast.
     tokens = layout.tokens_per_gpu
     sample = min(tokens, ROUTING_SAMPLE)
+    # The dispatch's rows travel in FP8 under an FP8 recipe with DeepEP and HybridEP; NCCL EP as
+    # moe_dispatch_fwd_dtype says.
+    fp8_rows = layout.fp8_wire if layout.fp8_wire is not None else layout.precision == "fp8" and layout.flex_backend
     p = predict(hw, arch.moe_model(), EPLayout(layout.ep, domain), algorithm, _routing(arch, sample), sms,
-                "fp8" if layout.precision == "fp8" and layout.flex_backend else "bf16")
+                "fp8" if fp8_rows else "bf16")
     dispatch, combine = p.dispatch_s, p.combine_s
-    if layout.flex_backend == "deepep" and domain > DEEPEP_NVLINK_PEERS:      # an EP group beyond 8 in one rack
+    if layout.flex_backend in DEEPEP_LIKE and domain > DEEPEP_NVLINK_PEERS:   # an EP group beyond 8 in one rack
         logical_GB = p.algo_bandwidth_GBps * p.dispatch_s          # the rows' bytes, as algorithm bandwidth counts them
         dispatch = max(dispatch, logical_GB / DEEPEP_RACK_GBPS["dispatch"])
         combine = max(combine, logical_GB / DEEPEP_RACK_GBPS["combine"])

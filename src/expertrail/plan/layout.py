@@ -24,11 +24,12 @@ NOT_MODELLED = ("cpu_offloading", "cpu_offloading_num_layers", "moe_router_dtype
                 "fp8_param_gather", "fp8_param", "moe_shared_expert_overlap",
                 "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "use_torch_fsdp2",
                 "num_distributed_optimizer_instances", "main_params_dtype", "distribute_saved_activations",
-                "megatron_fsdp_main_params_dtype", "use_torch_optimizer_for_cpu_offload")
+                "megatron_fsdp_main_params_dtype", "use_torch_optimizer_for_cpu_offload", "moe_paged_stash",
+                "moe_ncclep_zero_copy", "moe_combine_bwd_dtype")
 # Values of those fields that leave the run as the estimate costs it: nothing to name.
 UNSET = (None, False, "no_shard", "none", [])
 NOT_MODELLED_DEFAULTS = {"num_distributed_optimizer_instances": 1, "main_params_dtype": "fp32",
-                         "megatron_fsdp_main_params_dtype": "fp32"}   # beside UNSET
+                         "megatron_fsdp_main_params_dtype": "fp32", "moe_combine_bwd_dtype": "bf16"}   # beside UNSET
 # Megatron-FSDP's data_parallel_sharding_strategy: what each rank keeps 1/DP of.
 FSDP_SHARDS = {"no_shard": (), "optim": ("optimizer",), "optim_grads": ("optimizer", "gradients"),
                "optim_grads_params": ("optimizer", "gradients", "weights")}
@@ -83,6 +84,10 @@ class TrainingLayout:
     dispatcher: str = "alltoall"            # Megatron moe_token_dispatcher_type
     flex_backend: str | None = None
     dispatcher_sms: int | None = None
+    # moe_expert_rank_capacity_factor (HybridEP, NCCL EP): each EP rank's receive budget, in expected
+    # rows; None: unbounded (HybridEP then sizes its buffer for the worst case).
+    rank_capacity: float | None = None
+    fp8_wire: bool | None = None            # NCCL EP's moe_dispatch_fwd_dtype=mxfp8 (None: the backend's own rule)
     ep_overlap: bool = False
     delay_wgrad: bool = False               # delay_wgrad_compute: expert weight gradients beside the dispatch's backward
     tp_comm_overlap: bool = False
@@ -217,7 +222,11 @@ class TrainingLayout:
             if backend is None:                      # Megatron-Core's default backend
                 assumed.append("moe_flex_dispatcher_backend=deepep")
                 backend = "deepep"
-        sms = get(f"moe_{backend}_num_sms", None) if backend else None
+        # Megatron-Core's unified SM count first, then the deprecated per-backend ones it routes.
+        sms = (get("moe_flex_dispatcher_num_sms", None) or get(f"moe_{backend}_num_sms", None)) if backend else None
+        if backend == "ncclep":
+            assumed.append("moe_flex_dispatcher_backend=ncclep costed as DeepEP's kernels (no published NCCL EP "
+                           "figures)")
         state = 8
         # Gradient buffers: FP32 under BF16 training (Megatron-LM turns accumulate_allreduce_grads_in_fp32
         # on for BF16; Bridge's bf16 recipes set grad_reduce_in_fp32), the parameters' BF16 when a
@@ -291,6 +300,8 @@ class TrainingLayout:
             layout_string=v.get("pipeline_model_parallel_layout"), cuda_graphs=graphs, fsdp=fsdp,
             offload_modules=tuple(offload), optimizer_offload=optimizer_offload,
             optimizer_offload_overlap=bool(get("overlap_cpu_optimizer_d2h_h2d", False)),
+            rank_capacity=get("moe_expert_rank_capacity_factor", None) if backend in ("hybridep", "ncclep") else None,
+            fp8_wire=(get("moe_dispatch_fwd_dtype", "bf16") == "mxfp8") if backend == "ncclep" else None,
             optimizer_state_offload=state_offload,
             optimizer_state_chunk_MB=int(get("optimizer_state_offload_chunk_size_mb", 0) or 0), assumed=tuple(assumed),
             not_modelled=tuple(f for f in NOT_MODELLED if v.get(f) not in (*UNSET, NOT_MODELLED_DEFAULTS.get(f)))

@@ -201,16 +201,20 @@ def stage_memory(arch: Architecture, layout: TrainingLayout, rank: int, stage: t
 
 
 def dispatcher_GB(arch: Architecture, layout: TrainingLayout, domain: int) -> float:
-    """Buffers the dispatcher holds besides the activations: DeepEP its registered NVLink /
-    RDMA buffers; HybridEP one buffer sized for the worst case, every token of its NVLink
-    domain landing on one rank; the NCCL dispatchers one layer's rows in flight."""
+    """Buffers the dispatcher holds besides the activations: DeepEP (and NCCL EP, costed as
+    DeepEP) its registered NVLink / RDMA buffers; HybridEP one buffer sized for the worst case,
+    every token of its NVLink domain landing on one rank; the NCCL dispatchers one layer's rows
+    in flight. ``moe_expert_rank_capacity_factor`` bounds HybridEP's and NCCL EP's receive buffer
+    at that many times the rows a rank receives on average (a token's rows to distinct ranks)."""
     rows = layout.tokens_per_gpu * arch.hidden * 2
     if layout.ep <= 1:
         return 0.0
+    budget = layout.rank_capacity * min(arch.topk, layout.ep) * rows if layout.rank_capacity else None
     if layout.flex_backend == "hybridep":
-        return min(layout.ep, domain) * rows / GB
-    if layout.flex_backend == "deepep":
-        return DEEPEP_BUFFER_GB
+        worst = min(layout.ep, domain) * rows
+        return (min(worst, budget) if budget else worst) / GB
+    if layout.flex_backend in ("deepep", "ncclep"):
+        return max(DEEPEP_BUFFER_GB, budget / GB) if budget else DEEPEP_BUFFER_GB
     return 2 * arch.topk * rows / GB
 
 

@@ -485,6 +485,26 @@ RULES = [
          "call apply_flex_dispatcher_backend(cfg.model, 'deepep' | 'hybridep'), i.e. set "
          "moe_flex_dispatcher_backend", lambda c: c["moe_token_dispatcher_type"] == "flex",
          lambda c: c["moe_flex_dispatcher_backend"] in FLEX_BACKENDS),
+    Rule("ncclep-needs-flex", "the ncclep backend needs the flex dispatcher (Megatron-Core raises otherwise)",
+         ("moe_flex_dispatcher_backend", "moe_token_dispatcher_type"), "set moe_token_dispatcher_type='flex'",
+         lambda c: c.values.get("moe_flex_dispatcher_backend") == "ncclep",
+         lambda c: c["moe_token_dispatcher_type"] == "flex"),
+    Rule("rank-capacity-backend", "moe_expert_rank_capacity_factor needs the flex dispatcher's hybridep or ncclep "
+         "backend (Megatron-Core raises otherwise)",
+         ("moe_expert_rank_capacity_factor", "moe_token_dispatcher_type", "moe_flex_dispatcher_backend"),
+         "set moe_token_dispatcher_type='flex' and moe_flex_dispatcher_backend to hybridep or ncclep, or unset "
+         "moe_expert_rank_capacity_factor", lambda c: c.given("moe_expert_rank_capacity_factor"),
+         lambda c: c["moe_token_dispatcher_type"] == "flex" and c["moe_flex_dispatcher_backend"] in ("hybridep",
+                                                                                                   "ncclep")),
+    Rule("ncclep-wire", "an MXFP8 wire (moe_dispatch_fwd_dtype / moe_combine_bwd_dtype) needs the ncclep backend, "
+         "the TE op fuser and grouped GEMM (Megatron-Core raises otherwise)",
+         ("moe_dispatch_fwd_dtype", "moe_combine_bwd_dtype", "moe_flex_dispatcher_backend",
+          "use_transformer_engine_op_fuser", "moe_grouped_gemm"),
+         "keep both dtypes bf16, or set moe_token_dispatcher_type='flex', moe_flex_dispatcher_backend='ncclep', "
+         "use_transformer_engine_op_fuser=true and moe_grouped_gemm=true",
+         lambda c: (c["moe_dispatch_fwd_dtype"] or "bf16") != "bf16" or (c["moe_combine_bwd_dtype"] or "bf16") != "bf16",
+         lambda c: c["moe_token_dispatcher_type"] == "flex" and c["moe_flex_dispatcher_backend"] == "ncclep"
+         and bool(c["use_transformer_engine_op_fuser"]) and bool(c["moe_grouped_gemm"])),
     Rule("deepep-needs-flex", "moe_enable_deepep needs the flex dispatcher (Megatron-Core raises otherwise)",
          ("moe_enable_deepep", "moe_token_dispatcher_type"),
          "set moe_token_dispatcher_type='flex', or drop moe_enable_deepep",
