@@ -395,6 +395,11 @@ def test_older_recompute_switches_are_read_and_other_memory_fields_named():
     assert set(layout("--use-torch-fsdp2", "--num-distributed-optimizer-instances", "2").not_modelled) == \
         {"use_torch_fsdp2", "num_distributed_optimizer_instances"}
     assert layout("--num-distributed-optimizer-instances", "1", "--main-params-dtype", "fp32").not_modelled == ()
+    # Fields whose Megatron default is true or a number are named only when set away from it.
+    assert set(layout("--no-fp8-wgrad", "--moe-latent-size", "1024", "--moe-token-dropping",
+                      "--fp8-dot-product-attention").not_modelled) == \
+        {"fp8_wgrad", "moe_latent_size", "moe_token_dropping", "fp8_dot_product_attention"}
+    assert layout("--activation-offload-fraction", "1.0").not_modelled == ()
 
 
 @pytest.mark.parametrize("run_id, faster, slower, published", [

@@ -39,6 +39,12 @@ def test_first_and_last_pipeline_layers_are_a_whole_ranks_layers():
     bad = TrainingLayout.from_fields(dict(fields, decoder_last_pipeline_num_layers=17), 256)
     assert any("decoder_last_pipeline_num_layers=17" in p and "multiple of 4" in p
                for p in bad.problems(DSV3.experts, DSV3.layers))
+    # Megatron-Core's (and Bridge's) names for the same split.
+    core = {k: v for k, v in fields.items() if not k.startswith("decoder_")}
+    core.update(num_layers_in_first_pipeline_stage=12, num_layers_in_last_pipeline_stage=16)
+    assert stage_layers(TrainingLayout.from_fields(core, 256), DSV3.layers, 0, DSV3.dense_layers) == ranks
+    with pytest.raises(ConfigError, match="name the same split"):
+        TrainingLayout.from_fields(dict(fields, num_layers_in_first_pipeline_stage=8), 256)
 
 
 def test_virtual_stages_given_as_stages_per_rank_or_layers_per_stage():

@@ -21,19 +21,42 @@ PIPELINE_STAGE_MARKS = {"E": "embedding", "t": "layer", "m": "mtp", "L": "loss"}
 # Fields that change a run's memory or time which the estimate does not model: named in its
 # output when a configuration sets them, never silently ignored.
 NOT_MODELLED = ("cpu_offloading", "cpu_offloading_num_layers", "moe_router_dtype", "cuda_graph_scope",
-                "fp8_param_gather", "fp8_param", "moe_shared_expert_overlap",
-                "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "use_torch_fsdp2",
+                "fp8_param_gather", "fp8_param", "fp4_param", "fp4_param_gather", "fp8_dot_product_attention",
+                "fp8_wgrad", "moe_shared_expert_overlap", "moe_expert_capacity_factor",
+                "moe_pad_expert_input_to_capacity", "moe_token_dropping", "moe_router_topk_limited_devices",
+                "moe_latent_size", "use_torch_fsdp2", "hybrid_context_parallel",
+                "overlap_dispatch_backward_with_experts_wgrad", "activation_offload_fraction",
                 "num_distributed_optimizer_instances", "main_params_dtype", "distribute_saved_activations",
                 "megatron_fsdp_main_params_dtype", "use_torch_optimizer_for_cpu_offload", "moe_paged_stash",
                 "moe_ncclep_zero_copy", "moe_combine_bwd_dtype")
-# Values of those fields that leave the run as the estimate costs it: nothing to name.
+# Values of those fields that leave the run as the estimate costs it: nothing to name. A field
+# with its own default there is named whenever set to another value.
 UNSET = (None, False, "no_shard", "none", [])
 NOT_MODELLED_DEFAULTS = {"num_distributed_optimizer_instances": 1, "main_params_dtype": "fp32",
-                         "megatron_fsdp_main_params_dtype": "fp32", "moe_combine_bwd_dtype": "bf16"}   # beside UNSET
+                         "megatron_fsdp_main_params_dtype": "fp32", "moe_combine_bwd_dtype": "bf16",
+                         "fp8_wgrad": True, "activation_offload_fraction": 1.0}
 # Megatron-FSDP's data_parallel_sharding_strategy: what each rank keeps 1/DP of.
 FSDP_SHARDS = {"no_shard": (), "optim": ("optimizer",), "optim_grads": ("optimizer", "gradients"),
                "optim_grads_params": ("optimizer", "gradients", "weights")}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _set_away_from_default(name: str, value) -> bool:
+    """Whether a NOT_MODELLED field's value changes the run from what the estimate costs."""
+    if name in NOT_MODELLED_DEFAULTS:
+        return value is not None and value != NOT_MODELLED_DEFAULTS[name]
+    return value not in UNSET
+
+
+def stage_override(values: dict, end: str) -> int | None:
+    """The decoder layers of the first / last pipeline rank (``end``): Megatron-LM's
+    ``decoder_{end}_pipeline_num_layers`` or Megatron-Core's (and Bridge's) name for the same,
+    ``num_layers_in_{end}_pipeline_stage``; refused when both are given and differ."""
+    args, core = values.get(f"decoder_{end}_pipeline_num_layers"), values.get(f"num_layers_in_{end}_pipeline_stage")
+    if args is not None and core is not None and args != core:
+        raise ConfigError(f"decoder_{end}_pipeline_num_layers={args} and num_layers_in_{end}_pipeline_stage={core} "
+                          "name the same split: give one")
+    return args if args is not None else core
 
 
 def fsdp_gradient_bytes(values: dict, assumed: list) -> tuple:
@@ -293,8 +316,7 @@ class TrainingLayout:
             precision_aware_optimizer=bool(get("use_precision_aware_optimizer", False)),
             optimizer_state_bytes=state, main_grad_bytes=grads,
             grad_comm_bytes=grad_comm,
-            first_stage_layers=v.get("decoder_first_pipeline_num_layers"),
-            last_stage_layers=v.get("decoder_last_pipeline_num_layers"),
+            first_stage_layers=stage_override(v, "first"), last_stage_layers=stage_override(v, "last"),
             embedding_in_split=bool(get("account_for_embedding_in_pipeline_split", False)),
             loss_in_split=bool(get("account_for_loss_in_pipeline_split", False)),
             layout_string=v.get("pipeline_model_parallel_layout"), cuda_graphs=graphs, fsdp=fsdp,
@@ -304,7 +326,7 @@ class TrainingLayout:
             fp8_wire=(get("moe_dispatch_fwd_dtype", "bf16") == "mxfp8") if backend == "ncclep" else None,
             optimizer_state_offload=state_offload,
             optimizer_state_chunk_MB=int(get("optimizer_state_offload_chunk_size_mb", 0) or 0), assumed=tuple(assumed),
-            not_modelled=tuple(f for f in NOT_MODELLED if v.get(f) not in (*UNSET, NOT_MODELLED_DEFAULTS.get(f)))
+            not_modelled=tuple(f for f in NOT_MODELLED if _set_away_from_default(f, v.get(f)))
             + tuple(unknown))
         return layout
 
