@@ -191,7 +191,7 @@ def test_terms_add_up_to_the_step():
                         optimizer_offload=1.0, ep_overlap=True, delay_wgrad=True)):
         r = run("h100", QWEN, **fields)
         assert sum(r["terms_s"].values()) == pytest.approx(r["step_time_s"], rel=1e-9)
-        assert {"gemm", "attention", "elementwise", "ep", "pp_bubble", "dp", "optimizer"} <= set(r["terms_s"])
+        assert {"gemm", "attention", "elementwise", "host_sync", "ep", "pp_bubble", "dp", "optimizer"} <= set(r["terms_s"])
     assert r["terms_s"]["fsdp"] >= 0 and r["terms_s"]["offload"] >= 0 and r["terms_s"]["optimizer_offload"] > 0
 
 
@@ -312,6 +312,25 @@ def test_flex_dispatcher_fields_of_megatron_core_are_read():
     assert set(layout("--moe-flex-dispatcher-backend", "ncclep", "--moe-paged-stash", "--moe-ncclep-zero-copy",
                       "--moe-combine-bwd-dtype", "mxfp8").not_modelled) == \
         {"moe_paged_stash", "moe_ncclep_zero_copy", "moe_combine_bwd_dtype"}
+
+
+def test_each_moe_layer_pays_a_host_synchronisation_per_micro_batch():
+    """SYNC_S_PER_MOE_LAYER once per MoE layer and micro-batch (twice with the MoE recomputed),
+    none with full-iteration CUDA graphs: a micro-batch of 2 spreads it over twice the tokens,
+    which is why the published DeepSeek-V3 runs at micro-batch 2 beat micro-batch 1."""
+    from expertrail.plan.estimate import SYNC_S_PER_MOE_LAYER
+    base = dict(pp=2, vpp=8, ep=32, global_batch=4096, precision="fp8", fp8_recipe="mxfp8", **MLA_UP)
+    one = run("gb300-nvl72", DSV3, micro_batch=1, **base)
+    moe_layers = one["step"]["moe_syncs"]
+    assert one["step"]["micro_batch_parts_s"]["host_sync"] == pytest.approx(moe_layers * SYNC_S_PER_MOE_LAYER)
+    assert "host_sync" not in run("gb300-nvl72", DSV3, micro_batch=1, sync_free=True, **base)["step"]["micro_batch_parts_s"]
+    again = run("gb300-nvl72", DSV3, micro_batch=1, **dict(base, recompute_modules=("mla_up_proj", "moe")))
+    assert again["step"]["moe_syncs"] == 2 * moe_layers
+    two = run("gb300-nvl72", DSV3, micro_batch=2, **base)
+    assert two["terms_s"]["host_sync"] == pytest.approx(one["terms_s"]["host_sync"] / 2)
+    assert two["tokens_per_s_per_gpu"] > one["tokens_per_s_per_gpu"]
+    flags = ["--expert-model-parallel-size", "8", "--cuda-graph-impl", "full_iteration"]
+    assert TrainingLayout.from_fields(load_config(None, flags), 64).sync_free
 
 
 def test_wall_counts_every_exposed_transfer():

@@ -11,6 +11,8 @@ the rows it was fitted on, or says it is an assumption.
 """
 from __future__ import annotations
 
+import itertools
+
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -74,6 +76,7 @@ FITTED_ON = {
     "cost.FP8_ROW_OVERHEAD_S": ["hybrid-ep b200 ep8"],
     "estimate.GEMM_EFFICIENCY": _FIT_ROWS,
     "estimate.SYSTEM_SPEED": _FIT_ROWS,
+    "estimate.SYNC_S_PER_MOE_LAYER": _FIT_ROWS,
     "estimate.GEMM_HALF_DIM": _FIT_ROWS,
     "estimate.GROUPED_HALF_ROWS": "the shape of the advisor's expert-GEMM curve",
     "estimate.ATTENTION_EFFICIENCY": "assumption (fused attention)",
@@ -114,7 +117,7 @@ def constants() -> dict:
     """The fitted constants as estimate.py holds them."""
     from . import estimate
     return {"gemm": dict(estimate.GEMM_EFFICIENCY), "speed": dict(estimate.SYSTEM_SPEED),
-            "half_dim": estimate.GEMM_HALF_DIM}
+            "half_dim": estimate.GEMM_HALF_DIM, "sync_s": estimate.SYNC_S_PER_MOE_LAYER}
 
 
 def _estimate(run_id: str, consts: dict | None = None) -> dict:
@@ -124,13 +127,14 @@ def _estimate(run_id: str, consts: dict | None = None) -> dict:
     from .architecture import ARCHITECTURES
     from .catalog import HARDWARE
     run = TRAINING_RUNS[run_id]
-    saved = est.GEMM_EFFICIENCY, est.SYSTEM_SPEED, est.GEMM_HALF_DIM
+    saved = est.GEMM_EFFICIENCY, est.SYSTEM_SPEED, est.GEMM_HALF_DIM, est.SYNC_S_PER_MOE_LAYER
     if consts is not None:
-        est.GEMM_EFFICIENCY, est.SYSTEM_SPEED, est.GEMM_HALF_DIM = consts["gemm"], consts["speed"], consts["half_dim"]
+        est.GEMM_EFFICIENCY, est.SYSTEM_SPEED, est.GEMM_HALF_DIM, est.SYNC_S_PER_MOE_LAYER = \
+            consts["gemm"], consts["speed"], consts["half_dim"], consts["sync_s"]
     try:
         return est.estimate(ARCHITECTURES[run["model"]], HARDWARE[run["system"]], layout_of(run))
     finally:
-        est.GEMM_EFFICIENCY, est.SYSTEM_SPEED, est.GEMM_HALF_DIM = saved
+        est.GEMM_EFFICIENCY, est.SYSTEM_SPEED, est.GEMM_HALF_DIM, est.SYNC_S_PER_MOE_LAYER = saved
 
 
 @lru_cache(maxsize=None)
@@ -149,11 +153,12 @@ def error_pct(run_id: str, result: dict | None = None) -> float:
 
 
 def _decompose(run_id: str, consts: dict) -> tuple:
-    """(precision, system, G, A, F, published step s) of a run at ``consts``: its predicted step is
-    G / (efficiency x speed) + A / speed + F, G the GEMM (and recomputed GEMM) seconds at
-    efficiency and speed 1, A attention at speed 1, F the rest (memory-bound work, exposed
-    communication, bubble's share of those, optimizer); exact while the same rank stays the
-    slowest and the GPU, not the host, sets the pace."""
+    """(precision, system, G, A, F, published step s, width, S) of a run at ``consts``: its
+    predicted step is G / (efficiency x speed) + A / speed + F + S x sync, G the GEMM (and
+    recomputed GEMM) seconds at efficiency and speed 1, A attention at speed 1, S the MoE host
+    synchronisations of the step, F the rest (memory-bound work, exposed communication,
+    bubble's share of those, optimizer); exact while the same rank stays the slowest and the
+    GPU, not the host, sets the pace."""
     from .architecture import ARCHITECTURES
     run = TRAINING_RUNS[run_id]
     r = _estimate(run_id, consts)
@@ -166,8 +171,9 @@ def _decompose(run_id: str, consts: dict) -> tuple:
     scale = (st["micro_batches_s"] + st["bubble_s"]) / st["gpu_s"] if st["gpu_s"] >= st["host_s"] else 0.0
     gemm = scale * (parts["gemm"] + parts["recompute"]) * eff * speed
     attention = scale * parts["attention"] * speed
-    rest = r["step_time_s"] - gemm / (eff * speed) - attention / speed
-    return precision, run["system"], gemm, attention, rest, _published_step_s(run_id, r), width
+    syncs = scale * st["moe_syncs"]
+    rest = r["step_time_s"] - gemm / (eff * speed) - attention / speed - syncs * consts["sync_s"]
+    return precision, run["system"], gemm, attention, rest, _published_step_s(run_id, r), width, syncs
 
 
 # A run is launch-bound when it took this much longer per layer than its GPUs' work (the host,
@@ -214,29 +220,32 @@ def launch_floor() -> tuple:
     return min(published_layer_s(rid) for rid in bound), bound
 
 
-# The widths `fit` tries for estimate.GEMM_HALF_DIM (0: no width term).
+# The widths `fit` tries for estimate.GEMM_HALF_DIM (0: no width term), and the host
+# synchronisations for estimate.SYNC_S_PER_MOE_LAYER (seconds; 0: none).
 HALF_DIMS = (0.0, 64.0, 128.0, 256.0, 384.0, 512.0, 768.0, 1024.0, 1536.0, 2048.0, 3072.0, 4096.0)
+SYNC_STALLS = tuple(ms * 1e-3 for ms in (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0))
 
 
 def fit(run_ids=None, rounds: int = 3) -> dict:
-    """GEMM efficiency per precision, each system's speed (`FITTED_SYSTEMS`, GB200 = 1) and the
-    GEMM width at half efficiency (one of `HALF_DIMS`) that minimise the summed absolute log
-    error of the predicted step over ``run_ids`` (the fit rows by default): least absolute
-    deviations, so one run the model cannot explain does not drag a constant. Each round
-    decomposes every run's step at the current constants (`_decompose`); on that
-    decomposition every width of `HALF_DIMS` gets its best efficiencies and speeds by
-    coordinate search (steps narrowing from 0.5 to 0.005 in log), and the width with the
-    smallest error wins; the next round decomposes again at the result."""
+    """GEMM efficiency per precision, each system's speed (`FITTED_SYSTEMS`, GB200 = 1), the
+    GEMM width at half efficiency (one of `HALF_DIMS`) and the MoE layer's host synchronisation
+    (one of `SYNC_STALLS`) that minimise the summed absolute log error of the predicted step
+    over ``run_ids`` (the fit rows by default): least absolute deviations, so one run the model
+    cannot explain does not drag a constant. Each round decomposes every run's step at the
+    current constants (`_decompose`); on that decomposition every pair of a width and a
+    synchronisation gets its best efficiencies and speeds by coordinate search (steps narrowing
+    from 0.5 to 0.005 in log), and the pair with the smallest error wins; the next round
+    decomposes again at the result."""
     import numpy as np
     ids = list(run_ids if run_ids is not None else _FIT_ROWS)
     consts = {"gemm": {"bf16": 0.5, "fp8": 0.3}, "speed": {"gb200-nvl72": 1.0, **{s: 1.0 for s in FITTED_SYSTEMS}},
-              "half_dim": 0.0}
+              "half_dim": 0.0, "sync_s": 0.0}
     names = [("gemm", "bf16"), ("gemm", "fp8")] + [("speed", s) for s in FITTED_SYSTEMS]
     for _ in range(rounds):
         rows = [_decompose(rid, consts) for rid in ids]
         prec = np.array([r[0] for r in rows])
         system = np.array([r[1] for r in rows])
-        g, a, f, pub, width = (np.array([r[i] for r in rows]) for i in (2, 3, 4, 5, 6))
+        g, a, f, pub, width, syncs = (np.array([r[i] for r in rows]) for i in (2, 3, 4, 5, 6, 7))
         masks = [system == s for s in FITTED_SYSTEMS]
 
         def loss(th, half):
@@ -244,10 +253,10 @@ def fit(run_ids=None, rounds: int = 3) -> dict:
             speed = np.ones(len(rows))
             for i, mask in enumerate(masks):
                 speed = np.where(mask, np.exp(th[2 + i]), speed)
-            return float(np.abs(np.log((g / (eff * speed) + a / speed + f) / pub)).sum())
+            return float(np.abs(np.log((g / (eff * speed) + a / speed + f + syncs * sync) / pub)).sum())
 
         best = None
-        for half in HALF_DIMS:
+        for half, sync in itertools.product(HALF_DIMS, SYNC_STALLS):
             theta = np.log([consts[k][n] for k, n in names])
             for step in (0.5, 0.1, 0.02, 0.005):
                 for _sweep in range(20):
@@ -266,8 +275,8 @@ def fit(run_ids=None, rounds: int = 3) -> dict:
                         break
             value = loss(theta, half)
             if best is None or value < best[0] - 1e-9:
-                best = (value, half, theta)
-        _, consts["half_dim"], theta = best
+                best = (value, half, sync, theta)
+        _, consts["half_dim"], consts["sync_s"], theta = best
         for (k, n), v in zip(names, np.exp(theta)):
             consts[k][n] = float(v)
     return consts

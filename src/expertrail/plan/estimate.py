@@ -16,8 +16,9 @@ model (`cost.predict`, forward and backward), of which EP overlap hides what the
 micro-batch's compute chunks cover (`ep_overlap_exposed`), TP's all-gathers / reduce-scatters,
 CP's key-value exchange beyond the attention it hides behind, Megatron-FSDP's per-layer
 collectives beyond the layer's compute (`fsdp_seconds`), activation offloading's copies beyond
-it, and the pipeline's sends. A host that launches kernels more slowly than the GPU runs them
-sets the pace instead (`HOST_S_PER_LAYER`). `terms_s` splits the step into these terms.
+it, and the pipeline's sends, and each MoE layer's host synchronisation (`SYNC_S_PER_MOE_LAYER`).
+A host that launches kernels more slowly than the GPU runs them sets the pace instead
+(`HOST_S_PER_LAYER`). `terms_s` splits the step into these terms.
 
 TFLOPS per GPU are model FLOPs (`Architecture.flops_per_token`, Megatron-Core's count) per
 step over the step time and the GPUs. The fitted constants come from `calibration.fit` on the
@@ -36,13 +37,18 @@ from . import layout as layout_fields
 from .memory import GB, layer_activation_bytes, memory, offloaded_bytes, usable_GB
 from .simulate import domain_for
 
-GEMM_EFFICIENCY = {"bf16": 0.85, "fp8": 0.45}   # of the dense peak of that precision, before width_factor (calibration.fit)
+GEMM_EFFICIENCY = {"bf16": 0.74, "fp8": 0.45}   # of the dense peak of that precision, before width_factor (calibration.fit)
 # Sustained speed of a system's tensor cores against GB200's at the same datasheet peak (clocks under its
 # power limit, Blackwell Ultra's faster softmax exponentials): scales GEMMs and attention (calibration.fit).
 # Systems not named here (measured machines, user catalogs) run at 1.0.
-SYSTEM_SPEED = {"gb200-nvl72": 1.0, "gb300-nvl72": 1.19, "b200": 0.71, "b300": 0.82, "h100": 0.91}
-GEMM_HALF_DIM = 3072.0                           # a model's GEMMs run at d / (d + this) of it, d its hidden size (calibration.fit)
+SYSTEM_SPEED = {"gb200-nvl72": 1.0, "gb300-nvl72": 1.15, "b200": 0.71, "b300": 0.81, "h100": 0.93}
+GEMM_HALF_DIM = 2048.0                           # a model's GEMMs run at d / (d + this) of it, d its hidden size (calibration.fit)
 GROUPED_HALF_ROWS = 128                          # rows per expert at which a grouped GEMM reaches half of that
+# A dropless MoE layer's host synchronisation, once per micro-batch in its forward (and again in
+# a recomputed one): the token counts go to the host to size the grouped GEMM's splits, and the
+# GPU idles while the host launches what follows (NVIDIA's fused MoE kernels remove it as a main
+# bottleneck, "sync-free MoE execution"). calibration.fit; full-iteration CUDA graphs run sync-free.
+SYNC_S_PER_MOE_LAYER = 1.0e-3
 ATTENTION_EFFICIENCY = 0.45                      # fused attention, forward and backward, of the BF16 peak
 # Fused attention's speed at a head width against 128-wide heads (64: 0.67): cuDNN's forward on
 # H100 at sequence 4k in FlashAttention-3's paper (arXiv 2407.08608, Fig. 5), 408 TFLOPS at head
@@ -166,6 +172,7 @@ def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe:
     # Recomputation: one more forward of what is recomputed.
     drop = set(layout.recompute_modules) if layout.recompute == "selective" else set()
     recompute = 0.0
+    syncs = moe_syncs(layout) if moe else 0
     if layout.recompute == "full":
         recompute = compute / 3 + (ep_comm / 2 if moe else 0.0)
     else:
@@ -186,6 +193,8 @@ def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe:
         if moe and "shared_experts" in drop and arch.shared_ffn:
             recompute += _gemm_seconds(t * 6 * arch.hidden * arch.shared_ffn, hw, layout.precision, width=w)
     comm = {}
+    if syncs:
+        comm["host_sync"] = syncs * SYNC_S_PER_MOE_LAYER
     if moe and ep_comm:
         if layout.ep_overlap and layout.micro_batches >= 2:
             attention_side = attn_gemm + core + elementwise / 2 + recompute
@@ -211,6 +220,16 @@ def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe:
         cp = 3 * (layout.cp - 1) * t * layout.tp * kv_dim * 2 / layout.tp / link_bandwidth(hw, link, None)
         comm["cp"] = max(0.0, cp - core)
     return {"gemm": dense + experts, "attention": core, "elementwise": elementwise, "recompute": recompute, **comm}
+
+
+def moe_syncs(layout: TrainingLayout) -> int:
+    """Host synchronisations of one MoE layer and micro-batch: its forward's, and its recomputed
+    forward's under full recompute or the ``moe`` module recomputed; none with full-iteration
+    CUDA graphs (sync-free MoE)."""
+    if layout.sync_free:
+        return 0
+    recomputed = layout.recompute == "full" or (layout.recompute == "selective" and "moe" in layout.recompute_modules)
+    return 1 + recomputed
 
 
 def ep_overlap_exposed(ep_comm: float, attention: float, mlp: float, delay_wgrad: bool, sm_share: float) -> float:
@@ -282,7 +301,7 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
         gpu = sum(parts.values())
         host = host_per_layer * (layers + mtp)
         per_rank.append({"rank": rank, "gpu_s": gpu, "host_s": host, "micro_batch_s": max(gpu, host), "parts": parts,
-                         "layers": layers + mtp})
+                         "layers": layers + mtp, "moe_syncs": moe_n * moe_syncs(layout)})
     slowest = max(per_rank, key=lambda r: r["micro_batch_s"])
     m = layout.micro_batches
     bubble = (layout.pp - 1) / layout.vpp * slowest["micro_batch_s"]
@@ -347,7 +366,7 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
         "step": {"micro_batches_s": m * slowest["micro_batch_s"], "bubble_s": bubble, "dp_exposed_s": dp_s,
                  "optimizer_s": optimizer_s, "slowest_rank": slowest["rank"],
                  "micro_batch_parts_s": dict(parts), "host_s": slowest["host_s"], "gpu_s": slowest["gpu_s"],
-                 "layers": slowest["layers"], "ep_comm_per_layer_s": ep_comm},
+                 "layers": slowest["layers"], "moe_syncs": slowest["moe_syncs"], "ep_comm_per_layer_s": ep_comm},
         "terms_s": terms,
     }
     result["wall"], result["wall_reason"] = wall(result, busiest, usable)

@@ -127,6 +127,7 @@ class TrainingLayout:
     layers_per_virtual_stage: int | None = None   # num_layers_per_virtual_pipeline_stage (sets VPP)
     layout_string: str | None = None
     cuda_graphs: bool = False
+    sync_free: bool = False                 # cuda_graph_impl=full_iteration: MoE layers without a host synchronisation
     fsdp: str | None = None                 # Megatron-FSDP's data_parallel_sharding_strategy (None: not FSDP)
     offload_modules: tuple = ()             # fine-grained activation offloading's modules
     optimizer_offload: float = 0.0          # optimizer_cpu_offload: share of the optimizer states on the host
@@ -319,7 +320,8 @@ class TrainingLayout:
             first_stage_layers=stage_override(v, "first"), last_stage_layers=stage_override(v, "last"),
             embedding_in_split=bool(get("account_for_embedding_in_pipeline_split", False)),
             loss_in_split=bool(get("account_for_loss_in_pipeline_split", False)),
-            layout_string=v.get("pipeline_model_parallel_layout"), cuda_graphs=graphs, fsdp=fsdp,
+            layout_string=v.get("pipeline_model_parallel_layout"), cuda_graphs=graphs,
+            sync_free=get("cuda_graph_impl", None) == "full_iteration", fsdp=fsdp,
             offload_modules=tuple(offload), optimizer_offload=optimizer_offload,
             optimizer_offload_overlap=bool(get("overlap_cpu_optimizer_d2h_h2d", False)),
             rank_capacity=get("moe_expert_rank_capacity_factor", None) if backend in ("hybridep", "ncclep") else None,
