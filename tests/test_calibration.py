@@ -90,3 +90,12 @@ def test_the_x86_launch_floor_is_the_fit_splits_fastest_launch_bound_layer():
     for rid in ("25.11 b200 qwen3-30b-a3b mxfp8 1/1/1/8 mbs1 gbs512 gpus8",
                 "26.02 b200 qwen3-30b-a3b mxfp8 1/1/1/8 mbs1 gbs512 gpus8"):
         assert calibration.predicted(rid)["wall"] == "host" and abs(calibration.error_pct(rid)) < 10
+
+
+def test_the_fitted_fp8_recipes_are_the_fit_rows_recipes():
+    """estimate.FITTED_FP8_RECIPES (whose recipes the FP8 efficiency stands for) is read off the
+    fit rows: one recipe per GPU generation."""
+    from expertrail.plan.catalog import HARDWARE
+    ran = {(HARDWARE[run["system"]].arch, run["layout"]["fp8_recipe"]) for rid, run in calibration.TRAINING_RUNS.items()
+           if rid in calibration.FITTED_ON["estimate.GEMM_EFFICIENCY"] and run["layout"]["precision"] == "fp8"}
+    assert ran == set(estimate.FITTED_FP8_RECIPES.items())

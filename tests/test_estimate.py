@@ -333,6 +333,19 @@ def test_each_moe_layer_pays_a_host_synchronisation_per_micro_batch():
     assert TrainingLayout.from_fields(load_config(None, flags), 64).sync_free
 
 
+def test_an_fp8_recipe_the_fit_did_not_run_is_said_to_be_costed_as_the_fitted_one():
+    """One FP8 GEMM efficiency is fitted, on current-scaling (tensorwise) runs on Hopper and
+    MXFP8 runs on Blackwell: another recipe (blockwise, Megatron's default delayed) is costed the
+    same, and the assumed line says so."""
+    def assumed(hardware, recipe):
+        return [a for a in run(hardware, QWEN, pp=8, ep=32, global_batch=1024, precision="fp8",
+                                fp8_recipe=recipe)["assumed"] if a.startswith("fp8_recipe")]
+    assert assumed("h100", "tensorwise") == [] and assumed("gb200-nvl72", "mxfp8") == []
+    assert assumed("h100", "blockwise") == ["fp8_recipe=blockwise costed at the efficiency fitted on tensorwise "
+                                            "runs (hopper)"]
+    assert assumed("b200", None) == ["fp8_recipe=delayed costed at the efficiency fitted on mxfp8 runs (blackwell)"]
+
+
 def test_wall_counts_every_exposed_transfer():
     """The wall names FSDP's exposed collectives when they are the largest transfer, instead of
     calling a run whose micro-batch is half FSDP traffic compute-bound."""

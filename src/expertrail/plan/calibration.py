@@ -77,6 +77,7 @@ FITTED_ON = {
     "estimate.GEMM_EFFICIENCY": _FIT_ROWS,
     "estimate.SYSTEM_SPEED": _FIT_ROWS,
     "estimate.SYNC_S_PER_MOE_LAYER": _FIT_ROWS,
+    "estimate.FITTED_FP8_RECIPES": "the recipes of the fit rows' FP8 runs: tensorwise on H100, mxfp8 on Blackwell",
     "estimate.GEMM_HALF_DIM": _FIT_ROWS,
     "estimate.GROUPED_HALF_ROWS": "the shape of the advisor's expert-GEMM curve",
     "estimate.ATTENTION_EFFICIENCY": "assumption (fused attention)",

@@ -351,7 +351,7 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
                    "precision": layout.precision, "recompute": layout.recompute,
                    "recompute_modules": list(layout.recompute_modules), "dispatcher": layout.dispatcher,
                    "flex_backend": layout.flex_backend, "algorithm": algorithm, "ep_overlap": layout.ep_overlap},
-        "assumed": list(layout.assumed),
+        "assumed": list(layout.assumed) + recipe_assumption(hw, layout),
         "not_modelled": list(layout.not_modelled),
         "fits": fits, "peak_memory_GB": busiest.total_GB, "usable_memory_GB": usable, "hbm_GB": hw.hbm_GB,
         "memory": {"busiest_rank": busiest.rank, "weights_GB": busiest.weights_GB,
@@ -371,6 +371,22 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     }
     result["wall"], result["wall_reason"] = wall(result, busiest, usable)
     return result
+
+
+# The FP8 recipes the fit rows ran, by GPU generation: GEMM_EFFICIENCY["fp8"] is theirs.
+FITTED_FP8_RECIPES = {"hopper": "tensorwise", "blackwell": "mxfp8"}
+
+
+def recipe_assumption(hw: Hardware, layout: TrainingLayout) -> list:
+    """The assumed line's note when an FP8 run uses a recipe the fit rows did not run on its
+    GPU generation (FP8 current scaling on Hopper, MXFP8 on Blackwell): its GEMMs are costed at
+    the fitted recipe's efficiency. Megatron's default recipe is delayed scaling."""
+    if layout.precision != "fp8" or hw.arch not in FITTED_FP8_RECIPES:
+        return []
+    recipe, fitted = layout.fp8_recipe or "delayed", FITTED_FP8_RECIPES[hw.arch]
+    if recipe == fitted:
+        return []
+    return [f"fp8_recipe={recipe} costed at the efficiency fitted on {fitted} runs ({hw.arch})"]
 
 
 def _expert_share(arch: Architecture, layout: TrainingLayout, stage: tuple) -> float:
