@@ -12,7 +12,6 @@ the rows it was fitted on, or says it is an assumption.
 from __future__ import annotations
 
 import itertools
-
 import json
 from functools import lru_cache
 from pathlib import Path

@@ -32,7 +32,7 @@ from ..errors import ConfigError
 from .architecture import Architecture
 from .catalog import Hardware
 from .cost import EPLayout, Routing, link_bandwidth, predict
-from .layout import TrainingLayout, stage_layers
+from .layout import DEEPEP_LIKE, TrainingLayout, stage_layers
 from . import layout as layout_fields
 from .memory import GB, layer_activation_bytes, memory, offloaded_bytes, usable_GB
 from .simulate import domain_for
@@ -75,7 +75,6 @@ FRAMEWORK_CALL_FACTOR = 1.25
 # combine with 24 SMs (Megatron-LM docs/discussions/deepseek-v3-gb200-optimization, "2.2.1
 # DeepEP"), far below the rack's NVLink: the most a DeepEP exchange gets beyond 8 peers in a rack.
 DEEPEP_NVLINK_PEERS = 8
-DEEPEP_LIKE = ("deepep", "ncclep")               # NCCL EP is costed as DeepEP's kernels (no published figures)
 DEEPEP_RACK_GBPS = {"dispatch": 400.0, "combine": 190.0}
 ROUTING_SAMPLE = 1024
 # EP overlap: SMs the dispatcher's kernels hold while the other micro-batch computes beside them

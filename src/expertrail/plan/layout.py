@@ -39,6 +39,8 @@ NOT_MODELLED_DEFAULTS = {"num_distributed_optimizer_instances": 1, "main_params_
 FSDP_SHARDS = {"no_shard": (), "optim": ("optimizer",), "optim_grads": ("optimizer", "gradients"),
                "optim_grads_params": ("optimizer", "gradients", "weights")}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Flex backends costed as DeepEP's kernels: NCCL EP has no published figures.
+DEEPEP_LIKE = ("deepep", "ncclep")
 
 
 def _set_away_from_default(name: str, value) -> bool:
@@ -257,7 +259,7 @@ class TrainingLayout:
         # configuration sets grad_reduce_in_fp32 false (Bridge's GPT-OSS recipes).
         grads = 2 if v.get("grad_reduce_in_fp32") is False else 4
         if get("use_precision_aware_optimizer", False):
-            sizes = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+            sizes = {**DTYPE_BYTES, "fp8": 1}
             state = sizes.get(get("exp_avg_dtype", "fp32"), 4) + sizes.get(get("exp_avg_sq_dtype", "fp32"), 4)
             grads = sizes.get(get("main_grads_dtype", "fp32"), 4)
         graphs = get("cuda_graph_impl", None) not in (None, "none") or bool(get("enable_cuda_graph", False))

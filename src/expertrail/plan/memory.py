@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .architecture import Architecture
-from .layout import FSDP_SHARDS, TrainingLayout, stage_layers
+from .layout import DEEPEP_LIKE, FSDP_SHARDS, TrainingLayout, stage_layers
 
 GB = 1e9
 RESERVE_FIXED_GB = 2.0          # CUDA context, NCCL communicators and their buffers
@@ -213,7 +213,7 @@ def dispatcher_GB(arch: Architecture, layout: TrainingLayout, domain: int) -> fl
     if layout.flex_backend == "hybridep":
         worst = min(layout.ep, domain) * rows
         return (min(worst, budget) if budget else worst) / GB
-    if layout.flex_backend in ("deepep", "ncclep"):
+    if layout.flex_backend in DEEPEP_LIKE:
         return max(DEEPEP_BUFFER_GB, budget / GB) if budget else DEEPEP_BUFFER_GB
     return 2 * arch.topk * rows / GB
 

@@ -585,7 +585,7 @@ RULES = [
          "write stages of E, t, m, L between |, with (..)*N or X*N repeats, a multiple of "
          "pipeline_model_parallel_size of them (Megatron takes VPP = stages / PP)",
          lambda c: c.given("pipeline_model_parallel_layout"),
-         lambda c: _layout_stages(c) is not None and _layout_stages(c) % int(c["pipeline_model_parallel_size"]) == 0),
+         lambda c: (stages := _layout_stages(c)) is not None and stages % int(c["pipeline_model_parallel_size"]) == 0),
     Rule("parallel-sizes", "TP x PP x CP x DP must equal the world size",
          ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
           "data_parallel_size"), "choose sizes whose product is the number of GPUs (DP = world / (TP x PP x CP))",
