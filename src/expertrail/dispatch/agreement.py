@@ -28,14 +28,19 @@ class Agreement:
     def start(self, counts: torch.Tensor, header: list) -> Transfer:
         """Start the all-to-all of counts [P, C] plus ``header`` (int64 values, the same to every
         peer: a packed `Header`, or combine's flags)."""
-        head = torch.tensor(header, dtype=torch.int64, device=counts.device).expand(self.groups.ep_size, -1)
+        head = torch.tensor(header, dtype=torch.int64)
+        if counts.device.type == "cuda":      # copied from pinned memory, the row does not wait for the GPU
+            head = head.pin_memory()
+        head = head.to(counts.device, non_blocking=True).expand(self.groups.ep_size, -1)
         return self.groups.ep_channel.all_to_all_fixed(torch.cat([counts, head], 1))
 
     def finish_dispatch(self, transfer: Transfer, message: str | None) -> tuple[torch.Tensor, Headers]:
         """Wait for the control exchange -> (recv_counts [P, C], every rank's `Headers`); raise
-        on every rank if any rank is in error or the calls do not match."""
+        on every rank if any rank is in error or the calls do not match. The host reads the
+        headers and plans with the counts from one copy (``headers.counts``): one wait for the GPU."""
         recv = transfer.wait()
-        recv_counts, headers = recv[:, :-len(FIELDS)], Headers(recv[:, -len(FIELDS):])
+        host = recv.cpu()
+        recv_counts, headers = recv[:, :-len(FIELDS)], Headers(host[:, -len(FIELDS):], host[:, :-len(FIELDS)])
         self.raise_if_any(headers.column("error").tolist(), message, "dispatch", "input")
         headers.check(self.name)
         return recv_counts, headers
@@ -55,7 +60,7 @@ class Agreement:
     def finish_combine(self, flags: Transfer, message: str | None) -> None:
         """Wait for the peers' combine flags; raise on every rank if any rank is in error or the
         ranks disagree on gradients."""
-        received = flags.wait()
+        received = flags.wait().cpu()          # both columns read on the host: one wait for the GPU
         self.raise_if_any(received[:, 0].tolist(), message, "combine", "expert_out")
         grads = received[:, 1].tolist()
         if len(set(grads)) > 1:

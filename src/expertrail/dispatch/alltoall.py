@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.torch_ops import CopyPositions, stable_argsort
+from ..kernels.torch_ops import CopyPositions, count_values, stable_argsort
 from ..names import metadata_bytes
 from ..comm.transport import LandingRuns
 from .base import Dispatcher
@@ -44,12 +44,11 @@ def pair_copies(pairs: torch.Tensor, num_tokens: int, topk: int) -> CopyPosition
     return CopyPositions.from_dense(at.view(num_tokens, topk))
 
 
-def expert_major_order(recv_counts: torch.Tensor) -> torch.Tensor:
+def expert_major_order(recv_counts: torch.Tensor, real_rows: int) -> torch.Tensor:
     """Rows received grouped by (source, local expert), ``recv_counts [P, E_local]`` of them per
-    run -> int64 [M_real]: the received row of each expert-major row (by expert, then source,
-    then order of arrival)."""
+    run, ``real_rows`` in all -> int64 [M_real]: the received row of each expert-major row (by
+    expert, then source, then order of arrival)."""
     p, local = recv_counts.shape
-    real_rows = int(recv_counts.sum())
     run_counts = recv_counts.t().reshape(-1)                                  # runs in (expert, source) order
     received_start = (torch.cumsum(recv_counts.reshape(-1), 0) - recv_counts.reshape(-1)).view(p, local).t()
     from_received = torch.repeat_interleave(received_start.reshape(-1) - (torch.cumsum(run_counts, 0) - run_counts),
@@ -101,12 +100,15 @@ class AllToAllDispatcher(Dispatcher):
     def _outgoing(self, topk_idx):
         k = topk_idx.shape[1]
         key = topk_idx.reshape(-1) + 1                            # 0: dropped top-k entry, e + 1: expert e
-        per_key = torch.bincount(key, minlength=self.num_experts + 1)
-        dropped = int(per_key[0])
-        pairs = stable_argsort(key)[dropped:]   # n * K + k of each sent row, by expert, then (n, k)
+        per_key = count_values(key, self.num_experts + 1)
         counts = per_key[1:].view(self.groups.ep_size, -1)
-        return Outgoing(topk_idx, counts, pairs // max(k, 1), counts.sum(1).tolist(), self.groups.ep_rank,
-                          pairs=pairs)
+        # What the host plans with (dropped entries, rows per peer and expert), copied at once:
+        # one wait for the GPU.
+        host_keys = per_key.cpu()
+        host_counts = host_keys[1:].view(self.groups.ep_size, -1)
+        pairs = stable_argsort(key)[int(host_keys[0]):]   # n * K + k of each sent row, by expert, then (n, k)
+        return Outgoing(topk_idx, counts, pairs // max(k, 1), host_counts.sum(1).tolist(), self.groups.ep_rank,
+                        pairs=pairs, host_counts=host_counts)
 
     def _stages(self, topk_weights, outgoing, recv_counts, headers):
         pairs, token, send_splits = outgoing.pairs, outgoing.token, outgoing.send_splits
@@ -114,21 +116,24 @@ class AllToAllDispatcher(Dispatcher):
         g = self.groups
         n, p = topk_weights.shape[0], g.ep_size
         real = recv_counts.sum(0)                                 # [E_local] rows per local expert
-        real_rows = int(real.sum())
         padded = self._padded_counts(real, headers)
-        out_rows = int(padded.sum())
+        # The sizes the host plans with, from the control row's host copy.
+        host_counts = headers.counts
+        host_real = host_counts.sum(0)
+        host_padding = self._padded_counts(host_real, headers) - host_real
+        real_rows, out_rows = int(host_real.sum()), int(host_real.sum() + host_padding.sum())
         k = pairs % max(topk, 1)
         sent = dict(index=token, copy=k, num_src=n, max_copies=max(topk, 1),          # copies summed in k order
                     positions=pair_copies(pairs, n, topk), channel=g.ep_channel, send_splits=send_splits,
-                    recv_splits=recv_counts.sum(1).tolist(), peers=list(range(p)),
+                    recv_splits=host_counts.sum(1).tolist(), peers=list(range(p)),
                     meta_bytes=metadata_bytes(self.name, topk))
-        from_received = expert_major_order(recv_counts)
+        from_received = expert_major_order(recv_counts, real_rows)
         real_pos = None
         if out_rows != real_rows:                                 # padding: where the real rows go
             expert = torch.repeat_interleave(torch.arange(self.num_local_experts, device=real.device), real)
             real_pos = padded_positions(expert, real, padded)
         if self._lands_in_place(headers):
-            runs = LandingRuns(**landing_pieces(outgoing.counts, recv_counts, padded - real), channel=g.ep_channel,
+            runs = LandingRuns(**landing_pieces(outgoing.host_counts, host_counts, host_padding), channel=g.ep_channel,
                                out_rows=out_rows, zero_fill=out_rows != real_rows)
             hop = LandingHop(runs=runs, **sent)
             placed = real_pos if real_pos is not None else torch.arange(real_rows, device=real.device)

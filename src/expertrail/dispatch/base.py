@@ -17,7 +17,7 @@ from ..comm.topology import EPGroups, guarded
 from ..comm.transport import Transfer, TransferStats
 from ..errors import ConfigError, InvalidInputError
 from ..kernels import fp8
-from ..kernels.torch_ops import cast, gather_rows
+from ..kernels.torch_ops import cast, count_values, gather_rows
 from ..kernels.workspace import Workspace
 from .agreement import Agreement
 from .autograd import CombineFunction, DispatchFunction
@@ -264,7 +264,7 @@ class Dispatcher:
         """The last stage: the local hop that expands the ``num_src`` received rows into
         padded, expert-major output rows, and what it says of them. row, k, expert: int64
         [M_real] in output order; row_weights [M_real]: the routing weight of each."""
-        real = torch.bincount(expert, minlength=self.num_local_experts)
+        real = count_values(expert, self.num_local_experts)
         padded = self._padded_counts(real, headers)
         last = ExpandHop.numbered(row, num_src, max_copies)
         if not torch.equal(padded, real):

@@ -42,11 +42,13 @@ def dispatch_problem(where: str, x, topk_idx, topk_weights, hidden: int | None, 
         return problem
     if x.dtype not in DTYPE_CODES:
         return 2, f"{where}: x must be float32, bfloat16, float16 or float64, got {x.dtype}"
-    if topk_idx.numel():
-        low, high = (int(v) for v in torch.aminmax(topk_idx))
-        if low < -1 or high >= num_experts:
-            return 4, id_range_message(where, num_experts, low if low < -1 else high)
-    if not bool(torch.isfinite(topk_weights).all()):
+    # The ids' range and the weights' finiteness read on the host together: one wait for the GPU.
+    finite = torch.isfinite(topk_weights).all().to(torch.int64).reshape(1)
+    low, high, finite = torch.cat([torch.stack(torch.aminmax(topk_idx.long())) if topk_idx.numel()
+                                   else finite.new_tensor([0, 0]), finite]).tolist()
+    if low < -1 or high >= num_experts:
+        return 4, id_range_message(where, num_experts, low if low < -1 else high)
+    if not finite:
         return 5, f"{where}: topk_weights holds NaN or Inf; check the router output"
     return OK
 
@@ -63,11 +65,12 @@ def ids_problem(where: str, topk_idx: torch.Tensor, num_experts: int) -> str | N
     """The ids' values (read on the host): in [-1, num_experts), none twice within a token."""
     if not topk_idx.numel():
         return None
-    low, high = (int(v) for v in torch.aminmax(topk_idx))
+    ordered = topk_idx.sort(1).values
+    twice = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any().to(topk_idx.dtype).reshape(1)
+    low, high, twice = torch.cat([torch.stack(torch.aminmax(topk_idx)), twice]).tolist()   # one wait for the GPU
     if low < -1 or high >= num_experts:
         return id_range_message(where, num_experts, low if low < -1 else high)
-    ordered = topk_idx.sort(1).values
-    if bool(((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()):
+    if twice:
         return f"{where}: {TWICE}"
     return None
 

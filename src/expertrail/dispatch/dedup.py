@@ -35,7 +35,7 @@ class DedupDispatcher(Dispatcher):
         g = self.groups
         n, topk = topk_idx.shape
         hop = AllToAllHop.numbered(token, n, min(topk, g.ep_size), channel=g.ep_channel, send_splits=outgoing.send_splits,
-                                   recv_splits=recv_counts[:, 0].tolist(), peers=list(range(g.ep_size)),
+                                   recv_splits=headers.counts[:, 0].tolist(), peers=list(range(g.ep_size)),
                                    meta_bytes=metadata_bytes(self.name, topk), me=g.ep_rank)
         # Each row carries the local expert ids (on its destination) and weights of its top-k entries.
         local = local_ids_for(topk_idx[token], dest, self.rank_of_expert, self.local_of_expert)

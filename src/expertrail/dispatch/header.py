@@ -52,12 +52,14 @@ AGREED = ("hidden", "topk", "dtype", "x_requires_grad", "weights_require_grad")
 
 
 class Headers:
-    """Every EP rank's header as received: ``table`` int64 [P, len(FIELDS)], row p from EP
-    rank p. Columns by name (`column`); the agreed fields as plain values (rank 0's, equal on
+    """Every EP rank's header as received: ``table`` int64 [P, len(FIELDS)] on the host (read
+    field by field, each read would otherwise wait for the GPU), row p from EP rank p; beside
+    it ``counts`` int64 [P, C], the counts each rank sent this one, on the host too (None where
+    not given). Columns by name (`column`); the agreed fields as plain values (rank 0's, equal on
     every rank once `check` has passed)."""
 
-    def __init__(self, table: torch.Tensor):
-        self.table = table
+    def __init__(self, table: torch.Tensor, counts: torch.Tensor | None = None):
+        self.table, self.counts = table, counts
 
     def column(self, name: str) -> torch.Tensor:
         """int64 [P]: field ``name`` of every rank."""

@@ -31,6 +31,7 @@ from .dedup import local_ids_for
 from ..comm.topology import guarded
 from ..comm.transport import MIN_PIECE_ROWS, piece_bounds
 from ..errors import ConfigError
+from ..kernels.torch_ops import count_values
 from .config import DispatchConfig
 from .route import AllToAllHop, Forwarded, SplitHop, Stage
 
@@ -149,9 +150,10 @@ class HierarchicalDispatcher(Dispatcher):
         # Hop 1: over the rail group, one row per (token, domain). A row carries its source
         # (rank, token), the ids of its experts in the destination domain and its weights.
         chunks = self.config.chunks if self._pipelined() else 1
+        host_counts = headers.counts           # every split below read from the control row's host copy
         hop1 = AllToAllHop.numbered(token, n, min(topk, g.num_domains), channel=g.rail_channel,
                                     send_splits=outgoing.send_splits,
-                                    recv_splits=recv_counts[g.domain_rank::size, 1].tolist(),
+                                    recv_splits=host_counts[g.domain_rank::size, 1].tolist(),
                                     peers=[d * size + g.domain_rank for d in range(g.num_domains)],
                                     meta_bytes=metadata_bytes(self.name, topk), me=g.domain_index, pieces=chunks,
                                     piece_rows=self.config.pipeline_min_rows)
@@ -167,7 +169,7 @@ class HierarchicalDispatcher(Dispatcher):
         ids = meta[:, 2:2 + topk]
         member = token_membership(ids, self.rank_of_expert - first, size) if ids.numel() else \
             torch.zeros(0, size, dtype=torch.bool, device=dev)
-        hop2_recv = recv_counts[:, 0].view(g.num_domains, size)   # rows I receive, by source domain
+        hop2_recv = host_counts[:, 0].view(g.num_domains, size)   # rows I receive, by source domain
         rows = torch.arange(meta.shape[0], device=dev)
 
         def part(selected, start, num_src, recv_splits):
@@ -176,7 +178,7 @@ class HierarchicalDispatcher(Dispatcher):
             local_rank, row1 = torch.nonzero(member[selected].t()).unbind(1)
             row1 = selected.index_select(0, row1)
             hop = AllToAllHop.numbered(row1 - start, num_src, min(topk, size), channel=g.domain_channel,
-                                       send_splits=torch.bincount(local_rank, minlength=size).tolist(),
+                                       send_splits=count_values(local_rank, size).tolist(),
                                        recv_splits=recv_splits, peers=[first + r for r in range(size)],
                                        meta_bytes=metadata_bytes(self.name, topk), me=g.domain_rank)
             local = local_ids_for(ids[row1], first + local_rank, self.rank_of_expert, self.local_of_expert)
@@ -198,7 +200,7 @@ class HierarchicalDispatcher(Dispatcher):
                     first_row = sum(blocks[:d])
                     a, b = (first_row + x for x in piece_bounds(blocks[d], chunks, hop1.piece_rows)[j])
                     column = 2 + j if chunks > 1 else 0
-                    hop, meta_part = part(rows[a:b], a, b - a, recv_counts[d * size:(d + 1) * size, column].tolist())
+                    hop, meta_part = part(rows[a:b], a, b - a, host_counts[d * size:(d + 1) * size, column].tolist())
                     late.append(Forwarded(d, j, a, b, hop))
                     late_meta.append(meta_part)
             meta2 = yield Stage(SplitHop(early, late, (start, end), rows.numel(), streamed=chunks > 1),

@@ -54,6 +54,7 @@ class Outgoing:
     send_splits: rows per member of the first hop's channel; me: this rank's index in it
     dest: int64 [R] destination member of each sent row (dedup: EP rank, hierarchical: domain)
     pairs: alltoall: the (token, k) pair ``n * K + k`` of each sent row
+    host_counts: ``counts`` copied to the host, where the backend plans with them (alltoall)
     """
 
     topk_idx: torch.Tensor
@@ -63,3 +64,4 @@ class Outgoing:
     me: int | None = None
     dest: torch.Tensor | None = None
     pairs: torch.Tensor | None = None
+    host_counts: torch.Tensor | None = None

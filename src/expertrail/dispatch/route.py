@@ -21,7 +21,7 @@ from itertools import accumulate
 import torch
 
 from .. import kernels
-from ..kernels.torch_ops import CopyPositions, reduce_copies_of, stable_argsort, summing_table
+from ..kernels.torch_ops import CopyPositions, count_values, reduce_copies_of, stable_argsort, summing_table
 from ..comm.topology import guarded
 from ..comm.transport import (MIN_PIECE_ROWS, Channel, LandingRuns, PieceSends, Transfer, TransferStats,
                               concat_transfers, later, link_class)
@@ -55,7 +55,7 @@ def number_copies(index: torch.Tensor, num_src: int, max_copies: int) -> tuple[t
     sort (the sort that numbers the copies also lists them by source row, in copy order)."""
     order = stable_argsort(index)
     offsets = torch.zeros(num_src + 1, dtype=torch.int64, device=index.device)
-    torch.cumsum(torch.bincount(index, minlength=num_src), 0, out=offsets[1:])
+    torch.cumsum(count_values(index, num_src), 0, out=offsets[1:])
     source = index.index_select(0, order)
     ranked = torch.arange(index.numel(), device=index.device) - offsets.index_select(0, source)
     copy = torch.empty_like(index).scatter_(0, order, ranked)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidInputError
+from ..kernels.torch_ops import count_values
 
 
 def topk_to_routing_map(topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -93,7 +94,7 @@ def compute_layout(topk_idx: torch.Tensor, num_experts: int, ep_size: int,
     n = topk_idx.shape[0]
     token_in_domain = token_in_rank.view(n, ep_size // domain_size, domain_size).any(2)
     valid = topk_idx[topk_idx >= 0]
-    return TokenLayout(tokens_per_expert=torch.bincount(valid, minlength=num_experts),
+    return TokenLayout(tokens_per_expert=count_values(valid, num_experts),
                   tokens_per_rank=token_in_rank.sum(0), tokens_per_domain=token_in_domain.sum(0),
                   token_in_rank=token_in_rank, token_in_domain=token_in_domain)
 
@@ -135,7 +136,7 @@ def apply_capacity(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_exper
         entries, experts = entries[by_weight], experts[by_weight]
     order = torch.sort(experts, stable=True).indices
     entries, experts = entries[order], experts[order]
-    counts = torch.bincount(experts, minlength=num_experts)
+    counts = count_values(experts, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     position = torch.arange(experts.numel(), device=flat.device) - starts[experts]
     dropped = entries[position >= capacity]

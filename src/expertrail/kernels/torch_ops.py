@@ -7,6 +7,15 @@ import torch
 from .workspace import allocate, allocate_zeros
 
 
+def count_values(values: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 [n]: how many of ``values`` (int64, each in [0, n)) equal each of 0 .. n-1.
+
+    ``torch.bincount`` without its host synchronisation: on CUDA it reads the values' range on
+    the host (two waits for the GPU) to size its output; here the size is given. Integer sums
+    are exact, so the result is the same in any order."""
+    return torch.zeros(n, dtype=torch.int64, device=values.device).scatter_add_(0, values, torch.ones_like(values))
+
+
 _RADIX_BOUND = 1 << 16
 
 
@@ -134,7 +143,7 @@ class CopyPositions:
                     order = at[at >= 0]
                 else:
                     order = torch.argsort(key)
-                counts = torch.bincount(index, minlength=self.num_src)
+                counts = count_values(index, self.num_src)
                 self._bags = (order, copy.index_select(0, order), index.index_select(0, order),
                               self._offsets(counts))
         return self._bags
@@ -268,4 +277,4 @@ def layout_counts(topk_idx, num_experts, ep_size, domain_size):
     ranks = torch.where(valid, topk_idx.clamp(min=0) // (num_experts // ep_size), torch.full_like(topk_idx, ep_size))
     member = torch.zeros(n, ep_size + 1, dtype=torch.bool, device=topk_idx.device).scatter_(1, ranks, True)[:, :ep_size]
     per_domain = member.view(n, ep_size // domain_size, domain_size).any(2).sum(0)
-    return torch.bincount(topk_idx[valid], minlength=num_experts), member.sum(0), per_domain, member
+    return count_values(topk_idx[valid], num_experts), member.sum(0), per_domain, member

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError, InvalidInputError
+from ..kernels.torch_ops import count_values
 from ..comm.schedule import wait_exchange
 from ..comm.transport import Transfer
 
@@ -125,7 +126,7 @@ class TopKRouter(nn.Module):
         seq_shape = x.shape[:-1]
         logits = self.logits(x.reshape(-1, c.hidden))
         idx, weights, probs = self.route(logits)
-        tokens_per_expert = torch.bincount(idx.reshape(-1), minlength=c.num_experts)
+        tokens_per_expert = count_values(idx.reshape(-1), c.num_experts)
         losses = self.losses(logits, probs, idx, tokens_per_expert, seq_shape)
         if self.training and self.expert_bias is not None:
             self.load_since_update += tokens_per_expert.float()

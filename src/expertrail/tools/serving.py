@@ -43,6 +43,7 @@ from ..balance.planner import balancedness, plan_placement
 from ..balance.recorder import LoadRecorder
 from ..balance.replicas import ReplicaRouter
 from ..errors import ConfigError
+from ..kernels.torch_ops import count_values
 from ..moe.experts import GroupedExperts
 from ..moe.layer import expert_parallel_moe
 
@@ -151,10 +152,12 @@ class ServedLayer:
         if self.replicas is not None:
             first_position = (step * self.groups.ep_size + self.groups.ep_rank) * topk_idx.shape[0]
             slots = self.replicas(topk_idx, first_position)
-        self.rows_per_rank = torch.bincount(slots[valid] // self.per_rank, minlength=self.groups.ep_size)
+        rank = torch.where(valid, slots // self.per_rank, self.groups.ep_size)     # dropped: an extra bin
+        self.rows_per_rank = count_values(rank.reshape(-1), self.groups.ep_size + 1)[:self.groups.ep_size]
         y = expert_parallel_moe(self.dispatcher, x, slots, topk_weights, self.experts)
         if self.recorder is not None:
-            self.recorder.record(0, torch.bincount(topk_idx[valid], minlength=self.num_experts))
+            expert = torch.where(valid, topk_idx, self.num_experts)
+            self.recorder.record(0, count_values(expert.reshape(-1), self.num_experts + 1)[:self.num_experts])
             self.recorder.step()
             if (step + 1) % self.rebalance_every == 0:
                 self._plan()
