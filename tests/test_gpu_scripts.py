@@ -1,0 +1,33 @@
+"""The GPU measurement scripts run their checks on the CPU (their timings need a GPU)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run(script: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, str(BENCHMARKS / script), "--device", "cpu", *args],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+@pytest.mark.docs
+def test_gemm_efficiency_script_checks_every_timed_kernel():
+    out = run("gpu_gemm_efficiency.py", "--tokens", "64", "--rows", "16", "--seq", "64", "--iters", "1",
+              "--local-experts", "2", "--models", "qwen3-30b-a3b,deepseek-v3")
+    rows = [line for line in out.splitlines() if line.startswith(("qwen3-30b-a3b", "deepseek-v3"))]
+    # per model: projections, one rows-per-expert size, FP8, attention
+    assert len(rows) == 2 * 4, out
+    assert all(" ok " in line for line in rows), out
+
+
+@pytest.mark.docs
+def test_host_syncs_script_checks_every_backend_against_alltoall():
+    out = run("gpu_host_syncs.py", "--tokens", "64", "--experts", "8", "--topk", "2", "--hidden", "128",
+              "--ffn", "64", "--iters", "1")
+    for backend in ("alltoall", "dedup", "allgather", "hierarchical"):
+        assert any(line.startswith(backend) and " ok " in line for line in out.splitlines()), out
