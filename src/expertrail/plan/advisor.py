@@ -16,13 +16,14 @@ from ..errors import ConfigError
 from ..names import both_names, field_name
 from .catalog import Hardware, MoEModel
 from .cost import SATURATING_SMS, EPLayout, Routing, predict
+from .estimate import GROUPED_HALF_ROWS
 from .search import architecture_of, fitting_pp
 from .simulate import domain_for
 
 ALGORITHMS = ("alltoall", "dedup", "hierarchical")
 DEFAULT_SMS = {"deepep": 20, "hybridep": 16}
 GEMM_EFFICIENCY = 0.75          # of dense peak, reached by grouped GEMMs with many rows per expert
-GEMM_HALF_ROWS = 256            # rows per expert at which grouped GEMMs reach half of that
+GEMM_HALF_ROWS = GROUPED_HALF_ROWS   # rows per expert at which grouped GEMMs reach half of that (measured)
 COMFORTABLE_PP = 4              # EP sizes that fit only with a deeper pipeline are not chosen
 OVERLAP_WORTH = 0.2             # below this share of the expert GEMMs, EP overlap is not worth its constraints
 # The share of the hideable link time expertrail's own overlap schedule hid in its recorded

@@ -78,7 +78,9 @@ FITTED_ON = {
     "estimate.SYNC_S_PER_MOE_LAYER": _FIT_ROWS,
     "estimate.FITTED_FP8_RECIPES": "the recipes of the fit rows' FP8 runs: tensorwise on H100, mxfp8 on Blackwell",
     "estimate.GEMM_HALF_DIM": _FIT_ROWS,
-    "estimate.GROUPED_HALF_ROWS": "the shape of the advisor's expert-GEMM curve",
+    "estimate.GROUPED_HALF_ROWS": "measured: benchmarks/gpu_gemm_efficiency.py on an H100 (docs/results/"
+                                  "gpu-gemm-efficiency.json): the catalog's expert shapes reach half speed "
+                                  "at 205-655 rows; the advisor's 256",
     "estimate.ATTENTION_EFFICIENCY": "assumption (fused attention)",
     "estimate.ATTENTION_HEAD_SPEED": "FlashAttention-3 paper (arXiv 2407.08608), cuDNN forward on H100 at sequence 4k by head dim",
     "estimate.ELEMENTWISE_PASSES": "assumption",

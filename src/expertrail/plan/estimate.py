@@ -37,13 +37,16 @@ from . import layout as layout_fields
 from .memory import GB, layer_activation_bytes, memory, offloaded_bytes, usable_GB
 from .simulate import domain_for
 
-GEMM_EFFICIENCY = {"bf16": 0.74, "fp8": 0.45}   # of the dense peak of that precision, before width_factor (calibration.fit)
+GEMM_EFFICIENCY = {"bf16": 0.75, "fp8": 0.44}   # of the dense peak of that precision, before width_factor (calibration.fit)
 # Sustained speed of a system's tensor cores against GB200's at the same datasheet peak (clocks under its
 # power limit, Blackwell Ultra's faster softmax exponentials): scales GEMMs and attention (calibration.fit).
 # Systems not named here (measured machines, user catalogs) run at 1.0.
-SYSTEM_SPEED = {"gb200-nvl72": 1.0, "gb300-nvl72": 1.15, "b200": 0.71, "b300": 0.81, "h100": 0.93}
+SYSTEM_SPEED = {"gb200-nvl72": 1.0, "gb300-nvl72": 1.16, "b200": 0.73, "b300": 0.84, "h100": 0.94}
 GEMM_HALF_DIM = 2048.0                           # a model's GEMMs run at d / (d + this) of it, d its hidden size (calibration.fit)
-GROUPED_HALF_ROWS = 128                          # rows per expert at which a grouped GEMM reaches half of that
+# Rows per expert at which a grouped GEMM reaches half of its many-rows speed: measured on an H100
+# (benchmarks/gpu_gemm_efficiency.py, the catalog's five expert shapes, forward + backward): 205 to
+# 655 rows, median 285 (docs/cost-model.md, "The constants against the kernels"). The advisor's curve too.
+GROUPED_HALF_ROWS = 256
 # A dropless MoE layer's host synchronisation, once per micro-batch in its forward (and again in
 # a recomputed one): the token counts go to the host to size the grouped GEMM's splits, and the
 # GPU idles while the host launches what follows (NVIDIA's fused MoE kernels remove it as a main
