@@ -16,8 +16,6 @@ whether the fitted curves (width, rows per expert, FP8 over BF16, head width) ha
 shape. Each timed operation is first checked against a plain reference on the same inputs.
 """
 import argparse
-import statistics
-import time
 
 import torch
 from torch.nn import functional as F
@@ -26,28 +24,9 @@ from expertrail.moe.experts import grouped_linear, grouped_weight_grad
 from expertrail.plan import estimate as est
 from expertrail.plan.architecture import ARCHITECTURES
 from expertrail.plan.catalog import load_hardware
+from gpu_kernels import timer          # benchmarks/ is on the path when a script there runs
 
 MODELS = ("deepseek-v3", "mixtral-8x22b", "qwen3-235b-a22b", "gpt-oss-120b", "qwen3-30b-a3b")
-
-
-def timer(device, fn, iters, warmup=3):
-    """Median seconds of fn() over iters (CUDA events on a GPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def close(a, b, dtype):

@@ -15,8 +15,6 @@ weights and tokens. Without a GPU it runs the checks and times the step on the C
 import argparse
 import collections
 import os
-import statistics
-import time
 import traceback
 import warnings
 
@@ -25,24 +23,9 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import expertrail as er
+from gpu_kernels import timer          # benchmarks/ is on the path when a script there runs
 
 BACKENDS = ("alltoall", "dedup", "allgather", "hierarchical")
-
-
-def timer(device, fn, iters, warmup=3):
-    """Median seconds of fn() over iters, the device synchronised around each."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def sync_sites(step_forward, step_backward) -> collections.Counter:
@@ -53,19 +36,16 @@ def sync_sites(step_forward, step_backward) -> collections.Counter:
         here = [f for f in traceback.extract_stack() if "/expertrail/" in f.filename]
         where = f"{here[-1].filename.split('/expertrail/')[-1]}:{here[-1].lineno}" if here else f"{filename}:{lineno}"
         sites[(phase[0], where)] += 1
-    shown = warnings.showwarning
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings():           # restores the filters and showwarning on leaving
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
             y = step_forward()
             phase[0] = "backward"
             step_backward(y)
+        finally:
             torch.cuda.set_sync_debug_mode(0)
-    finally:
-        warnings.showwarning = shown
     return sites
 
 
@@ -96,12 +76,13 @@ def main():
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
     dev = torch.device(args.device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", dev.index or 0)
+        torch.cuda.set_device(dev)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29535")
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
     groups = er.EPGroups.from_default()
     dtype = torch.bfloat16
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
