@@ -15,7 +15,6 @@ import os
 import torch
 
 from . import torch_ops
-from .torch_ops import count_values  # noqa: F401  (one import path for the dispatchers and the router)
 
 _triton = None                         # the Triton module, imported on first need (it is optional)
 
