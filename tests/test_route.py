@@ -1,10 +1,11 @@
 """The route engine's local pieces: fixed-order reductions, copy numbers and positions, sorts."""
+import pytest
 import torch
 
 from expertrail.dispatch.base import expand_local
 from expertrail import kernels
 from expertrail.dispatch.route import number_copies
-from expertrail.kernels.torch_ops import CopyPositions, stable_argsort, summing_table, take_rows
+from expertrail.kernels.torch_ops import CopyPositions, count_values, stable_argsort, summing_table, take_rows
 
 
 def reduce_rows(rows, index, copy, num_out, max_copies, weights, out_dtype):
@@ -176,3 +177,12 @@ def test_expert_side_sums_part_by_part_are_the_same_bits():
                     assert torch.equal(parts.view(torch.int16 if dtype != torch.float32 else torch.int32),
                                        whole.view(torch.int16 if dtype != torch.float32 else torch.int32)), \
                         (dtype, padded, max_copies, weights is None)
+
+
+@pytest.mark.parametrize("size,n", [(0, 5), (1, 1), (300, 7), (4096, 257)])
+def test_count_values_matches_bincount_of_the_same_size(size, n):
+    g = torch.Generator().manual_seed(size + n)
+    values = torch.randint(0, n, (size,), generator=g)
+    counts = count_values(values, n)
+    assert counts.dtype == torch.int64 and counts.shape == (n,)
+    assert torch.equal(counts, torch.bincount(values, minlength=n))
