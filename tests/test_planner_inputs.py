@@ -148,3 +148,15 @@ def test_every_catalog_model_is_a_model_for_plan_and_estimate():
         model = load_model(name)
         assert (model.hidden, model.num_experts, model.topk, model.moe_ffn, model.layers) == \
             (arch.hidden, arch.experts, arch.topk, arch.moe_ffn, arch.moe_layers), name
+
+
+def test_experts_split_by_tp_by_default_is_said_when_left_out():
+    """Megatron takes ETP = TP when expert_tensor_parallel_size is left out; the estimate says so,
+    since a run written for ETP 1 otherwise comes out with split experts (and another memory)."""
+    base = {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 8, "micro_batch_size": 1}
+    left_out = TrainingLayout.from_fields(base, 64)
+    assert left_out.etp == 2 and any(a.startswith("expert_tensor_parallel_size=2") for a in left_out.assumed)
+    given = TrainingLayout.from_fields(dict(base, expert_tensor_parallel_size=1), 64)
+    assert given.etp == 1 and not any(a.startswith("expert_tensor_parallel_size") for a in given.assumed)
+    no_tp = TrainingLayout.from_fields(dict(base, tensor_model_parallel_size=1), 64)
+    assert not any(a.startswith("expert_tensor_parallel_size") for a in no_tp.assumed)

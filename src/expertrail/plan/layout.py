@@ -301,6 +301,10 @@ class TrainingLayout:
             vpp = derived
         per_virtual = size("num_layers_per_virtual_pipeline_stage") if v.get("num_layers_per_virtual_pipeline_stage") \
             else None
+        if ep > 1 and tp > 1 and not v.get("expert_tensor_parallel_size"):
+            # Megatron's default, easy to leave out by mistake: it changes the experts' memory and traffic.
+            assumed.append(f"expert_tensor_parallel_size={tp} (Megatron's default, the TP size: each expert split "
+                           f"{tp} ways; give 1 to keep experts whole)")
         layout = cls(
             gpus=gpus, tp=tp, pp=pp, vpp=vpp, layers_per_virtual_stage=per_virtual,
             cp=size("context_parallel_size"), ep=ep,
