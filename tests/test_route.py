@@ -5,7 +5,7 @@ import torch
 from expertrail.dispatch.base import expand_local
 from expertrail import kernels
 from expertrail.dispatch.route import number_copies
-from expertrail.kernels.torch_ops import CopyPositions, count_values, stable_argsort, summing_table, take_rows
+from expertrail.kernels.torch_ops import CopyPositions, count_kept, count_values, stable_argsort, summing_table, take_rows
 
 
 def reduce_rows(rows, index, copy, num_out, max_copies, weights, out_dtype):
@@ -186,3 +186,9 @@ def test_count_values_matches_bincount_of_the_same_size(size, n):
     counts = count_values(values, n)
     assert counts.dtype == torch.int64 and counts.shape == (n,)
     assert torch.equal(counts, torch.bincount(values, minlength=n))
+
+
+def test_count_kept_leaves_negative_values_out():
+    values = torch.tensor([[0, -1, 2], [2, 2, -1]])
+    assert count_kept(values, 4).tolist() == [1, 0, 3, 0]
+    assert count_kept(torch.full((3,), -1), 2).tolist() == [0, 0]

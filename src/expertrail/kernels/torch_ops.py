@@ -16,6 +16,13 @@ def count_values(values: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int64, device=values.device).scatter_add_(0, values, torch.ones_like(values))
 
 
+def count_kept(values: torch.Tensor, n: int) -> torch.Tensor:
+    """`count_values` of int64 ``values`` (any shape) in [0, n) or negative (dropped: not counted),
+    still without a host synchronisation (the dropped ones go to an extra bin, left off)."""
+    flat = values.reshape(-1)
+    return count_values(torch.where(flat >= 0, flat, n), n + 1)[:n]
+
+
 _RADIX_BOUND = 1 << 16
 
 

@@ -44,7 +44,7 @@ from ..balance.planner import plan_placement
 from ..balance.recorder import LoadRecorder
 from ..balance.replicas import ReplicaRouter
 from ..errors import ConfigError
-from ..kernels.torch_ops import count_values
+from ..kernels.torch_ops import count_kept
 
 
 class PositionedReplicas:
@@ -63,9 +63,7 @@ class PositionedReplicas:
         g, n = self._groups, topk_idx.shape[0]
         position = ((self._clock.steps * 64 + self._block) * g.ep_size + g.ep_rank) * max(n, 1) + first_position
         slots = self.router(topk_idx, position)
-        # rows per rank, dropped slots counted in an extra bin: no host synchronisation
-        rank = torch.where(slots >= 0, slots // (self.router.num_slots // g.ep_size), g.ep_size)
-        self.rows_per_rank = count_values(rank.reshape(-1), g.ep_size + 1)[:g.ep_size]
+        self.rows_per_rank = count_kept(slots // (self.router.num_slots // g.ep_size), g.ep_size)   # -1 stays -1
         return slots
 
 

@@ -16,14 +16,12 @@ from ..errors import ConfigError
 from ..names import both_names, field_name
 from .catalog import Hardware, MoEModel
 from .cost import SATURATING_SMS, EPLayout, Routing, predict
-from .estimate import GROUPED_HALF_ROWS
+from .estimate import GROUPED_HALF_ROWS, OVERLAP_COMM_SMS
 from .search import architecture_of, fitting_pp
 from .simulate import domain_for
 
 ALGORITHMS = ("alltoall", "dedup", "hierarchical")
-DEFAULT_SMS = {"deepep": 20, "hybridep": 16}
 GEMM_EFFICIENCY = 0.75          # of dense peak, reached by grouped GEMMs with many rows per expert
-GEMM_HALF_ROWS = GROUPED_HALF_ROWS   # rows per expert at which grouped GEMMs reach half of that (measured)
 COMFORTABLE_PP = 4              # EP sizes that fit only with a deeper pipeline are not chosen
 OVERLAP_WORTH = 0.2             # below this share of the expert GEMMs, EP overlap is not worth its constraints
 # The share of the hideable link time expertrail's own overlap schedule hid in its recorded
@@ -55,7 +53,7 @@ def expert_gemm_seconds(hw: Hardware, model: MoEModel, tokens: int, ep: int, pre
     rows_per_expert = tokens * model.topk * ep / model.num_experts
     flops = 6.0 * tokens * model.topk * model.hidden * model.moe_ffn
     peak = (hw.fp8_TFLOPS if precision == "fp8" else hw.bf16_TFLOPS) * 1e12
-    efficiency = GEMM_EFFICIENCY * rows_per_expert / (rows_per_expert + GEMM_HALF_ROWS)
+    efficiency = GEMM_EFFICIENCY * rows_per_expert / (rows_per_expert + GROUPED_HALF_ROWS)
     return flops / (peak * efficiency)
 
 
@@ -237,12 +235,12 @@ def plan(hw: Hardware, model: MoEModel, tokens: int = 4096, ep: int | None = Non
         # The kernels drive every link the route uses: NVLink always, the NIC once EP spans domains.
         links = SATURATING_SMS.get(hw.arch, SATURATING_SMS["hopper"])
         saturating = max(links["nvlink"], links["nic"] if domain < ep else 0)
-        start = DEFAULT_SMS[backend] if stage == "bringup" else max(saturating, 4)
+        start = OVERLAP_COMM_SMS[backend] if stage == "bringup" else max(saturating, 4)
         sweep = ([16, 32] if backend == "hybridep"
-                 else [max(4, saturating // 2), 2 * max(DEFAULT_SMS[backend], saturating)])
+                 else [max(4, saturating // 2), 2 * max(OVERLAP_COMM_SMS[backend], saturating)])
         sms = {"start": start, "sweep": sweep}
         advice.append(Advice("SM count", sms, f"start {start}, sweep {sweep[0]}..{sweep[1]} (moe_{backend}_num_sms)",
-                             f"{backend} default {DEFAULT_SMS[backend]} is a sane start but rarely optimal; the "
+                             f"{backend} default {OVERLAP_COMM_SMS[backend]} is a sane start but rarely optimal; the "
                              f"links this route drives saturate near {saturating} SMs on {hw.arch}, so sweep "
                              f"{sweep[0]}..{sweep[1]} (fewer SMs leave more for the GEMMs)"))
     env = {}

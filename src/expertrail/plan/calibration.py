@@ -115,11 +115,16 @@ def layout_of(run: dict):
     return TrainingLayout(**fields)
 
 
+# `fit`'s constants by their key in a constants dict, and their name in estimate.py.
+FITTED_NAMES = {"gemm": "GEMM_EFFICIENCY", "speed": "SYSTEM_SPEED", "half_dim": "GEMM_HALF_DIM",
+                "sync_s": "SYNC_S_PER_MOE_LAYER"}
+
+
 def constants() -> dict:
-    """The fitted constants as estimate.py holds them."""
+    """The fitted constants as estimate.py holds them (the per-key tables copied)."""
     from . import estimate
-    return {"gemm": dict(estimate.GEMM_EFFICIENCY), "speed": dict(estimate.SYSTEM_SPEED),
-            "half_dim": estimate.GEMM_HALF_DIM, "sync_s": estimate.SYNC_S_PER_MOE_LAYER}
+    values = {key: getattr(estimate, name) for key, name in FITTED_NAMES.items()}
+    return {key: dict(v) if isinstance(v, dict) else v for key, v in values.items()}
 
 
 def _estimate(run_id: str, consts: dict | None = None) -> dict:
@@ -129,14 +134,15 @@ def _estimate(run_id: str, consts: dict | None = None) -> dict:
     from .architecture import ARCHITECTURES
     from .catalog import HARDWARE
     run = TRAINING_RUNS[run_id]
-    saved = est.GEMM_EFFICIENCY, est.SYSTEM_SPEED, est.GEMM_HALF_DIM, est.SYNC_S_PER_MOE_LAYER
+    saved = {key: getattr(est, name) for key, name in FITTED_NAMES.items()}
     if consts is not None:
-        est.GEMM_EFFICIENCY, est.SYSTEM_SPEED, est.GEMM_HALF_DIM, est.SYNC_S_PER_MOE_LAYER = \
-            consts["gemm"], consts["speed"], consts["half_dim"], consts["sync_s"]
+        for key, name in FITTED_NAMES.items():
+            setattr(est, name, consts[key])
     try:
         return est.estimate(ARCHITECTURES[run["model"]], HARDWARE[run["system"]], layout_of(run))
     finally:
-        est.GEMM_EFFICIENCY, est.SYSTEM_SPEED, est.GEMM_HALF_DIM, est.SYNC_S_PER_MOE_LAYER = saved
+        for key, name in FITTED_NAMES.items():
+            setattr(est, name, saved[key])
 
 
 @lru_cache(maxsize=None)

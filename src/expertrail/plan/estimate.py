@@ -89,6 +89,16 @@ HOST_LINK_GBPS = {**{name: 360.0 for name in GRACE_HOSTED}, None: 50.0}
 CPU_ADAM_PARAMS_PER_S = 1e9                      # host Adam step, parameters per second per GPU's share of the cores
 
 
+def comm_sms(layout: TrainingLayout) -> int:
+    """SMs the dispatcher's kernels hold: the configuration's count, else the backend's default."""
+    return layout.dispatcher_sms or OVERLAP_COMM_SMS.get(layout.flex_backend, OVERLAP_COMM_SMS[None])
+
+
+def host_link_Bps(hw: Hardware) -> float:
+    """Bytes per second each way between a GPU and its host (`HOST_LINK_GBPS`)."""
+    return HOST_LINK_GBPS.get(hw.name, HOST_LINK_GBPS[None]) * 1e9
+
+
 def algorithm_for(layout: TrainingLayout, domain: int) -> str:
     """The cost model's algorithm for Megatron's dispatcher settings."""
     if layout.dispatcher in ("alltoall", "allgather"):
@@ -109,7 +119,7 @@ def dispatch_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout) -
         return 0.0, None
     domain = domain_for(hw, layout.ep)
     algorithm = algorithm_for(layout, domain)
-    sms = layout.dispatcher_sms or OVERLAP_COMM_SMS.get(layout.flex_backend, OVERLAP_COMM_SMS[None])
+    sms = comm_sms(layout)
     # Rows grow with the tokens: a sample of at most ROUTING_SAMPLE tokens, scaled, keeps large EP fast.
     tokens = layout.tokens_per_gpu
     sample = min(tokens, ROUTING_SAMPLE)
@@ -201,14 +211,14 @@ def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe:
         if layout.ep_overlap and layout.micro_batches >= 2:
             attention_side = attn_gemm + core + elementwise / 2 + recompute
             mlp_side = experts + dense_mlp + elementwise / 2
-            sms = layout.dispatcher_sms or OVERLAP_COMM_SMS.get(layout.flex_backend, OVERLAP_COMM_SMS[None])
-            comm["ep"] = ep_overlap_exposed(ep_comm, attention_side, mlp_side, layout.delay_wgrad, sms / hw.sms)
+            comm["ep"] = ep_overlap_exposed(ep_comm, attention_side, mlp_side, layout.delay_wgrad,
+                                            comm_sms(layout) / hw.sms)
         else:
             comm["ep"] = ep_comm
     if layout.fsdp:
         comm["fsdp"] = max(0.0, fsdp_seconds(arch, hw, layout, moe) - compute - recompute)
     if layout.offload_modules:
-        moved = offloaded_bytes(arch, layout, moe) / (HOST_LINK_GBPS.get(hw.name, HOST_LINK_GBPS[None]) * 1e9)
+        moved = offloaded_bytes(arch, layout, moe) / host_link_Bps(hw)
         comm["offload"] = max(0.0, moved - (compute + recompute) / 3) + max(0.0, moved - 2 * (compute + recompute) / 3)
     if layout.tp > 1:
         link = "nvlink" if layout.tp <= hw.domain_size else "nic"
@@ -320,7 +330,7 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     state_bytes = 4 + layout.optimizer_state_bytes                  # FP32 main weight and the moments
     optimizer_s = busiest.optimizer_params * (1 - layout.optimizer_offload) * state_bytes * 3 / (hw.hbm_TBps * 1e12)
     offload_optimizer_s = 0.0
-    host = HOST_LINK_GBPS.get(hw.name, HOST_LINK_GBPS[None]) * 1e9
+    host = host_link_Bps(hw)
     if layout.optimizer_offload:
         # The host's share: gradients down, weights back up, and the host's Adam step.
         params = busiest.optimizer_params * layout.optimizer_offload

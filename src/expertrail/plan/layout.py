@@ -262,7 +262,8 @@ class TrainingLayout:
             sizes = {**DTYPE_BYTES, "fp8": 1}
             state = sizes.get(get("exp_avg_dtype", "fp32"), 4) + sizes.get(get("exp_avg_sq_dtype", "fp32"), 4)
             grads = sizes.get(get("main_grads_dtype", "fp32"), 4)
-        graphs = get("cuda_graph_impl", None) not in (None, "none") or bool(get("enable_cuda_graph", False))
+        graph_impl = get("cuda_graph_impl", None)
+        graphs = graph_impl not in (None, "none") or bool(get("enable_cuda_graph", False))
         fsdp = None
         grad_comm = 2 if get("grad_reduce_in_bf16", False) else None
         if get("use_megatron_fsdp", False) or get("use_custom_fsdp", False):
@@ -327,7 +328,7 @@ class TrainingLayout:
             embedding_in_split=bool(get("account_for_embedding_in_pipeline_split", False)),
             loss_in_split=bool(get("account_for_loss_in_pipeline_split", False)),
             layout_string=v.get("pipeline_model_parallel_layout"), cuda_graphs=graphs,
-            sync_free=get("cuda_graph_impl", None) == "full_iteration", fsdp=fsdp,
+            sync_free=graph_impl == "full_iteration", fsdp=fsdp,
             offload_modules=tuple(offload), optimizer_offload=optimizer_offload,
             optimizer_offload_overlap=bool(get("overlap_cpu_optimizer_d2h_h2d", False)),
             rank_capacity=get("moe_expert_rank_capacity_factor", None) if backend in ("hybridep", "ncclep") else None,

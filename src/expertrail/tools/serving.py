@@ -43,7 +43,7 @@ from ..balance.planner import balancedness, plan_placement
 from ..balance.recorder import LoadRecorder
 from ..balance.replicas import ReplicaRouter
 from ..errors import ConfigError
-from ..kernels.torch_ops import count_values
+from ..kernels.torch_ops import count_kept
 from ..moe.experts import GroupedExperts
 from ..moe.layer import expert_parallel_moe
 
@@ -147,17 +147,14 @@ class ServedLayer:
         self.event = ""
         if self._next is not None:
             self._switch()
-        valid = topk_idx >= 0
         slots = topk_idx
         if self.replicas is not None:
             first_position = (step * self.groups.ep_size + self.groups.ep_rank) * topk_idx.shape[0]
             slots = self.replicas(topk_idx, first_position)
-        rank = torch.where(valid, slots // self.per_rank, self.groups.ep_size)     # dropped: an extra bin
-        self.rows_per_rank = count_values(rank.reshape(-1), self.groups.ep_size + 1)[:self.groups.ep_size]
+        self.rows_per_rank = count_kept(slots // self.per_rank, self.groups.ep_size)   # a dropped slot stays -1
         y = expert_parallel_moe(self.dispatcher, x, slots, topk_weights, self.experts)
         if self.recorder is not None:
-            expert = torch.where(valid, topk_idx, self.num_experts)
-            self.recorder.record(0, count_values(expert.reshape(-1), self.num_experts + 1)[:self.num_experts])
+            self.recorder.record(0, count_kept(topk_idx, self.num_experts))
             self.recorder.step()
             if (step + 1) % self.rebalance_every == 0:
                 self._plan()
