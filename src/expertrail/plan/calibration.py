@@ -329,14 +329,21 @@ def source_of(run: dict) -> str:
     return "ModelZoo" if run["container"] == "ModelZoo" else "Bridge"
 
 
+def _ranking_key(run: dict) -> tuple:
+    """One job, laid out several ways: the model at one sequence length on one system, in one
+    publication."""
+    return run["model"], run["system"], source_of(run), run["layout"]["seq"]
+
+
 def ranking_groups() -> dict:
-    """{(model, system, source): Spearman correlation of predicted and published throughput}
-    over the distinct layouts of one model on one system in one publication (two or more; a
-    layout published in several containers counts once, at its mean throughput; OUTLIERS left out)."""
+    """{(model, system, source, seq): Spearman correlation of predicted and published
+    throughput} over the distinct layouts of one model at one sequence length on one system in
+    one publication (two or more; a layout published in several containers counts once, at its
+    mean throughput; OUTLIERS left out)."""
     groups = {}
     for rid, run in TRAINING_RUNS.items():
         if rid not in OUTLIERS:
-            layouts = groups.setdefault((run["model"], run["system"], source_of(run)), {})
+            layouts = groups.setdefault(_ranking_key(run), {})
             layouts.setdefault(_layout_key(run), []).append(rid)
     out = {}
     for key, layouts in groups.items():
@@ -350,7 +357,7 @@ def _ranks_with_counts() -> dict:
     counts = {}
     for rid, run in TRAINING_RUNS.items():
         if rid not in OUTLIERS:
-            counts.setdefault((run["model"], run["system"], source_of(run)), set()).add(_layout_key(run))
+            counts.setdefault(_ranking_key(run), set()).add(_layout_key(run))
     return {key: (rho, len(counts[key])) for key, rho in ranking_groups().items()}
 
 
@@ -359,15 +366,17 @@ def table() -> str:
     names = {"gb200-nvl72": "GB200", "gb300-nvl72": "GB300", "h100": "H100", "b200": "B200", "b300": "B300"}
     models = {"deepseek-v3": "DeepSeek-V3", "qwen3-235b-a22b": "Qwen3-235B", "qwen3-30b-a3b": "Qwen3-30B",
               "kimi-k2": "Kimi-K2", "gpt-oss-120b": "GPT-OSS-120B"}
-    lines = ["| container | split | system | model | precision | layout (GPUs, GBS, MBS, TP/PP/VP/EP) | published TFLOPS "
+    lines = ["| container | split | system | model | precision | layout (GPUs, GBS, MBS, TP/PP/VP/EP; CP and sequence "
+             "where not 1 and 4096) | published TFLOPS "
              "| published tokens/s | predicted tokens/s | fits (GB / usable) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for rid, run in TRAINING_RUNS.items():
         lay, r = run["layout"], predicted(rid)
         vp = lay["vpp"] if lay["vpp"] > 1 else "-"
+        extra = (f", CP {lay['cp']}" if lay.get("cp", 1) > 1 else "") + (f", seq {lay['seq']}" if lay["seq"] != 4096 else "")
         lines.append(f"| {run['container']} | {run['split'].replace('_', '-')} | {names[run['system']]} | "
                      f"{models[run['model']]} | {run['precision']} | {lay['gpus']}, {lay['global_batch']}, "
-                     f"{lay['micro_batch']}, {lay['tp']}/{lay['pp']}/{vp}/{lay['ep']} | {run['published_tflops']:.0f} | "
+                     f"{lay['micro_batch']}, {lay['tp']}/{lay['pp']}/{vp}/{lay['ep']}{extra} | {run['published_tflops']:.0f} | "
                      f"{run['published_tokens_per_s']:.0f} | {r['tokens_per_s_per_gpu']:.0f} ({error_pct(rid):+.0f}%) | "
                      f"{r['peak_memory_GB']:.0f} / {r['usable_memory_GB']:.0f} |")
     lines.append("")
@@ -378,6 +387,8 @@ def table() -> str:
                      f"within 25% ({s['within_15']:.1%} within 15%), median absolute error {s['median_abs_pct']:.1f}%, "
                      f"{s['fit']} of {s['runs']} predicted to fit")
     ranks = _ranks_with_counts()
-    lines.append("- ranking, layouts of one model on one system in one publication (Spearman): " + ", ".join(
-        f"{models[m]} {names[s]} ({src}, {n} layouts) {rho:+.2f}" for (m, s, src), (rho, n) in sorted(ranks.items())))
+    lines.append("- ranking, layouts of one model at one sequence length on one system in one publication "
+                 "(Spearman): " + ", ".join(
+                     f"{models[m]} {names[s]} ({src}, {n} layouts{'' if seq == 4096 else f', sequence {seq}'}) {rho:+.2f}"
+                     for (m, s, src, seq), (rho, n) in sorted(ranks.items())))
     return "\n".join(lines) + "\n"
