@@ -18,6 +18,7 @@ from ..names import metadata_bytes  # noqa: F401  (the planner's name for it too
 from .catalog import Hardware, MoEModel
 
 ALGORITHMS = ("allgather", "alltoall", "dedup", "hierarchical", "deepep-ll")
+NCCL_ALGORITHMS = ("alltoall", "allgather")     # NCCL collectives (Megatron's alltoall and allgather dispatchers)
 
 # Calibration (docs/cost-model.md): achievable fraction of the datasheet link bandwidth, the
 # SM count at which a link is ~95% saturated, per-stage latency, FP8 dispatch byte-rate penalty.
@@ -278,7 +279,7 @@ def predict(hw: Hardware, model: MoEModel, layout: EPLayout, algorithm: str, top
         raise ConfigError(f"EP {layout.ep} must divide {model.num_experts} experts and be a multiple of the "
                           f"domain size {layout.domain}")
     tr = count_traffic(topk_idx, model, layout, algorithm)
-    kind = "deepep-ll" if algorithm == "deepep-ll" else ("nccl" if algorithm in ("alltoall", "allgather") else "normal")
+    kind = "deepep-ll" if algorithm == "deepep-ll" else ("nccl" if algorithm in NCCL_ALGORITHMS else "normal")
     driving = None if kind == "nccl" else sms
 
     def phase(direction):

@@ -31,7 +31,7 @@ from functools import lru_cache
 from ..errors import ConfigError
 from .architecture import Architecture
 from .catalog import Hardware
-from .cost import EPLayout, Routing, link_bandwidth, predict
+from .cost import NCCL_ALGORITHMS, EPLayout, Routing, link_bandwidth, predict
 from .layout import DEEPEP_LIKE, TrainingLayout, stage_layers
 from . import layout as layout_fields
 from .memory import GB, layer_activation_bytes, memory, offloaded_bytes, usable_GB
@@ -68,10 +68,11 @@ GRACE_HOSTED = ("gb200-nvl72", "gb300-nvl72", "gb200-nvl36")
 HOST_S_PER_LAYER = {"x86": {False: 8.8e-3, True: 8.8e-3 * 40 / 150}, "grace": {False: 150e-6, True: 40e-6}}
 TP_OVERLAP_HIDES = 0.6                           # share of TP collectives tp_comm_overlap hides
 DP_EXPOSED = {True: 0.1, False: 1.0}             # share of gradient / parameter traffic left after the last backward
-# A dispatch or combine as a framework calls it (layout pass, host synchronisation) against the
-# kernel alone, across NVLink domains: Hybrid-EP's H100 EP16/32/64 "Torch API" vs "kernel only"
-# figures are 1.17-1.33x apart (the cost model's cross-domain stages match the kernel figures;
-# inside a domain it is calibrated on Torch-API figures already).
+# A DeepEP or Hybrid-EP dispatch or combine as a framework calls it (layout pass, host
+# synchronisation) against the kernel alone, across NVLink domains: Hybrid-EP's H100 EP16/32/64
+# "Torch API" vs "kernel only" figures are 1.17-1.33x apart (the cost model's cross-domain stages
+# match the kernel figures; inside a domain it is calibrated on Torch-API figures already).
+# NCCL's all-to-all and all-gather are costed at NCCL's achieved bandwidth, a call's cost counted in.
 FRAMEWORK_CALL_FACTOR = 1.25
 # DeepEP's normal kernels were written for 8 NVLink peers (NUM_MAX_NVL_PEERS); across an NVL72
 # rack at EP 32 they reach about 400 GB/s of algorithm bandwidth in dispatch and 190 GB/s in
@@ -133,7 +134,7 @@ def dispatch_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout) -
         logical_GB = p.algo_bandwidth_GBps * p.dispatch_s          # the rows' bytes, as algorithm bandwidth counts them
         dispatch = max(dispatch, logical_GB / DEEPEP_RACK_GBPS["dispatch"])
         combine = max(combine, logical_GB / DEEPEP_RACK_GBPS["combine"])
-    framework = FRAMEWORK_CALL_FACTOR if domain < layout.ep else 1.0
+    framework = FRAMEWORK_CALL_FACTOR if domain < layout.ep and algorithm not in NCCL_ALGORITHMS else 1.0
     return 2 * (dispatch + combine) * framework * tokens / sample, algorithm
 
 
