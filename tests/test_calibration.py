@@ -43,7 +43,7 @@ def test_outliers_are_read_from_the_published_figures_only():
 
 # What docs/cost-model.md states (the summary lines of its calibration record).
 DOCUMENTED = {"fit": {"within_25": 0.88, "median_abs_pct": 3.1},
-              "held_out": {"within_25": 0.91, "median_abs_pct": 9.3}}
+              "held_out": {"within_25": 0.90, "median_abs_pct": 9.5}}
 
 
 @pytest.mark.parametrize("split", ["fit", "held_out"])

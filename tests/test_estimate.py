@@ -52,15 +52,36 @@ def test_gb200_and_h100_layouts_of_one_model_in_the_published_order():
 
 def test_ep_overlap_on_nccl_all_to_all_across_h100_nodes_near_the_published_pair():
     """Qwen3-30B on 16 H100 at EP 16, Megatron's alltoall dispatcher, BF16: 41.25 s a step
-    without EP overlap and 31.31 s with it (shared/reference/ep-overlap-validation.txt). NCCL's
-    all-to-all is costed at its achieved bandwidth, without the DeepEP / Hybrid-EP framework
-    factor, and each step comes within 10%; overlap is predicted faster."""
+    without EP overlap and 31.31 s with it, 1.32x (shared/reference/ep-overlap-validation.txt).
+    NCCL's all-to-all is costed at its achieved bandwidth, without the DeepEP / Hybrid-EP
+    framework factor: the step without overlap within 10%; the gain, with the hidden share
+    measured on expertrail's own schedule, within 10% of the published one (hiding all it
+    could, the model would give 1.46x)."""
     layout = TrainingLayout(gpus=16, ep=16, global_batch=1024, precision="bf16", dispatcher="alltoall")
     without = estimate(ARCHITECTURES["qwen3-30b-a3b"], HARDWARE["h100"], layout)["step_time_s"]
     with_overlap = estimate(ARCHITECTURES["qwen3-30b-a3b"], HARDWARE["h100"],
                             replace(layout, ep_overlap=True))["step_time_s"]
-    assert without == pytest.approx(41.25, rel=0.10) and with_overlap == pytest.approx(31.31, rel=0.10)
-    assert with_overlap < without
+    assert without == pytest.approx(41.25, rel=0.10)
+    assert without / with_overlap == pytest.approx(41.25 / 31.31, rel=0.10)
+
+
+def test_ep_overlap_gain_near_the_modelzoo_pair():
+    """The ModelZoo's Qwen3-235B on 256 H100 at TP 2 x PP 8 x VP 4 x EP 32 (DeepEP, BF16), held
+    out: 245 TFLOPS without EP overlap, 276 with it, 1.13x. The predicted gain comes within 10%
+    of it (hiding all it could, 1.35x)."""
+    zoo = "modelzoo h100 qwen3-235b-a22b bf16 2/8/4/32 mbs1 gbs2048"
+    gain = calibration.predicted(zoo)["step_time_s"] / calibration.predicted(zoo + " ep-overlap")["step_time_s"]
+    assert gain == pytest.approx(276 / 245, rel=0.10)
+
+
+def test_ep_overlap_leaves_the_unpaired_warm_up_and_cool_down_exposed():
+    """Combined 1F1B pairs micro-batches only in the steady phase: one forward and one backward
+    run alone without pipelining, 2 (PP - 1) + (VPP - 1) PP of each with interleaving."""
+    from expertrail.plan.estimate import unpaired_share
+    assert unpaired_share(TrainingLayout(gpus=16, ep=16, global_batch=1024)) == pytest.approx(1 / 64)
+    interleaved = TrainingLayout(gpus=256, tp=2, pp=8, vpp=4, ep=32, global_batch=2048)   # 128 micro-batches
+    assert unpaired_share(interleaved) == pytest.approx((2 * 7 + 3 * 8) / (128 * 4))
+    assert unpaired_share(replace(interleaved, global_batch=16 * 4)) == 1.0              # all warm-up
 
 
 def test_the_modelzoo_h100_layouts_rank_as_published():
@@ -384,10 +405,11 @@ def test_activation_offloading_moves_its_modules_tensors():
 
 
 def test_ep_overlap_hides_only_what_the_other_micro_batch_covers():
-    from expertrail.plan.estimate import ep_overlap_exposed
+    from expertrail.plan.estimate import EP_OVERLAP_HIDES as h, ep_overlap_exposed
     assert ep_overlap_exposed(0.0, 1.0, 1.0, True, 0.15) == 0.0
-    assert ep_overlap_exposed(4.0, 30.0, 30.0, True, 0.0) == 0.0                 # covered, no SM cost
-    assert ep_overlap_exposed(4.0, 30.0, 30.0, True, 0.15) == pytest.approx(4.0 * 0.15 / 0.85)
+    # Covered: the measured share hidden, the rest exposed; the hidden part costs the SMs it holds.
+    assert ep_overlap_exposed(4.0, 30.0, 30.0, True, 0.0) == pytest.approx(4.0 * (1 - h))
+    assert ep_overlap_exposed(4.0, 30.0, 30.0, True, 0.15) == pytest.approx(4.0 * (1 - h) + 4.0 * h * 0.15 / 0.85)
     # A chunk shorter than its exchange leaves the rest exposed.
     assert ep_overlap_exposed(4.0, 0.0, 0.0, False, 0.0) == pytest.approx(4.0)
     assert ep_overlap_exposed(4.0, 1.5, 3.0, True, 0.0) == pytest.approx(

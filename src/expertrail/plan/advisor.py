@@ -16,7 +16,7 @@ from ..errors import ConfigError
 from ..names import both_names, field_name
 from .catalog import Hardware, MoEModel
 from .cost import SATURATING_SMS, EPLayout, Routing, predict
-from .estimate import GROUPED_HALF_ROWS, OVERLAP_COMM_SMS
+from .estimate import EP_OVERLAP_HIDES, GROUPED_HALF_ROWS, OVERLAP_COMM_SMS
 from .search import architecture_of, fitting_pp
 from .simulate import domain_for
 
@@ -24,10 +24,6 @@ ALGORITHMS = ("alltoall", "dedup", "hierarchical")
 GEMM_EFFICIENCY = 0.75          # of dense peak, reached by grouped GEMMs with many rows per expert
 COMFORTABLE_PP = 4              # EP sizes that fit only with a deeper pipeline are not chosen
 OVERLAP_WORTH = 0.2             # below this share of the expert GEMMs, EP overlap is not worth its constraints
-# The share of the hideable link time expertrail's own overlap schedule hid in its recorded
-# run with one rank per core (docs/results/overlap-train-2x1.json: (2572 - 1728) / (2572 - 1318)
-# ms, the step without overlap, with it, and its CPU floor; docs/benchmarks.md).
-MEASURED_HIDDEN = 0.67
 DOMAIN_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"     # read by HybridEP only
 FP8_RECIPE = {"hopper": "blockwise", "blackwell": "mxfp8"}  # Megatron's --fp8-recipe values
 MEGATRON_FLAG = {"num_moe_experts": "--num-experts", "fp8": "--fp8-format"}   # flags not named as their field
@@ -98,14 +94,14 @@ def overlap_advice(stage: str, comm: float, compute: float) -> tuple:
     claim follows the ratio: all of it below 100% of the expert GEMMs, only part above. The
     predicted gain per layer is (comm + compute) / max(comm, compute) at best, when neither side
     waits for the other, and what `expertrail.comm.schedule` measurably reaches: it hides
-    `MEASURED_HIDDEN` of the hideable time (docs/overlap.md)."""
+    `EP_OVERLAP_HIDES` of the hideable time (docs/overlap.md)."""
     ratio = comm / compute
     gain = (comm + compute) / max(comm, compute)     # a layer's time, one micro-batch alone vs two in flight
-    measured = (comm + compute) / (comm + compute - MEASURED_HIDDEN * min(comm, compute))
+    measured = (comm + compute) / (comm + compute - EP_OVERLAP_HIDES * min(comm, compute))
     share = (f"dispatch + combine ({comm * 1e6:.0f} us) is {ratio:.0%} of the expert GEMMs "
              f"({compute * 1e6:.0f} us); with two micro-batches in flight a layer takes the larger of the two "
              f"instead of their sum, {gain:.2f}x faster at best, about {measured:.2f}x as expertrail's own "
-             f"schedule measures (it hid {MEASURED_HIDDEN:.0%} of what it could)")
+             f"schedule measures (it hid {EP_OVERLAP_HIDES:.0%} of what it could)")
     if ratio < OVERLAP_WORTH:
         on, claim = False, f"{share}: too little to be worth the constraints overlap brings"
     elif ratio <= 1.0:

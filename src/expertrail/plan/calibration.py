@@ -92,6 +92,8 @@ FITTED_ON = {
     "estimate.DEEPEP_NVLINK_PEERS": "DeepEP's NUM_MAX_NVL_PEERS (csrc/kernels/configs.cuh)",
     "estimate.DEEPEP_RACK_GBPS": "Megatron-LM docs/discussions/deepseek-v3-gb200-optimization, 2.2.1: DeepEP at EP 32 "
                                  "on GB200 NVL72, 24 SMs",
+    "estimate.EP_OVERLAP_HIDES": "measured: expertrail's overlapped 1F1B, 2 emulated nodes x 1 rank "
+                                 "(docs/results/overlap-train-2x1.json)",
     "estimate.OVERLAP_COMM_SMS": "Megatron's and DeepEP's default moe_deepep_num_sms (20), Hybrid-EP's 16",
     "estimate.HOST_LINK_GBPS": "datasheets (NVLink-C2C 900 GB/s both ways, PCIe Gen5 x16 64 GB/s), 80% achieved: assumption",
     "estimate.CPU_ADAM_PARAMS_PER_S": "assumption (a host Adam step over a GPU's share of the cores)",

@@ -12,8 +12,8 @@ the system's sustained speed `SYSTEM_SPEED`; routed experts lose more with few r
 expert), core attention in BF16 (`ATTENTION_EFFICIENCY`, slower for narrow heads), memory-bound work (norms,
 activations, permutes: `ELEMENTWISE_PASSES` over the layer's activations at HBM speed),
 recomputed forwards, and the communication left exposed: dispatch + combine from the cost
-model (`cost.predict`, forward and backward), of which EP overlap hides what the other
-micro-batch's compute chunks cover (`ep_overlap_exposed`), TP's all-gathers / reduce-scatters,
+model (`cost.predict`, forward and backward), of which EP overlap hides a measured share of what
+the other micro-batch's compute chunks cover (`ep_overlap_exposed`, `unpaired_share`), TP's all-gathers / reduce-scatters,
 CP's key-value exchange beyond the attention it hides behind, Megatron-FSDP's per-layer
 collectives beyond the layer's compute (`fsdp_seconds`), activation offloading's copies beyond
 it, and the pipeline's sends, and each MoE layer's host synchronisation (`SYNC_S_PER_MOE_LAYER`).
@@ -84,6 +84,13 @@ ROUTING_SAMPLE = 1024
 # EP overlap: SMs the dispatcher's kernels hold while the other micro-batch computes beside them
 # (DeepEP's and Megatron's default moe_deepep_num_sms 20, Hybrid-EP's 16; NCCL's all-to-all about as many).
 OVERLAP_COMM_SMS = {"deepep": 20, "ncclep": 20, "hybridep": 16, None: 20}
+# EP overlap: the share of an exchange's time beside a compute chunk that overlap hides, as
+# expertrail's own overlapped 1F1B measured it with one rank per core (docs/results/
+# overlap-train-2x1.json: (2572 - 1728) / (2572 - 1318) ms, the step without overlap, with it,
+# and the overlapped step's CPU floor): streams are not free to run side by side all the time
+# (each chunk pair ends in a wait, and the next chunk's launch follows it). Not fitted; the two
+# published pairs with and without Megatron's EP overlap check it (docs/cost-model.md, "EP overlap").
+EP_OVERLAP_HIDES = 0.67
 # Host link per GPU, each way, for activation and optimizer offloading: NVLink-C2C on Grace
 # systems (900 GB/s both ways), PCIe Gen5 x16 (64 GB/s) elsewhere; 80% of it achieved.
 HOST_LINK_GBPS = {**{name: 360.0 for name in GRACE_HOSTED}, None: 50.0}
@@ -212,8 +219,10 @@ def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe:
         if layout.ep_overlap and layout.micro_batches >= 2:
             attention_side = attn_gemm + core + elementwise / 2 + recompute
             mlp_side = experts + dense_mlp + elementwise / 2
-            comm["ep"] = ep_overlap_exposed(ep_comm, attention_side, mlp_side, layout.delay_wgrad,
-                                            comm_sms(layout) / hw.sms)
+            paired = ep_overlap_exposed(ep_comm, attention_side, mlp_side, layout.delay_wgrad,
+                                        comm_sms(layout) / hw.sms)
+            alone = unpaired_share(layout)
+            comm["ep"] = alone * ep_comm + (1 - alone) * paired
         else:
             comm["ep"] = ep_comm
     if layout.fsdp:
@@ -245,6 +254,16 @@ def moe_syncs(layout: TrainingLayout) -> int:
     return 1 + recomputed
 
 
+def unpaired_share(layout: TrainingLayout) -> float:
+    """Share of a step's micro-batch chunks that EP overlap cannot pair: combined 1F1B pairs a
+    forward with another micro-batch's backward only in the steady phase, so the first pipeline
+    rank's warm-up forwards (one without pipelining; ``2 (PP - 1) + (VPP - 1) PP`` in Megatron's
+    interleaved schedule) and as many cool-down backwards run alone, their exchanges exposed."""
+    chunks = layout.micro_batches * layout.vpp
+    warmup = 1 if layout.pp == 1 else 2 * (layout.pp - 1) + (layout.vpp - 1) * layout.pp
+    return min(1.0, warmup / chunks)
+
+
 def ep_overlap_exposed(ep_comm: float, attention: float, mlp: float, delay_wgrad: bool, sm_share: float) -> float:
     """What EP overlap leaves of a layer's dispatch + combine (forward and backward, ``ep_comm``)
     in Megatron's combined 1F1B, the forward of one micro-batch beside the backward of another:
@@ -253,14 +272,16 @@ def ep_overlap_exposed(ep_comm: float, attention: float, mlp: float, delay_wgrad
     dispatch beside the forward MLP; forward combine beside the backward attention). A forward
     chunk is a third of that side's compute, a backward two thirds; ``delay_wgrad`` moves the
     experts' weight gradients (a third) from beside the forward dispatch to beside the backward
-    one. What a chunk cannot cover stays exposed, and while they overlap the compute runs on the
-    SMs the exchange leaves it (``sm_share`` of them held by the dispatcher's kernels)."""
+    one. What a chunk cannot cover stays exposed; of what it can, overlap hides `EP_OVERLAP_HIDES`,
+    and while they overlap the compute runs on the SMs the exchange leaves it (``sm_share`` of
+    them held by the dispatcher's kernels)."""
     q = ep_comm / 4
     pairs = ((q, mlp / 3 if delay_wgrad else 2 * mlp / 3), (q, attention / 3),
              (q, 2 * mlp / 3 if delay_wgrad else mlp / 3), (q, 2 * attention / 3))
     exposed = sum(max(0.0, c - w) for c, w in pairs)
-    overlapped = sum(min(c, w) for c, w in pairs)
-    return exposed + overlapped * sm_share / (1 - sm_share)
+    coverable = sum(min(c, w) for c, w in pairs)
+    hidden = EP_OVERLAP_HIDES * coverable
+    return exposed + (coverable - hidden) + hidden * sm_share / (1 - sm_share)
 
 
 def fsdp_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe: bool) -> float:
