@@ -106,6 +106,21 @@ def test_aux_losses_match_their_formulas():
     assert r.weight.grad is not None and r.weight.grad.abs().sum() > 0
 
 
+def test_a_loss_that_waits_for_an_exchange_is_computed_when_first_read():
+    """`RouterLosses`: the global-batch loss (its loads summed over ranks) is computed on first
+    read, so its all-reduce travels while the forward goes on; every way of reading it gives
+    the same tensor, computed once."""
+    from expertrail.moe.router import RouterLosses
+    calls = []
+    losses = RouterLosses()
+    losses["aux_loss"] = torch.tensor(1.0)
+    losses.add_pending("global_aux_loss", lambda: calls.append(1) or torch.tensor(2.0))
+    assert calls == [] and len(losses) == 2 and "global_aux_loss" in losses
+    assert dict(losses) == {"aux_loss": torch.tensor(1.0), "global_aux_loss": torch.tensor(2.0)}
+    assert sum(losses.values()).item() == 3.0 and {**losses}["global_aux_loss"].item() == 2.0
+    assert calls == [1]
+
+
 def test_switch_loss_is_one_when_uniform():
     assert switch_loss(torch.full((4,), 10 / 4), torch.full((4,), 5), 10, 2).item() == pytest.approx(1.0)
 

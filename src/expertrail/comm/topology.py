@@ -142,6 +142,14 @@ class EPGroups:
         rail_group: the ranks of the EP group with this rank's local index, one per domain,
             ordered by domain.
         device: the device tensors must be on for these groups (cpu for gloo, cuda for nccl).
+        control_group: the EP ranks again, for the exchanges of a few numbers (a dispatch's
+            counts and headers, a combine's flags: `dispatch.agreement`), or None to use the
+            EP group. On gloo each process group has its own sockets, and a message waits
+            behind every byte posted before it on its socket: on the EP group's, the dispatch
+            counts of one micro-batch would wait behind another's rows in flight (a whole
+            exchange, tens of ms on a 1 Gbit/s link) while the cores sit idle. `from_default`
+            makes one on gloo; on NCCL a second communicator would cost GPU memory, and the
+            EP group serves.
 
     `channel` gives the one `transport.Channel` of each process group (the EP, domain and rail
     groups may be the same group, which must then share its tag counter). ``failure`` is
@@ -158,6 +166,7 @@ class EPGroups:
     rail_group: object
     device: torch.device
     timeout: float | None = None
+    control_group: object = None
 
     def __post_init__(self):
         self._channels = {}
@@ -177,6 +186,11 @@ class EPGroups:
     @property
     def ep_channel(self) -> Channel:
         return self.channel(self.ep_group)
+
+    @property
+    def control_channel(self) -> Channel:
+        """The channel of the control exchanges (``control_group``, else the EP group's)."""
+        return self.channel(self.control_group if self.control_group is not None else self.ep_group)
 
     @property
     def domain_channel(self) -> Channel:
@@ -267,10 +281,11 @@ class EPGroups:
             ep_group = group if len(ep_lists) == 1 and limit is None else _subgroup(ep_lists, limit)
             domain_group = ep_group if domain_size == ep_size else _subgroup(domain_lists, limit)
             rail_group = ep_group if domain_size == 1 else _subgroup(rail_lists, limit)
+            control_group = _subgroup(ep_lists, limit) if device.type == "cpu" else None
         ep_ranks = tuple(ep_lists[rank // ep_size])
         return cls(ep_group=ep_group, ep_size=ep_size, ep_rank=rank % ep_size, ep_ranks=ep_ranks,
                    domain_group=domain_group, domain_size=domain_size, rail_group=rail_group,
-                   device=device, timeout=seconds)
+                   device=device, timeout=seconds, control_group=control_group)
 
 
 def _timeout_seconds(timeout) -> float | None:

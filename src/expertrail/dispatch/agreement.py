@@ -32,7 +32,7 @@ class Agreement:
         if counts.device.type == "cuda":      # copied from pinned memory, the row does not wait for the GPU
             head = head.pin_memory()
         head = head.to(counts.device, non_blocking=True).expand(self.groups.ep_size, -1)
-        return self.groups.ep_channel.all_to_all_fixed(torch.cat([counts, head], 1))
+        return self.groups.control_channel.all_to_all_fixed(torch.cat([counts, head], 1))
 
     def finish_dispatch(self, transfer: Transfer, message: str | None) -> tuple[torch.Tensor, Headers]:
         """Wait for the control exchange -> (recv_counts [P, C], every rank's `Headers`); raise

@@ -10,6 +10,7 @@ per-sequence and global-batch variants; the z-loss; input jitter; forced load ba
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -77,16 +78,58 @@ class RouterConfig:
                                   f"groups of {per_group} expert are too small")
 
 
+class RouterLosses(Mapping):
+    """A router call's losses, name -> scalar (already multiplied by their coefficient).
+
+    A loss that waits for an exchange (the global-batch loss's expert loads, summed over the
+    ranks) is computed on first read, not in the router: the loads travel while the rest of the
+    forward runs, instead of holding the cores while they queue behind a dispatch's rows on the
+    link (`schedule`). Reading any entry, or iterating, computes every pending one; the values
+    are the same tensors either way."""
+
+    def __init__(self):
+        self._values: dict = {}
+        self._pending: dict = {}
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self._values[name] = value
+
+    def add_pending(self, name: str, compute: Callable[[], torch.Tensor]) -> None:
+        """Register ``name``, computed by ``compute()`` when first read."""
+        self._pending[name] = compute
+        self._values[name] = None
+
+    def _resolve(self) -> None:
+        while self._pending:
+            name, compute = next(iter(self._pending.items()))
+            self._values[name] = compute()
+            del self._pending[name]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self._resolve()
+        return self._values[name]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"RouterLosses({dict(self)!r})"
+
+
 @dataclass
 class RouterOutput:
     """topk_idx int64 [T, K]; topk_weights fp32 [T, K]; probs fp32 [T, E] (the scores the
-    auxiliary losses use); losses: name -> scalar (already multiplied by their coefficient);
+    auxiliary losses use); losses: name -> scalar (already multiplied by their coefficient;
+    a `RouterLosses` mapping, whose global-batch loss is computed when first read);
     tokens_per_expert int64 [E] of this call."""
 
     topk_idx: torch.Tensor
     topk_weights: torch.Tensor
     probs: torch.Tensor
-    losses: dict
+    losses: Mapping
     tokens_per_expert: torch.Tensor
 
 
@@ -168,9 +211,9 @@ class TopKRouter(nn.Module):
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
 
     # ------------------------------------------------------------------ losses
-    def losses(self, logits, probs, idx, tokens_per_expert, seq_shape) -> dict:
+    def losses(self, logits, probs, idx, tokens_per_expert, seq_shape) -> RouterLosses:
         c = self.config
-        out = {}
+        out = RouterLosses()
         if not self.training:
             return out
         num_tokens = logits.shape[0]
@@ -189,12 +232,17 @@ class TopKRouter(nn.Module):
             # against this rank's mean scores: the gradient is the local one, as data-parallel
             # averaging expects.
             loads = torch.cat([tokens_per_expert.float(), torch.tensor([float(num_tokens)], device=idx.device)])
-            if self.load_group is not None:     # one small all-reduce: waited for without giving the turn away
+            work = None
+            if self.load_group is not None:     # one small all-reduce, waited for when the loss is read
                 work = Transfer(works=[dist.all_reduce(loads, group=self.load_group, async_op=True)])
-                wait_exchange("router loads", work.wait, give_turn=False, watch=work)
-            counts, total = loads[:-1], loads[-1]
-            fraction = counts / (total * c.topk)
-            out["global_aux_loss"] = c.global_aux_loss_coeff * c.num_experts * (probs.mean(0) * fraction).sum()
+
+            def global_aux_loss():
+                if work is not None:            # a few numbers: waited for without giving the turn away
+                    wait_exchange("router loads", work.wait, give_turn=False, watch=work)
+                counts, total = loads[:-1], loads[-1]
+                fraction = counts / (total * c.topk)
+                return c.global_aux_loss_coeff * c.num_experts * (probs.mean(0) * fraction).sum()
+            out.add_pending("global_aux_loss", global_aux_loss)
         if c.z_loss_coeff:
             out["z_loss"] = c.z_loss_coeff * torch.logsumexp(logits, -1).square().mean()
         return out
