@@ -121,6 +121,17 @@ def test_a_loss_that_waits_for_an_exchange_is_computed_when_first_read():
     assert calls == [1]
 
 
+def test_the_global_loss_keeps_its_gradient_when_first_read_without_one():
+    r = router(global_aux_loss_coeff=0.5)
+    r.train()
+    out = r(tokens(24))
+    with torch.no_grad():
+        value = out.losses["global_aux_loss"]
+    assert value.requires_grad
+    value.backward()
+    assert r.weight.grad is not None and r.weight.grad.abs().sum() > 0
+
+
 def test_switch_loss_is_one_when_uniform():
     assert switch_loss(torch.full((4,), 10 / 4), torch.full((4,), 5), 10, 2).item() == pytest.approx(1.0)
 

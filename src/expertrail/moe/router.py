@@ -84,8 +84,9 @@ class RouterLosses(Mapping):
     A loss that waits for an exchange (the global-batch loss's expert loads, summed over the
     ranks) is computed on first read, not in the router: the loads travel while the rest of the
     forward runs, instead of holding the cores while they queue behind a dispatch's rows on the
-    link (`schedule`). Reading any entry, or iterating, computes every pending one; the values
-    are the same tensors either way."""
+    link (`schedule`). Reading any entry, or iterating, computes every pending one, under the
+    gradient mode of the router's call (a loss first read inside ``torch.no_grad()`` still
+    has its gradient); the values are the same tensors either way."""
 
     def __init__(self):
         self._values: dict = {}
@@ -96,13 +97,14 @@ class RouterLosses(Mapping):
 
     def add_pending(self, name: str, compute: Callable[[], torch.Tensor]) -> None:
         """Register ``name``, computed by ``compute()`` when first read."""
-        self._pending[name] = compute
+        self._pending[name] = (compute, torch.is_grad_enabled())
         self._values[name] = None
 
     def _resolve(self) -> None:
         while self._pending:
-            name, compute = next(iter(self._pending.items()))
-            self._values[name] = compute()
+            name, (compute, grad) = next(iter(self._pending.items()))
+            with torch.set_grad_enabled(grad):
+                self._values[name] = compute()
             del self._pending[name]
 
     def __getitem__(self, name: str) -> torch.Tensor:
