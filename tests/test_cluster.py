@@ -372,6 +372,19 @@ def test_one_percent_loss_leaves_results_bitwise_identical(tmp_path, no_leftover
 
 
 @needs_root
+def test_control_exchanges_do_not_wait_behind_rows_in_flight(tmp_path, no_leftovers):
+    """A dispatch's counts and header travel on a gloo group of their own: posted while 32 MiB
+    of rows cross a 1 Gbit/s link (268 ms at line rate), they land in well under half the rows'
+    time (on the EP group's sockets they would land only after them)."""
+    script = str(Path(__file__).parent / "cluster_scripts" / "control_beside_rows.py")
+    with cl.Cluster(2, cl.LinkSpec.parse("1gbit")) as c:
+        c.run([script, str(tmp_path), "32"], ranks_per_node=1, timeout=240, capture=True)
+    report = json.loads((tmp_path / "control.json").read_text())
+    assert report["own_group"], report
+    assert report["control_s"] < report["rows_s"] / 2, report
+
+
+@needs_root
 def test_a_delay_without_netem_says_what_is_missing(no_leftovers):
     if cl.kernel_has_qdisc("netem"):
         pytest.skip("this kernel has netem")

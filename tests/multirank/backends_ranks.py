@@ -389,31 +389,3 @@ def workspace_reuse(rank, world, backend):
     assert released == 0 and torch.equal(res.tokens, ref_a)
     return sizes
 
-
-def control_beside_rows(rank, world, mib=64):
-    """Rank 0 sends rank 1 ``mib`` MiB of rows on the EP group and, while they travel, every
-    rank runs a dispatch's control exchange (counts and header, `Agreement`). Returns (whether
-    the control group is a group of its own over the EP ranks, seconds until the control
-    exchange landed, seconds until the rows landed) on rank 1, None elsewhere."""
-    import time
-    from expertrail.dispatch.agreement import Agreement
-    from expertrail.dispatch.header import Header
-    groups = groups_for(None, 2)
-    own = groups.control_group is not None and groups.control_group is not groups.ep_group \
-        and dist.get_process_group_ranks(groups.control_group) == list(groups.ep_ranks)
-    rows = torch.ones(mib << 18) if rank in (0, 1) else None          # float32: 4 bytes a value
-    dist.barrier()
-    start = time.perf_counter()
-    channel = groups.ep_channel
-    tag = channel.reserve_tags(1)
-    works = channel.post([(rows, 1, tag)] if rank == 0 else [], [(rows, 0, tag)] if rank == 1 else [])
-    agreement = Agreement("alltoall", groups, 1)
-    x = torch.zeros(3, 8)
-    header = Header.of(x, torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 2), 0).pack()
-    agreement.finish_dispatch(agreement.start(agreement.no_counts(), header), None)
-    control_s = time.perf_counter() - start
-    for w in works:
-        w.wait()
-    rows_s = time.perf_counter() - start
-    dist.barrier()
-    return (own, control_s, rows_s) if rank == 1 else None
