@@ -388,4 +388,3 @@ def workspace_reuse(rank, world, backend):
     assert steady[0], steady[1]
     assert released == 0 and torch.equal(res.tokens, ref_a)
     return sizes
-

@@ -204,4 +204,3 @@ def test_fp8_rows_are_the_same_on_every_backend(world4):
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 def test_workspace_reuses_buffers_safely(world4, backend):
     assert all(sizes[0] > 0 for sizes in world4.run(backends_ranks.workspace_reuse, backend))
-

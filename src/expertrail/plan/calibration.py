@@ -337,18 +337,22 @@ def _ranking_key(run: dict) -> tuple:
     return run["model"], run["system"], source_of(run), run["layout"]["seq"]
 
 
+def _layouts_by_group() -> dict:
+    """{ranking key: {layout key: [run ids]}} over the runs not in OUTLIERS."""
+    groups = {}
+    for rid, run in TRAINING_RUNS.items():
+        if rid not in OUTLIERS:
+            groups.setdefault(_ranking_key(run), {}).setdefault(_layout_key(run), []).append(rid)
+    return groups
+
+
 def ranking_groups() -> dict:
     """{(model, system, source, seq): Spearman correlation of predicted and published
     throughput} over the distinct layouts of one model at one sequence length on one system in
     one publication (two or more; a layout published in several containers counts once, at its
     mean throughput; OUTLIERS left out)."""
-    groups = {}
-    for rid, run in TRAINING_RUNS.items():
-        if rid not in OUTLIERS:
-            layouts = groups.setdefault(_ranking_key(run), {})
-            layouts.setdefault(_layout_key(run), []).append(rid)
     out = {}
-    for key, layouts in groups.items():
+    for key, layouts in _layouts_by_group().items():
         if len(layouts) >= 2:
             published = [sum(TRAINING_RUNS[r]["published_tokens_per_s"] for r in ids) / len(ids) for ids in layouts.values()]
             out[key] = spearman([predicted(ids[0])["tokens_per_s_per_gpu"] for ids in layouts.values()], published)
@@ -356,11 +360,8 @@ def ranking_groups() -> dict:
 
 
 def _ranks_with_counts() -> dict:
-    counts = {}
-    for rid, run in TRAINING_RUNS.items():
-        if rid not in OUTLIERS:
-            counts.setdefault(_ranking_key(run), set()).add(_layout_key(run))
-    return {key: (rho, len(counts[key])) for key, rho in ranking_groups().items()}
+    groups = _layouts_by_group()
+    return {key: (rho, len(groups[key])) for key, rho in ranking_groups().items()}
 
 
 def table() -> str:
