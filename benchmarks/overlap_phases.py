@@ -12,9 +12,11 @@ in it, and how long the link was busy.
 
 Printed, median over steps (the first left out):
 
-- per phase: wall ms, idle CPU-s, the CPU floor (busy CPU-s over the cores) and, on the
-  emulated cluster, the link's busy time (the bytes of the busier direction of this node's
-  link, sampled from its interface counters, at line rate);
+- per phase: wall ms, idle CPU-s, the CPU floor (busy CPU-s over the cores), on the
+  emulated cluster the link's busy time (the bytes of the busier direction of this node's
+  link, sampled from its interface counters, at line rate), and rank 0's waits for exchanges:
+  blocked (nothing to run) and filled with delayed weight gradients (the Timeline's
+  ``blocked`` and ``filler`` spans);
 - the step without and with overlap, their ratio, and the step's CPU floor; on the emulated
   cluster also the link's busy time over the step: no schedule beats the larger of the two;
 - the bound of the phase order: the tail and every task alone as measured plus every pair at
@@ -126,6 +128,11 @@ def phases(spans: list, step_end: float) -> list:
     return out
 
 
+def time_in(spans: list, kind: str, start: float, end: float) -> float:
+    """Seconds of this rank's ``kind`` spans (``"blocked"``, ``"filler"``) inside [start, end]."""
+    return sum(max(0.0, min(b, end) - max(a, start)) for _, k, _, a, b in spans if k == kind)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, default in (("hidden", 512), ("ffn", 128), ("topk", 8), ("experts", 16), ("seq", 64), ("batch", 8),
@@ -154,7 +161,8 @@ def main() -> None:
             rows = []
             if overlap:
                 spans = [(lane, kind, what, a - start, b - start) for lane, kind, what, a, b in timeline.spans]
-                rows = [(name, b - a, host.idle_between(start + a, start + b), host.link_between(start + a, start + b))
+                rows = [(name, b - a, host.idle_between(start + a, start + b), host.link_between(start + a, start + b),
+                         time_in(spans, "blocked", a, b), time_in(spans, "filler", a, b))
                         for name, a, b in phases(spans, end - start)]
             steps[overlap].append((end - start, host.idle_between(start, end), rows, host.link_between(start, end)))
     if rank == 0:
@@ -172,7 +180,8 @@ def report(steps: dict, cores: int, args) -> None:
           f"{args.micro_batches} micro-batches of {args.batch} x {args.seq}; {cores} cores on this host; "
           f"medians of {len(ovl)} steps")
     linked = ovl[0][3] is not None
-    print(f"{'phase':>9} {'wall ms':>8} {'idle CPU-s':>11} {'CPU floor ms':>13}" + (f" {'link ms':>8}" if linked else ""))
+    print(f"{'phase':>9} {'wall ms':>8} {'idle CPU-s':>11} {'CPU floor ms':>13}" + (f" {'link ms':>8}" if linked else "")
+          + f" {'blocked ms':>11} {'filler ms':>10}")
     bound = 0.0
     for j, name in enumerate(r[0] for r in ovl[0][2]):
         wall = med(s[2][j][1] for s in ovl) * 1e3
@@ -180,7 +189,8 @@ def report(steps: dict, cores: int, args) -> None:
         floor = wall - idle / cores * 1e3
         bound += floor if "+" in name else wall
         link = f" {med(s[2][j][3] for s in ovl) * 1e3:8.0f}" if linked else ""
-        print(f"{name:>9} {wall:8.0f} {idle:11.2f} {floor:13.0f}{link}")
+        blocked, filler = (med(s[2][j][k] for s in ovl) * 1e3 for k in (4, 5))
+        print(f"{name:>9} {wall:8.0f} {idle:11.2f} {floor:13.0f}{link} {blocked:11.0f} {filler:10.0f}")
     print(f"without overlap {seq_ms:.0f} ms, with {ovl_ms:.0f} ms: {seq_ms / ovl_ms:.2f}x")
     print(f"CPU floor of the overlapped step {floor_ms:.0f} ms: no schedule beats {seq_ms / floor_ms:.2f}x here")
     if linked:

@@ -268,6 +268,34 @@ def test_timeline_records_runs_and_exchanges():
     assert ("F1", "exchange", "dispatch") in kinds and ("F1", "run", "") in kinds and ("B0", "run", "") in kinds
 
 
+class _LandsLater:
+    """A posted work that lands ``after`` seconds after it is first waited for."""
+
+    def __init__(self, after: float):
+        self.after = after
+
+    def wait(self):
+        time.sleep(self.after)
+        return True
+
+
+def test_timeline_splits_a_wait_into_filler_and_blocked_time():
+    """A wait with delayed weight gradients queued computes them (filler) and then waits
+    (blocked); with none queued, or outside any task, it is all blocked."""
+    def task(queue_one: bool):
+        if queue_one:
+            schedule.defer(lambda: time.sleep(0.01))
+        schedule.wait_exchange("dispatch", lambda: None, give_turn=False,
+                               watch=Transfer(works=[_LandsLater(0.06)]))
+    with schedule.Timeline() as t:
+        schedule.run_interleaved([lambda: task(True), lambda: task(False)], delay_wgrad=True, lanes=["B0", "F2"])
+        schedule.wait_exchange("combine", lambda: None, watch=Transfer(works=[_LandsLater(0.03)]))
+    took = {(lane, kind, what): end - start for lane, kind, what, start, end in t.spans}
+    assert took[("B0", "filler", "dispatch")] >= 0.01 and took[("B0", "blocked", "dispatch")] >= 0.03
+    assert ("F2", "filler", "dispatch") not in took and took[("F2", "blocked", "dispatch")] >= 0.05
+    assert took[("main", "blocked", "combine")] >= 0.025
+
+
 def test_tasks_run_under_the_callers_grad_and_inference_modes():
     seen = lambda: (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
     with torch.no_grad():

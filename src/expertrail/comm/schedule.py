@@ -46,7 +46,9 @@ class Timeline:
     from ``time.perf_counter()``. lane: the work, ``"F1"`` (forward of micro-batch 1) or
     ``"B0"``; kind ``"run"``: the lane held the cores (its turn); kind ``"exchange"``: one of
     its exchanges, from posted to landed, ``what`` naming it (``"dispatch"``,
-    ``"combine backward"``, ...).
+    ``"combine backward"``, ...). Inside a run, the waits for an exchange (`wait_exchange`
+    with a ``watch``): ``"filler"``, a delayed weight gradient computed while it travels, and
+    ``"blocked"``, the lane waited with nothing to run.
     """
 
     def __init__(self):
@@ -216,21 +218,31 @@ def wait_exchange(what: str, wait: Callable[[], Any], give_turn: bool = True, wa
     if give_turn:
         switch_point()
     task = getattr(_local, "task", None)
+    lane = task.lane if task is not None else getattr(_local, "lane", "main")
     if task is not None and task.deferred is not None and task.deferred.items and watch is not None:
-        _fill_until_landed(task.deferred, watch)
+        _fill_until_landed(task.deferred, watch, lane, what)
+    elif watch is not None and _timeline is not None:      # the idle wait timed apart from the rest of the operation
+        start = time.perf_counter()
+        watch.land()
+        _record(lane, "blocked", what, start)
     result = wait()
-    _record(task.lane if task is not None else getattr(_local, "lane", "main"), "exchange", what, posted)
+    _record(lane, "exchange", what, posted)
     return result
 
 
-def _fill_until_landed(deferred: _Deferred, watch) -> None:
+def _fill_until_landed(deferred: _Deferred, watch, lane: str = "", what: str = "") -> None:
     """Run deferred work until ``watch`` (a `transport.Transfer`) has landed: a helper thread
-    waits for it (gloo says a receive is complete only once waited for)."""
+    waits for it (gloo says a receive is complete only once waited for). On a `Timeline`, each
+    item run is a ``filler`` span and what is left of the wait a ``blocked`` one."""
     landed, failure = threading.Event(), []
     _waiter().jobs.put((watch, landed, failure))
     while not landed.is_set() and deferred.items:
+        start = time.perf_counter()
         deferred.run_one()
+        _record(lane, "filler", what, start)
+    start = time.perf_counter()
     landed.wait()
+    _record(lane, "blocked", what, start)
     if failure:
         raise failure[0]
 

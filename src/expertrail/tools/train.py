@@ -328,7 +328,9 @@ def timeline_spans(rank: int, world: int, cfg: TrainConfig, backend: str, domain
 
 def write_timeline(spans: dict, path: str) -> None:
     """Draw `timeline_spans`' result: one panel per run, a row per micro-batch's forward or
-    backward, solid bars where it held the cores, thin bars for its exchanges in flight."""
+    backward, solid bars where it held the cores, grey where it held them waiting for an
+    exchange with nothing to run, hatched where it filled such a wait with delayed weight
+    gradients, thin bars for its exchanges in flight."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -340,13 +342,18 @@ def write_timeline(spans: dict, path: str) -> None:
             mine = [(kind, a, b) for ln, kind, _, a, b in run if ln == lane]
             ax.broken_barh([(1e3 * a, 1e3 * (b - a)) for kind, a, b in mine if kind == "run"], (y - 0.35, 0.7),
                            color="tab:blue" if lane[0] == "F" else "tab:green")
+            ax.broken_barh([(1e3 * a, 1e3 * (b - a)) for kind, a, b in mine if kind == "blocked"], (y - 0.35, 0.7),
+                           color="lightgrey")
+            ax.broken_barh([(1e3 * a, 1e3 * (b - a)) for kind, a, b in mine if kind == "filler"], (y - 0.35, 0.7),
+                           facecolor="none", edgecolor="white", hatch="////", linewidth=0)
             ax.broken_barh([(1e3 * a, 1e3 * (b - a)) for kind, a, b in mine if kind == "exchange"], (y - 0.1, 0.2),
                            color="tab:orange")
         ax.set_yticks(range(len(lanes)), lanes)
         step = max(b for *_, b in run)
         ax.set_title(f"{'with' if mode == 'overlap' else 'without'} overlap: step {1e3 * step:.0f} ms (rank 0)")
         ax.set_xlim(0, 1e3 * end)
-    axes[-1, 0].set_xlabel("ms (blue: forward, green: backward holding the cores; orange: its exchanges in flight)")
+    axes[-1, 0].set_xlabel("ms (blue: forward, green: backward holding the cores; grey: waiting there with nothing to "
+                           "run; hatched: delayed weight gradients filling a wait; orange: its exchanges in flight)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
