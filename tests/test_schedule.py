@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from expertrail.comm import schedule
-from expertrail.comm.transport import Transfer
+from expertrail.comm.transport import Transfer, later
 
 
 def test_tasks_take_turns_at_switch_points_and_return_their_results():
@@ -277,6 +277,23 @@ class _LandsLater:
     def wait(self):
         time.sleep(self.after)
         return True
+
+
+def test_landing_a_transfer_waits_for_the_exchanges_its_rest_consumes():
+    """What a dispatch or combine hands the helper thread to land: the rest of the operation,
+    whose rows are posted but not among its own works. land() must wait for those rows (so
+    the filler runs until they land) and leave the rest to wait(), each work waited once."""
+    waited, ran = [], []
+
+    class Rows:
+        def wait(self):
+            waited.append("rows")
+    rows = Transfer(result="landed rows", works=[Rows()])
+    rest = later(lambda: ran.append("rest") or rows.wait(), lands=[rows])
+    rest.land()
+    assert waited == ["rows"] and ran == []
+    assert rest.wait() == "landed rows" and waited == ["rows"] and ran == ["rest"]
+    assert later(lambda: None).land() is None          # nothing in flight: returns at once
 
 
 def test_timeline_splits_a_wait_into_filler_and_blocked_time():

@@ -43,15 +43,17 @@ class Transfer:
     start forwarding them while the other rows travel (`route.SplitHop`).
     """
 
-    def __init__(self, result=None, works=(), then=None, own_rows: torch.Tensor | None = None):
+    def __init__(self, result=None, works=(), then=None, own_rows: torch.Tensor | None = None, lands=()):
         self._result, self._works, self._then = result, list(works), then
         self.own_rows = own_rows
+        self._lands = [t for t in lands if isinstance(t, Transfer)]
 
     def land(self) -> None:
-        """Wait for the exchanges posted so far (nested Transfers' too) without running
-        ``then`` (which may post more): what a helper thread may do while the caller computes.
-        A gloo point-to-point work must be waited for once only, so they are dropped here."""
-        for work in self._works:
+        """Wait for the exchanges posted so far (nested Transfers' too, and those ``then`` will
+        consume: ``lands``) without running ``then`` (which may post more): what a helper
+        thread may do while the caller computes. A gloo point-to-point work must be waited for
+        once only, so they are dropped here."""
+        for work in self._works + self._lands:
             if isinstance(work, Transfer):
                 work.land()
             else:
@@ -67,15 +69,17 @@ class Transfer:
         return self._result
 
 
-def later(rest) -> Transfer:
+def later(rest, lands=()) -> Transfer:
     """The rest of an operation, whose first exchange is posted, as a `Transfer`: ``rest()``
-    runs on the first ``wait()``."""
-    return Transfer(then=lambda _: rest())
+    runs on the first ``wait()``. lands: the Transfers in flight that ``rest`` consumes (the
+    first exchange's rows, its metadata), which ``land()`` waits for: a helper thread that
+    lands this Transfer returns once they have landed, not at once."""
+    return Transfer(then=lambda _: rest(), lands=lands)
 
 
 def concat_transfers(transfers: list) -> Transfer:
     """The rows of ``transfers``, concatenated in order, on ``wait()``."""
-    return later(lambda: torch.cat([t.wait() for t in transfers]))
+    return later(lambda: torch.cat([t.wait() for t in transfers]), lands=transfers)
 
 
 class Channel:

@@ -725,11 +725,11 @@ class Route:
         hops. ``sent``: the first hop's sent rows, already gathered (see `AllToAllHop.forward`)."""
         if self.stages is None:
             first = self._step(self.hops[0], rows, sent)
-            pending = later(lambda: self._run(first, self.hops[1:]))
+            pending = later(lambda: self._run(first, self.hops[1:]), lands=[first])
         else:
             stage = next(self.stages)
             level, meta = self._start(stage, rows, sent)
-            pending = later(lambda: self._plan_and_run(level, meta))
+            pending = later(lambda: self._plan_and_run(level, meta), lands=[level, meta])
         return pending if async_op else pending.wait()
 
     def _start(self, stage: Stage, level, sent=None):
@@ -830,14 +830,14 @@ class Route:
             # Each part of the level before goes back as soon as its copies are summed.
             table = summing_table(rows, dtype)
             back = earlier[0].send_back(lambda a, b: last.transpose_part(table, weights, dtype, a, b))
-            return later(lambda: finish(back))
+            return later(lambda: finish(back))        # its parts are sent as they are summed, in finish
         rows = last.transpose(rows, weights, dtype)
         if not earlier:
             if agree is not None:
                 agree()
             return Transfer(rows.to(out_dtype or dtype))
         back = earlier[0].send_back(rows)
-        return later(lambda: finish(back))
+        return later(lambda: finish(back), lands=[back])
 
     def weights_transpose(self, grad_weights: torch.Tensor) -> torch.Tensor:
         """Gradient of the expert-row weights [M] -> gradient of ``topk_weights [N, K]``.
