@@ -345,15 +345,21 @@ def write_timeline(spans: dict, path: str) -> None:
             ax.broken_barh([(1e3 * a, 1e3 * (b - a)) for kind, a, b in mine if kind == "blocked"], (y - 0.35, 0.7),
                            color="lightgrey")
             ax.broken_barh([(1e3 * a, 1e3 * (b - a)) for kind, a, b in mine if kind == "filler"], (y - 0.35, 0.7),
-                           facecolor="none", edgecolor="white", hatch="////", linewidth=0)
+                           facecolor="none", edgecolor="black", hatch="///", linewidth=0)
             ax.broken_barh([(1e3 * a, 1e3 * (b - a)) for kind, a, b in mine if kind == "exchange"], (y - 0.1, 0.2),
                            color="tab:orange")
         ax.set_yticks(range(len(lanes)), lanes)
         step = max(b for *_, b in run)
         ax.set_title(f"{'with' if mode == 'overlap' else 'without'} overlap: step {1e3 * step:.0f} ms (rank 0)")
         ax.set_xlim(0, 1e3 * end)
-    axes[-1, 0].set_xlabel("ms (blue: forward, green: backward holding the cores; grey: waiting there with nothing to "
-                           "run; hatched: delayed weight gradients filling a wait; orange: its exchanges in flight)")
-    fig.tight_layout()
+    axes[-1, 0].set_xlabel("ms")
+    from matplotlib.patches import Patch
+    fig.legend(handles=[Patch(color="tab:blue", label="forward holding the cores"),
+                        Patch(color="tab:green", label="backward holding the cores"),
+                        Patch(facecolor="white", edgecolor="black", hatch="///", label="delayed weight gradients filling a wait"),
+                        Patch(color="lightgrey", label="waiting, nothing to run"),
+                        Patch(color="tab:orange", label="its exchange in flight")],
+               loc="lower center", ncol=5, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
