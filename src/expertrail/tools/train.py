@@ -334,6 +334,7 @@ def write_timeline(spans: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
     end = max(b for run in spans.values() for *_, b in run)
     fig, axes = plt.subplots(len(spans), 1, figsize=(11, 1.2 + 1.5 * len(spans)), sharex=True, squeeze=False)
     for ax, (mode, run) in zip(axes[:, 0], spans.items()):
@@ -353,7 +354,6 @@ def write_timeline(spans: dict, path: str) -> None:
         ax.set_title(f"{'with' if mode == 'overlap' else 'without'} overlap: step {1e3 * step:.0f} ms (rank 0)")
         ax.set_xlim(0, 1e3 * end)
     axes[-1, 0].set_xlabel("ms")
-    from matplotlib.patches import Patch
     fig.legend(handles=[Patch(color="tab:blue", label="forward holding the cores"),
                         Patch(color="tab:green", label="backward holding the cores"),
                         Patch(facecolor="white", edgecolor="black", hatch="///", label="delayed weight gradients filling a wait"),
