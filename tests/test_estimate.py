@@ -354,6 +354,23 @@ def test_flex_dispatcher_fields_of_megatron_core_are_read():
         {"moe_paged_stash", "moe_ncclep_zero_copy", "moe_combine_bwd_dtype"}
 
 
+def test_the_later_recipes_fusions_and_streams_are_named_not_modelled():
+    """Megatron-Bridge's recipes after its 26.04 container (DeepSeek-V3 on GB300, MXFP8) set
+    kernel fusions and streams that no run the constants were fitted on had: each is named,
+    none silently read as the fitted baseline."""
+    def layout(*flags):
+        base = ["--expert-model-parallel-size", "32", "--pipeline-model-parallel-size", "2",
+                "--global-batch-size", "4096", "--moe-token-dispatcher-type", "flex",
+                "--moe-router-force-load-balancing"]
+        return TrainingLayout.from_fields(load_config(None, base + list(flags)), 256)
+    later = layout("--moe-flex-dispatcher-backend", "hybridep", "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8",
+                   "--use-transformer-engine-op-fuser", "--moe-mlp-glu-interleave-size", "32", "--fp8-output-proj",
+                   "--high-priority-a2a-comm-stream", "--moe-hybridep-num-sms-preprocessing", "32")
+    assert {"use_transformer_engine_op_fuser", "moe_mlp_glu_interleave_size", "fp8_output_proj",
+            "high_priority_a2a_comm_stream", "moe_hybridep_num_sms_preprocessing"} <= set(later.not_modelled)
+    assert not layout("--moe-flex-dispatcher-backend", "hybridep").not_modelled
+
+
 def test_each_moe_layer_pays_a_host_synchronisation_per_micro_batch():
     """SYNC_S_PER_MOE_LAYER once per MoE layer and micro-batch (twice with the MoE recomputed),
     none with full-iteration CUDA graphs: a micro-batch of 2 spreads it over twice the tokens,

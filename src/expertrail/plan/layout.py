@@ -28,7 +28,13 @@ NOT_MODELLED = ("cpu_offloading", "cpu_offloading_num_layers", "moe_router_dtype
                 "overlap_dispatch_backward_with_experts_wgrad", "activation_offload_fraction",
                 "num_distributed_optimizer_instances", "main_params_dtype", "distribute_saved_activations",
                 "megatron_fsdp_main_params_dtype", "use_torch_optimizer_for_cpu_offload", "moe_paged_stash",
-                "moe_ncclep_zero_copy", "moe_combine_bwd_dtype")
+                "moe_ncclep_zero_copy", "moe_combine_bwd_dtype",
+                # kernel fusions, streams and buffers of Megatron-Bridge's performance recipes (the
+                # first six after its 26.04 container, so after every run the constants were fitted on)
+                "moe_mlp_glu_interleave_size", "fp8_output_proj", "moe_permute_fusion_into_hybridep",
+                "moe_hybridep_num_sms_preprocessing", "high_priority_a2a_comm_stream", "deallocate_pipeline_outputs",
+                "use_transformer_engine_op_fuser", "overlap_param_gather_with_optimizer_step", "nccl_ub",
+                "keep_fp8_transpose_cache", "disable_parameter_transpose_cache", "fsdp_double_buffer")
 # Values of those fields that leave the run as the estimate costs it: nothing to name. A field
 # with its own default there is named whenever set to another value.
 UNSET = (None, False, "no_shard", "none", [])
