@@ -336,19 +336,19 @@ def write_timeline(spans: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
     end = max(b for run in spans.values() for *_, b in run)
+    # span kind -> (bar height, style), drawn in this order; a run takes its lane's colour
+    styles = {"run": (0.7, {}), "blocked": (0.7, {"color": "lightgrey"}),
+              "filler": (0.7, {"facecolor": "none", "edgecolor": "black", "hatch": "///", "linewidth": 0}),
+              "exchange": (0.2, {"color": "tab:orange"})}
     fig, axes = plt.subplots(len(spans), 1, figsize=(11, 1.2 + 1.5 * len(spans)), sharex=True, squeeze=False)
     for ax, (mode, run) in zip(axes[:, 0], spans.items()):
         lanes = sorted({lane for lane, *_ in run}, key=lambda lane: (int(lane[1:]), lane[0] == "B"))
         for y, lane in enumerate(lanes):
             mine = [(kind, a, b) for ln, kind, _, a, b in run if ln == lane]
-            ax.broken_barh([(1e3 * a, 1e3 * (b - a)) for kind, a, b in mine if kind == "run"], (y - 0.35, 0.7),
-                           color="tab:blue" if lane[0] == "F" else "tab:green")
-            ax.broken_barh([(1e3 * a, 1e3 * (b - a)) for kind, a, b in mine if kind == "blocked"], (y - 0.35, 0.7),
-                           color="lightgrey")
-            ax.broken_barh([(1e3 * a, 1e3 * (b - a)) for kind, a, b in mine if kind == "filler"], (y - 0.35, 0.7),
-                           facecolor="none", edgecolor="black", hatch="///", linewidth=0)
-            ax.broken_barh([(1e3 * a, 1e3 * (b - a)) for kind, a, b in mine if kind == "exchange"], (y - 0.1, 0.2),
-                           color="tab:orange")
+            for kind, (height, style) in styles.items():
+                colour = {"color": "tab:blue" if lane[0] == "F" else "tab:green"} if kind == "run" else {}
+                ax.broken_barh([(1e3 * a, 1e3 * (b - a)) for k, a, b in mine if k == kind], (y - height / 2, height),
+                               **style, **colour)
         ax.set_yticks(range(len(lanes)), lanes)
         step = max(b for *_, b in run)
         ax.set_title(f"{'with' if mode == 'overlap' else 'without'} overlap: step {1e3 * step:.0f} ms (rank 0)")
