@@ -183,6 +183,14 @@ def documented_commands(path: Path) -> list[Shown]:
     return read_document(path)[0]
 
 
+def first_causes(stderr: str, most: int = 12) -> str:
+    """The lines of ``stderr`` that say why a rank died (a C++ abort, a rank's exception), which
+    torchrun's own tracebacks push out of the tail a failure shows."""
+    causes = [line for line in stderr.splitlines()
+              if re.search(r"terminate called|what\(\)|^\[rank\d+\]:.*(Error|Exception)|^\w*(Error|Exception):", line)]
+    return "first causes:\n" + "\n".join(causes[:most]) if causes else ""
+
+
 def runnable(command: str, tmp: Path) -> list[str]:
     """``command`` as argv, run from the repository root with this test's environment."""
     bin_dir = str(Path(sys.executable).parent) + "/"
@@ -335,7 +343,7 @@ def test_documented_command_runs(command, status, tmp_path, monkeypatch, capsys)
         done = subprocess.run(argv, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True,
                               text=True, timeout=600, stdin=subprocess.DEVNULL)
         rc, stdout, stderr = done.returncode, done.stdout, done.stderr
-    assert rc == status, f"{command} -> {rc}\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    assert rc == status, f"{command} -> {rc}\n{stdout[-3000:]}\n{stderr[-3000:]}\n{first_causes(stderr)}"
     if Path(argv[0]).name == "expertrail" and argv[1] in IN_PROCESS:
         # (launched commands may show torchrun's own logged tracebacks, e.g. an agent's exit
         # barrier racing the store host's exit; their status is what counts there)

@@ -1,4 +1,5 @@
-"""LocalRanks' processes end with their owner, also when it is killed without cleanup."""
+"""Ranks end cleanly: LocalRanks' processes with their owner, also when it is killed without
+cleanup; a rank's process groups before the interpreter finalizes."""
 import os
 import signal
 import subprocess
@@ -43,3 +44,29 @@ def test_ranks_exit_when_their_owner_is_killed():
     for p in left:                                 # do not leave them behind if the test fails
         os.kill(p, signal.SIGKILL)
     assert not left, f"rank processes {left} outlived their owner"
+
+
+EXITING_RANK = """
+import atexit, sys, weakref
+import torch.distributed as dist
+held = []
+
+@atexit.register
+def report():                 # registered before expertrail's own hook, so it runs after it
+    print("freed" if held[0]() is None else "alive", flush=True)
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+from expertrail.comm.topology import EPGroups
+groups = EPGroups.from_default()          # one EP group: it keeps the default group itself
+held.append(weakref.ref(groups.ep_group))
+dist.destroy_process_group()
+"""
+
+
+def test_the_groups_an_epgroups_keeps_are_freed_before_the_interpreter_finalizes(tmp_path):
+    """A gloo group freed during finalization aborts the process now and then (SIGABRT at the
+    end of a torchrun job); the exit hook frees the groups an EPGroups still holds first."""
+    done = subprocess.run([sys.executable, "-c", EXITING_RANK, str(tmp_path / "store")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["freed"]

@@ -1,6 +1,7 @@
 """`expertrail.comm.schedule` on one process: turn taking, errors, delayed work."""
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -311,6 +312,23 @@ def test_timeline_splits_a_wait_into_filler_and_blocked_time():
     assert took[("B0", "filler", "dispatch")] >= 0.01 and took[("B0", "blocked", "dispatch")] >= 0.03
     assert ("F2", "filler", "dispatch") not in took and took[("F2", "blocked", "dispatch")] >= 0.05
     assert took[("main", "blocked", "combine")] >= 0.025
+
+
+def test_the_helper_threads_keep_nothing_of_a_call_that_returned():
+    """The long-lived task and waiter threads drop each job when it is done: a model a task
+    used (and the process groups it holds) must not outlive the call until process exit."""
+    class Model:
+        pass
+    model = Model()
+    used = weakref.ref(model)
+
+    def task():
+        schedule.defer(lambda: model)
+        schedule.wait_exchange("dispatch", lambda: None, give_turn=False,
+                               watch=Transfer(result=model, works=[_LandsLater(0.01)]))
+    schedule.run_interleaved([task, lambda: model], delay_wgrad=True)
+    del model
+    assert used() is None
 
 
 def test_tasks_run_under_the_callers_grad_and_inference_modes():

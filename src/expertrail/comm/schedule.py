@@ -303,6 +303,9 @@ class _Worker(threading.Thread):
             job, done = self.jobs.get()
             job()
             done.set()
+            # Held until the next job otherwise: the job's closures (a model, its micro-batches,
+            # its process groups) would live as long as the process, past destroy_process_group.
+            del job, done
 
 
 _workers: list[_Worker] = []
@@ -325,6 +328,7 @@ class _Waiter(threading.Thread):
             except BaseException as err:       # raised by the task that waits
                 failure.append(err)
             landed.set()
+            del transfer, landed, failure      # as `_Worker.run`
 
 
 _waiters: list[_Waiter] = []

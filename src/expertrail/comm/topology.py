@@ -7,10 +7,13 @@ same local index in every domain of its EP group (they share a NIC rail).
 """
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import math
 import os
 import time
+import weakref
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +25,6 @@ from ..errors import CollectiveError, ConfigError, ConfigMismatchError, Expertra
 from .transport import Channel, all_gather_single
 
 DOMAIN_SIZE_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
-# torch 2.13 renamed all_gather_into_tensor; keep working on older releases.
 
 
 def default_domain_size(ep_size: int) -> int:
@@ -171,6 +173,14 @@ class EPGroups:
     def __post_init__(self):
         self._channels = {}
         self.failure: str | None = None
+        _built.add(self)
+
+    def release(self, why: str) -> None:
+        """Drop this object's process groups (and their channels); every later collective on
+        it raises, saying ``why``. `_release_at_exit` calls it for every EPGroups."""
+        self.ep_group = self.domain_group = self.rail_group = self.control_group = None
+        self._channels.clear()
+        self.failure = f"its process groups were released: {why}"
 
     def check_same(self, fields: dict, what: str) -> None:
         """`check_same_on_all_ranks` over the EP group (collective)."""
@@ -286,6 +296,25 @@ class EPGroups:
         return cls(ep_group=ep_group, ep_size=ep_size, ep_rank=rank % ep_size, ep_ranks=ep_ranks,
                    domain_group=domain_group, domain_size=domain_size, rail_group=rail_group,
                    device=device, timeout=seconds, control_group=control_group)
+
+
+# Every EPGroups of this process, weakly: `_release_at_exit` drops their process groups.
+_built: "weakref.WeakSet[EPGroups]" = weakref.WeakSet()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Free the process groups EPGroups hold while the interpreter is still whole.
+
+    An EPGroups on one EP group keeps the default group as its EP group, also after
+    ``destroy_process_group()``; a gloo group freed during the interpreter's finalization
+    aborts the process ("terminate called without an active exception", SIGABRT; measured: 2
+    of 6 four-rank torchrun exits, 4 of 8 on an emulated 2x2 cluster, with the EPGroups in a
+    module global). The collection frees groups held only by garbage cycles, such as a model's.
+    """
+    for groups in list(_built):
+        groups.release("the process is exiting")
+    gc.collect()
 
 
 def _timeout_seconds(timeout) -> float | None:
