@@ -20,3 +20,10 @@ def test_overlapped_micro_batches_give_the_same_losses_and_gradients(world4, bac
             assert other_grads.keys() == grads.keys()
             for name, g in grads.items():
                 assert torch.equal(other_grads[name], g), f"{variant}: {name}"
+
+
+@pytest.mark.parametrize("backend", sorted(er.BACKENDS))
+def test_a_dispatch_backward_posts_the_weights_gradients_before_it_waits(world4, backend):
+    for events, weights_got_gradients in world4.run(overlap_ranks.dispatch_backward_posts_before_it_waits, backend):
+        assert weights_got_gradients
+        assert events == ["combine backward", "weights posted", "dispatch backward"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.schedule import wait_exchange
+from ..comm.transport import Transfer
 from ..kernels import fp8
 
 
@@ -28,9 +29,16 @@ class DispatchFunction(torch.autograd.Function):
         with route.running("dispatch backward"):
             rows_back = route.transpose_async(grad_tokens, out_dtype=ctx.x_dtype) \
                 if ctx.needs_input_grad[0] and ctx.tokens_differentiable else None
+            # Posted right behind the rows: sent after the wait, it queued behind the other
+            # micro-batch's rows on the same sockets with nothing to run meanwhile.
+            weights_back = route.weights_transpose_async(grad_weights) if ctx.needs_input_grad[1] else None
+            if rows_back is None:
+                return None, weights_back.wait() if weights_back is not None else None, None, None, None
+            both = [t for t in (rows_back, weights_back) if t is not None]
             # Delayed weight gradients and another micro-batch run while the rows travel.
-            grad_x = wait_exchange("dispatch backward", rows_back.wait, watch=rows_back) if rows_back is not None else None
-            grad_w = route.weights_transpose(grad_weights) if ctx.needs_input_grad[1] else None
+            grad_x, grad_w = wait_exchange("dispatch backward", lambda: [t.wait() if t is not None else None
+                                                                        for t in (rows_back, weights_back)],
+                                           watch=Transfer(works=both))
         return grad_x, grad_w, None, None, None
 
 

@@ -839,20 +839,29 @@ class Route:
         back = earlier[0].send_back(rows)
         return later(lambda: finish(back), lands=[back])
 
-    def weights_transpose(self, grad_weights: torch.Tensor) -> torch.Tensor:
-        """Gradient of the expert-row weights [M] -> gradient of ``topk_weights [N, K]``.
+    def weights_transpose_async(self, grad_weights: torch.Tensor) -> Transfer:
+        """Gradient of the expert-row weights [M] -> gradient of ``topk_weights [N, K]``, with the
+        first reverse exchange left in flight (posted beside the rows' gradients, so that it
+        lands with them instead of waiting behind another micro-batch's rows afterwards).
 
         Each row of the last level gets a K-wide vector with the gradient in its top-k column;
         summing them back along the route is exact since each (token, k) occurs once.
         """
-        last = self.hops[-1]
+        last, *earlier = reversed(self.hops)
         real = grad_weights if last.out_pos is None else grad_weights.index_select(0, last.out_pos)
         per_row = torch.zeros(last.index.numel(), self.topk, dtype=grad_weights.dtype, device=grad_weights.device)
         per_row[torch.arange(per_row.shape[0], device=per_row.device), self.row_k] = real
         level = last.reduce(per_row, None, per_row.dtype)
-        for hop in reversed(self.hops[:-1]):
-            level = hop.transpose(level)
-        return level
+        if not earlier:
+            return Transfer(level)
+
+        def finish(back):
+            for hop, before in zip(earlier, earlier[1:] + [None]):
+                back = hop.reverse(back, before, level.dtype, lambda: None)
+            return back
+
+        back = earlier[0].send_back(level)
+        return later(lambda: finish(back), lands=[back])
 
     def stats(self, payload_bytes: int, my_rank: int, domain_size: int, backward: bool = False) -> TransferStats:
         """Transfer stats of dispatch (or of combine, ``backward``) for rows of ``payload_bytes``."""
