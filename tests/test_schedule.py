@@ -45,6 +45,20 @@ def test_a_task_starts_only_once_the_task_it_comes_after_has_ended():
     assert order == ["x0", "y0", "y1", "y2", "z0"]          # a slot was free, but y had not ended
 
 
+def test_a_task_that_ends_gives_its_turn_to_the_task_it_let_start():
+    """The new task runs up to its first switch point while the other's exchange travels; but
+    not before a running task that has not passed a switch point yet (of two backwards, the
+    earlier one must stay ahead for the gradients' order)."""
+    order = []
+    tasks = [lambda: _steps(order, "x", 1), lambda: _steps(order, "y", 3), lambda: _steps(order, "z", 2)]
+    schedule.run_interleaved(tasks, width=2)
+    assert order == ["x0", "y0", "z0", "y1", "z1", "y2"]
+    order = []
+    tasks = [lambda: _steps(order, "x", 0), lambda: _steps(order, "y", 2), lambda: _steps(order, "z", 1)]
+    schedule.run_interleaved(tasks, width=2)
+    assert order == ["y0", "z0", "y1"]                      # y had not run when x ended: y first
+
+
 def test_after_must_name_an_earlier_task_and_width_be_at_least_one():
     with pytest.raises(ValueError, match="after="):
         schedule.run_interleaved([lambda: None, lambda: None], width=1, after=[1, None])

@@ -74,15 +74,20 @@ class _Turns:
 
     At most ``width`` tasks are in flight; the others start in list order as running ones end,
     each only once the task it comes ``after`` has ended. The turn goes round the running tasks
-    in list order; a task that ends passes its turn on to the next running one (a task it let
-    start comes last in that order). Every rank of a group sees the same switch points, so
-    every rank starts the same tasks at the same places."""
+    in list order. A task that ends gives its turn to the task it let start, which runs up to
+    its first switch point while the exchanges the others wait for travel; but when another
+    running task has not yet passed a switch point of its own, to the next running one (the
+    new task then comes last), so that of two backwards in flight the earlier one stays ahead
+    and every parameter still accumulates its gradients in micro-batch order. Every rank of
+    a group sees the same switch points, so every rank starts the same tasks at the same
+    places."""
 
     def __init__(self, n: int, width: int | None = None, after: list | None = None):
         self.cond = threading.Condition()
         self.width = n if width is None else min(width, n)
         self.after = after or [None] * n
         self.started, self.done = [False] * n, [False] * n
+        self.passed = [False] * n                 # the task has passed a switch point
         self.slot_of: dict[int, int] = {}         # a started task -> the thread slot it runs on
         self.assigned: dict[int, int] = {}        # a slot -> the task it is to run next
         self.stopped = False                      # a task failed: start no more
@@ -125,6 +130,7 @@ class _Turns:
             nxt = self._next(me)
             if nxt is None or nxt == me:
                 return
+            self.passed[me] = True
             self.turn = nxt
             self.cond.notify_all()
             self.cond.wait_for(lambda: self.turn == me)
@@ -133,10 +139,12 @@ class _Turns:
         with self.cond:
             self.done[me] = True
             self.stopped |= failed
-            busy = {self.slot_of[i] for i in self._running()} | set(self.assigned)
+            waiting = self._running()
+            busy = {self.slot_of[i] for i in waiting} | set(self.assigned)
             mine = self.slot_of[me]                  # its thread goes on with the next task
             self._start_ready([mine] + [s for s in range(self.width) if s not in busy and s != mine])
-            nxt = self._next(me)
+            new = [i for i in self._running() if i not in waiting]
+            nxt = new[0] if new and all(self.passed[i] for i in waiting) else self._next(me)
             if nxt is not None:
                 self.turn = nxt
             self.cond.notify_all()
