@@ -16,7 +16,9 @@ Printed, median over steps (the first left out):
   emulated cluster the link's busy time (the bytes of the busier direction of this node's
   link, sampled from its interface counters, at line rate), and rank 0's waits for exchanges:
   blocked (nothing to run) and filled with delayed weight gradients (the Timeline's
-  ``blocked`` and ``filler`` spans);
+  ``blocked`` and ``filler`` spans), beside the time rank 0's own cores sat idle (``r0
+  idle``; on the emulated cluster a node's ranks have cores of their own): idle time that a
+  phase's waits do not account for is a wait the Timeline does not see;
 - the step without and with overlap, their ratio, and the step's CPU floor; on the emulated
   cluster also the link's busy time over the step: no schedule beats the larger of the two;
 - the bound of the phase order: the tail and every task alone as measured plus every pair at
@@ -54,6 +56,7 @@ class HostSampler:
     def __init__(self, period: float = 0.005):
         self.period, self.samples, self._stop = period, [], threading.Event()
         self._tick = os.sysconf("SC_CLK_TCK")
+        self._own = {f"cpu{c}" for c in os.sched_getaffinity(0)}      # this rank's cores
         link, ifname = os.environ.get("EXPERTRAIL_INTER_LINK"), os.environ.get("GLOO_SOCKET_IFNAME")
         self.rate = LinkSpec.parse(link).rate if link and ifname else None       # bits/s
         self._counters = [f"/sys/class/net/{ifname}/statistics/{d}_bytes" for d in ("tx", "rx")] if self.rate else []
@@ -61,12 +64,14 @@ class HostSampler:
 
     def _read(self) -> tuple:
         with open("/proc/stat") as f:
-            fields = f.readline().split()[1:]
+            rows = [line.split() for line in f if line.startswith("cpu")]
+        idle = [(int(row[4]) + int(row[5])) / self._tick for row in rows]       # idle + iowait
+        own = sum(t for row, t in zip(rows, idle) if row[0] in self._own)
         counters = []
         for path in self._counters:
             with open(path) as f:
                 counters.append(int(f.read()))
-        return ((int(fields[3]) + int(fields[4])) / self._tick, *counters)        # idle + iowait, tx, rx
+        return (idle[0], own, *counters)           # the host's, this rank's cores', tx, rx
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -100,12 +105,16 @@ class HostSampler:
         """Idle CPU-seconds of the host between two perf_counter times."""
         return self._between(1, start, end)
 
+    def own_idle_between(self, start: float, end: float) -> float:
+        """Idle CPU-seconds of this rank's cores between two perf_counter times."""
+        return self._between(2, start, end)
+
     def link_between(self, start: float, end: float) -> float | None:
         """Seconds the node's link spent sending its busier direction's bytes at line rate between
         two perf_counter times (None off the emulated cluster)."""
         if not self.rate:
             return None
-        return max(self._between(2, start, end), self._between(3, start, end)) * 8 / self.rate
+        return max(self._between(3, start, end), self._between(4, start, end)) * 8 / self.rate
 
 
 def phases(spans: list, step_end: float) -> list:
@@ -162,7 +171,8 @@ def main() -> None:
             if overlap:
                 spans = [(lane, kind, what, a - start, b - start) for lane, kind, what, a, b in timeline.spans]
                 rows = [(name, b - a, host.idle_between(start + a, start + b), host.link_between(start + a, start + b),
-                         time_in(spans, "blocked", a, b), time_in(spans, "filler", a, b))
+                         time_in(spans, "blocked", a, b), time_in(spans, "filler", a, b),
+                         host.own_idle_between(start + a, start + b))
                         for name, a, b in phases(spans, end - start)]
             steps[overlap].append((end - start, host.idle_between(start, end), rows, host.link_between(start, end)))
     if rank == 0:
@@ -181,7 +191,7 @@ def report(steps: dict, cores: int, args) -> None:
           f"medians of {len(ovl)} steps")
     linked = ovl[0][3] is not None
     print(f"{'phase':>9} {'wall ms':>8} {'idle CPU-s':>11} {'CPU floor ms':>13}" + (f" {'link ms':>8}" if linked else "")
-          + f" {'blocked ms':>11} {'filler ms':>10}")
+          + f" {'blocked ms':>11} {'filler ms':>10} {'r0 idle ms':>11}")
     bound = 0.0
     for j, name in enumerate(r[0] for r in ovl[0][2]):
         wall = med(s[2][j][1] for s in ovl) * 1e3
@@ -189,8 +199,8 @@ def report(steps: dict, cores: int, args) -> None:
         floor = wall - idle / cores * 1e3
         bound += floor if "+" in name else wall
         link = f" {med(s[2][j][3] for s in ovl) * 1e3:8.0f}" if linked else ""
-        blocked, filler = (med(s[2][j][k] for s in ovl) * 1e3 for k in (4, 5))
-        print(f"{name:>9} {wall:8.0f} {idle:11.2f} {floor:13.0f}{link} {blocked:11.0f} {filler:10.0f}")
+        blocked, filler, own = (med(s[2][j][k] for s in ovl) * 1e3 for k in (4, 5, 6))
+        print(f"{name:>9} {wall:8.0f} {idle:11.2f} {floor:13.0f}{link} {blocked:11.0f} {filler:10.0f} {own:11.0f}")
     print(f"without overlap {seq_ms:.0f} ms, with {ovl_ms:.0f} ms: {seq_ms / ovl_ms:.2f}x")
     print(f"CPU floor of the overlapped step {floor_ms:.0f} ms: no schedule beats {seq_ms / floor_ms:.2f}x here")
     if linked:
