@@ -86,11 +86,11 @@ ROUTING_SAMPLE = 1024
 OVERLAP_COMM_SMS = {"deepep": 20, "ncclep": 20, "hybridep": 16, None: 20}
 # EP overlap: the share of an exchange's time beside a compute chunk that overlap hides, as
 # expertrail's own overlapped 1F1B measured it with one rank per core (docs/results/
-# overlap-train-2x1.json: (2469 - 1657) / (2469 - 1238) ms, the step without overlap, with it,
+# overlap-train-2x1.json: (2435 - 1456) / (2435 - 1232) ms, the step without overlap, with it,
 # and the overlapped step's CPU floor): streams are not free to run side by side all the time
 # (each chunk pair ends in a wait, and the next chunk's launch follows it). Not fitted; the two
 # published pairs with and without Megatron's EP overlap check it (docs/cost-model.md, "EP overlap").
-EP_OVERLAP_HIDES = 0.66
+EP_OVERLAP_HIDES = 0.81
 # Host link per GPU, each way, for activation and optimizer offloading: NVLink-C2C on Grace
 # systems (900 GB/s both ways), PCIe Gen5 x16 (64 GB/s) elsewhere; 80% of it achieved.
 HOST_LINK_GBPS = {**{name: 360.0 for name in GRACE_HOSTED}, None: 50.0}
