@@ -70,3 +70,18 @@ def test_the_groups_an_epgroups_keeps_are_freed_before_the_interpreter_finalizes
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["freed"]
+
+
+def test_released_groups_refuse_every_collective_saying_why():
+    """After the exit hook released them (or anything else did), a collective on the groups
+    raises at once instead of running on None, which torch reads as the default group."""
+    import torch
+    from expertrail.comm.topology import EPGroups, guarded
+    from expertrail.errors import CollectiveError
+    groups = EPGroups(ep_group=object(), ep_size=2, ep_rank=0, ep_ranks=(0, 1), domain_group=object(),
+                      domain_size=2, rail_group=object(), device=torch.device("cpu"))
+    groups.release("the process is exiting")
+    assert groups.ep_group is None and groups.control_group is None
+    with pytest.raises(CollectiveError, match=r"cannot run: its process groups were released \(the process is exiting\)"):
+        with guarded("alltoall dispatch", groups):
+            raise AssertionError("must not run")

@@ -76,8 +76,7 @@ def guarded(op: str, groups: "EPGroups | str", timeout: float | None = None):
     label = groups.label if health else groups
     timeout = groups.timeout if health else timeout
     if health is not None and health.failure is not None:
-        raise CollectiveError(f"{op} on {label} cannot run: an earlier collective on these groups failed "
-                              f"({health.failure}). {_REBUILD}")
+        raise CollectiveError(f"{op} on {label} cannot run: {health.failure}. {_REBUILD}")
     start = time.monotonic()
     try:
         yield
@@ -89,7 +88,7 @@ def guarded(op: str, groups: "EPGroups | str", timeout: float | None = None):
         cause = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}" if str(err) else type(err).__name__
         what = f"{op} on {label} failed after {waited:.1f} s{limit}"
         if health is not None:
-            health.failure = what
+            health.failure = f"an earlier collective on these groups failed ({what})"
         raise CollectiveError(f"{what}: a rank of the group probably exited or stopped calling {op} ({cause})."
                               + (f" {_REBUILD}" if health is not None else "")) from err
 
@@ -154,9 +153,10 @@ class EPGroups:
             EP group serves.
 
     `channel` gives the one `transport.Channel` of each process group (the EP, domain and rail
-    groups may be the same group, which must then share its tag counter). ``failure`` is
-    the first collective on these groups that failed (`guarded`), or None: after one, the
-    groups are broken for good and every later call raises at once.
+    groups may be the same group, which must then share its tag counter). ``failure`` says
+    why these groups cannot be used any more, or is None: the first collective on them that
+    failed (`guarded`), after which they are broken for good, or `release` (at exit); every
+    later call then raises at once.
     """
 
     ep_group: object
@@ -180,7 +180,7 @@ class EPGroups:
         it raises, saying ``why``. `_release_at_exit` calls it for every EPGroups."""
         self.ep_group = self.domain_group = self.rail_group = self.control_group = None
         self._channels.clear()
-        self.failure = f"its process groups were released: {why}"
+        self.failure = f"its process groups were released ({why})"
 
     def check_same(self, fields: dict, what: str) -> None:
         """`check_same_on_all_ranks` over the EP group (collective)."""
