@@ -238,7 +238,7 @@ def wait_exchange(what: str, wait: Callable[[], Any], give_turn: bool = True, wa
     return result
 
 
-def _fill_until_landed(deferred: _Deferred, watch, lane: str = "", what: str = "") -> None:
+def _fill_until_landed(deferred: _Deferred, watch, lane: str, what: str) -> None:
     """Run deferred work until ``watch`` (a `transport.Transfer`) has landed: a helper thread
     waits for it (gloo says a receive is complete only once waited for). On a `Timeline`, each
     item run is a ``filler`` span and what is left of the wait a ``blocked`` one."""

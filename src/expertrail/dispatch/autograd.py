@@ -34,11 +34,11 @@ class DispatchFunction(torch.autograd.Function):
             weights_back = route.weights_transpose_async(grad_weights) if ctx.needs_input_grad[1] else None
             if rows_back is None:
                 return None, weights_back.wait() if weights_back is not None else None, None, None, None
-            both = [t for t in (rows_back, weights_back) if t is not None]
             # Delayed weight gradients and another micro-batch run while the rows travel.
-            grad_x, grad_w = wait_exchange("dispatch backward", lambda: [t.wait() if t is not None else None
-                                                                        for t in (rows_back, weights_back)],
-                                           watch=Transfer(works=both))
+            in_flight = Transfer(works=[t for t in (rows_back, weights_back) if t is not None])
+            grad_x, grad_w = wait_exchange(
+                "dispatch backward", lambda: (rows_back.wait(), weights_back.wait() if weights_back is not None else None),
+                watch=in_flight)
         return grad_x, grad_w, None, None, None
 
 

@@ -678,6 +678,16 @@ class ExpertRows:
     source_weights: torch.Tensor | None = None
 
 
+def _reverse_through(earlier: list, back, dtype: torch.dtype, landed) -> torch.Tensor:
+    """Combine's steps back through the communicating hops ``earlier`` (a route's hops before
+    its last, last first), ``back`` the first reverse exchange in flight: each hop waits for its
+    rows, sums their copies (with the weights ``landed(hop)`` gives, or None) and starts the
+    reverse exchange of the hop before it. Returns the sums at the source [N, C]."""
+    for hop, before in zip(earlier, earlier[1:] + [None]):
+        back = hop.reverse(back, before, dtype, lambda hop=hop: landed(hop))
+    return back
+
+
 @dataclass
 class Route:
     """The hops of one dispatch plus what the last level's rows carry.
@@ -822,9 +832,7 @@ class Route:
             return self.source_weights if at_source and hop is self.hops[0] else None
 
         def finish(back):
-            for hop, before in zip(earlier, earlier[1:] + [None]):
-                back = hop.reverse(back, before, dtype, lambda hop=hop: landed(hop))
-            return back.to(out_dtype or dtype)
+            return _reverse_through(earlier, back, dtype, landed).to(out_dtype or dtype)
 
         if earlier and isinstance(earlier[0], SplitHop) and earlier[0].streamed and last.streams:
             # Each part of the level before goes back as soon as its copies are summed.
@@ -854,14 +862,8 @@ class Route:
         level = last.reduce(per_row, None, per_row.dtype)
         if not earlier:
             return Transfer(level)
-
-        def finish(back):
-            for hop, before in zip(earlier, earlier[1:] + [None]):
-                back = hop.reverse(back, before, level.dtype, lambda: None)
-            return back
-
         back = earlier[0].send_back(level)
-        return later(lambda: finish(back), lands=[back])
+        return later(lambda: _reverse_through(earlier, back, level.dtype, lambda hop: None), lands=[back])
 
     def stats(self, payload_bytes: int, my_rank: int, domain_size: int, backward: bool = False) -> TransferStats:
         """Transfer stats of dispatch (or of combine, ``backward``) for rows of ``payload_bytes``."""
