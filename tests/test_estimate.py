@@ -101,7 +101,7 @@ def test_every_constant_names_the_rows_it_was_fitted_on():
     numeric = {f"{m}.{k}" for m, mod in modules.items() for k, v in vars(mod).items()
                if k.isupper() and isinstance(v, (int, float, dict)) and not isinstance(v, bool)}
     named = {n.split("[")[0] for n in calibration.FITTED_ON}
-    not_fitted = {"estimate.ROUTING_SAMPLE", "estimate.GB"}                # a sample size, a unit
+    not_fitted = {"estimate.ROUTING_SAMPLE", "estimate.IMBALANCE_SAMPLES", "estimate.GB"}   # sample sizes, a unit
     assert numeric - named <= not_fitted, numeric - named
 
 
@@ -388,6 +388,40 @@ def test_each_moe_layer_pays_a_host_synchronisation_per_micro_batch():
     assert two["tokens_per_s_per_gpu"] > one["tokens_per_s_per_gpu"]
     flags = ["--expert-model-parallel-size", "8", "--cuda-graph-impl", "full_iteration"]
     assert TrainingLayout.from_fields(load_config(None, flags), 64).sync_free
+
+
+def test_a_natural_router_waits_for_its_busiest_ep_rank():
+    """Without moe_router_force_load_balancing (Megatron's default) each MoE layer waits for its
+    busiest EP rank: its experts' GEMMs and its exchange take more than the mean rows, the more
+    so with more ranks of fewer experts each; nothing changes with one EP rank or forced balance,
+    and memory stays at the mean rows (a rank's layers in flight average their loads)."""
+    from expertrail.plan.estimate import routing_imbalance
+    base = dict(pp=8, vpp=4, tp=4, etp=1, global_batch=256, recompute="selective",
+                recompute_modules=("layernorm", "moe"))
+    forced, natural = (run("h100", QWEN, ep=8, natural_routing=n, **base) for n in (False, True))
+    excess = routing_imbalance(QWEN, TrainingLayout(gpus=256, ep=8, natural_routing=True))
+    assert 1.2 < excess < 3 and natural["layout"]["routing_imbalance"] == excess
+    assert forced["layout"]["routing_imbalance"] == 1.0
+    parts = ("gemm", "ep", "recompute")
+    assert all(natural["terms_s"][p] > forced["terms_s"][p] for p in parts)
+    for p in ("attention", "host_sync", "tp"):
+        assert natural["terms_s"][p] == pytest.approx(forced["terms_s"][p])
+    assert natural["step"]["ep_comm_per_layer_s"] == pytest.approx(excess * forced["step"]["ep_comm_per_layer_s"])
+    assert natural["peak_memory_GB"] == pytest.approx(forced["peak_memory_GB"])
+    # An all-gather moves every token to every rank whatever the routing: only the GEMMs wait.
+    gathered = [estimate(QWEN, HARDWARE["h100"], TrainingLayout(gpus=256, ep=8, dispatcher="allgather",
+                                                                natural_routing=n, **base)) for n in (False, True)]
+    assert gathered[1]["terms_s"]["ep"] == pytest.approx(gathered[0]["terms_s"]["ep"])
+    assert gathered[1]["terms_s"]["gemm"] > gathered[0]["terms_s"]["gemm"]
+    excesses = [routing_imbalance(QWEN, TrainingLayout(gpus=256, ep=ep, natural_routing=True)) for ep in (1, 8, 32, 128)]
+    assert excesses[0] == 1.0 and excesses == sorted(excesses) and excesses[1] < excesses[2]
+    # Megatron's default is the natural router; the flag forces every rank's even share.
+    flags = ["--expert-model-parallel-size", "8"]
+    assert TrainingLayout.from_fields(load_config(None, flags), 64).natural_routing
+    assert not TrainingLayout.from_fields(load_config(None, flags + ["--moe-router-force-load-balancing"]), 64).natural_routing
+    layout = TrainingLayout.from_fields(load_config(None, flags), 64)
+    said = " ".join(estimate(QWEN, HARDWARE["h100"], layout)["assumed"])
+    assert "busiest of 8 EP ranks" in said and "moe_router_force_load_balancing" in said
 
 
 def test_an_fp8_recipe_the_fit_did_not_run_is_said_to_be_costed_as_the_fitted_one():

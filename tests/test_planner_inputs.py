@@ -121,7 +121,8 @@ def test_gradients_reduced_in_bf16_move_less():
               "micro_batch_size": 4,
               "global_batch_size": 2048, "use_megatron_fsdp": True, "recompute_granularity": "full",
               "recompute_method": "uniform", "moe_token_dispatcher_type": "flex",
-              "megatron_fsdp_main_grads_dtype": "fp32"}          # Megatron-FSDP's gradients before its dtype options
+              "megatron_fsdp_main_grads_dtype": "fp32",          # Megatron-FSDP's gradients before its dtype options
+              "moe_router_force_load_balancing": True}           # as the ModelZoo's run
     fp32 = estimate(QWEN, HARDWARE["h100"], TrainingLayout.from_fields(fields, 256))
     bf16 = estimate(QWEN, HARDWARE["h100"], TrainingLayout.from_fields(dict(fields, grad_reduce_in_bf16=True), 256))
     assert bf16["terms_s"]["fsdp"] < fp32["terms_s"]["fsdp"]

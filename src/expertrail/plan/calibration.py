@@ -37,9 +37,10 @@ KERNEL_FIGURES = {
 }
 
 # A run published below OUTLIER_SHARE of the best throughput of its model on its system at its
-# precision (any container) is a release's regression (the same layout runs 1.7-3x faster in
-# another release, or a recipe the table does not describe): it stays in the table and its
-# split's error, but is not fitted. The rule reads the published figures only, never a prediction.
+# precision and sequence length (any container) is a release's regression (the same layout runs
+# 1.7-3x faster in another release, or a recipe the table does not describe): it stays in the
+# table and its split's error, but is not fitted. The rule reads the published figures only,
+# never a prediction.
 OUTLIER_SHARE = 0.6
 
 
@@ -58,14 +59,21 @@ def _best_published(key) -> dict:
 
 def _outliers() -> set:
     def key(run):
-        return run["model"], run["system"], run["layout"]["precision"]
+        return run["model"], run["system"], run["layout"]["precision"], run["layout"]["seq"]
     best = _best_published(key)
     return {rid for rid, run in TRAINING_RUNS.items()
             if run["published_tokens_per_s"] < OUTLIER_SHARE * best[key(run)]}
 
 
 OUTLIERS = _outliers()
-_FIT_ROWS = [rid for rid, run in TRAINING_RUNS.items() if run["split"] == "fit" and rid not in OUTLIERS]
+# The fit rows of `fit`: every router forced to balance; the natural router's fit row calibrates
+# its load alone (`fit_natural_routing`).
+_FIT_ROWS = [rid for rid, run in TRAINING_RUNS.items()
+             if run["split"] == "fit" and rid not in OUTLIERS and not run["layout"].get("natural_routing")]
+# The published pair a natural router's load is calibrated on: one layout run with forced balancing
+# and dropless (the ModelZoo's Qwen3-235B on 256 H100 at sequence 16k); the other pairs are held out.
+NATURAL_ROUTING_PAIR = ("modelzoo h100 qwen3-235b-a22b bf16 4/8/4/8 cp1 seq16384 mbs1 gbs256",
+                        "modelzoo h100 qwen3-235b-a22b bf16 4/8/4/8 cp1 seq16384 mbs1 gbs256 dropless")
 FITTED_ON = {
     "cost.NVLINK_EFFICIENCY_DEFAULT": ["hybrid-ep b200 ep8"],
     "cost.NVLINK_EFFICIENCY['h800']": ["deepep h800 intranode ep8"],
@@ -92,6 +100,7 @@ FITTED_ON = {
     "estimate.DEEPEP_NVLINK_PEERS": "DeepEP's NUM_MAX_NVL_PEERS (csrc/kernels/configs.cuh)",
     "estimate.DEEPEP_RACK_GBPS": "Megatron-LM docs/discussions/deepseek-v3-gb200-optimization, 2.2.1: DeepEP at EP 32 "
                                  "on GB200 NVL72, 24 SMs",
+    "estimate.NATURAL_EXPERT_LOAD_CV": [NATURAL_ROUTING_PAIR[1]],
     "estimate.EP_OVERLAP_HIDES": "measured: expertrail's overlapped 1F1B, 2 emulated nodes x 1 rank "
                                  "(docs/results/overlap-train-2x1.json)",
     "estimate.OVERLAP_COMM_SMS": "Megatron's and DeepEP's default moe_deepep_num_sms (20), Hybrid-EP's 16",
@@ -290,6 +299,39 @@ def fit(run_ids=None, rounds: int = 3) -> dict:
         for (k, n), v in zip(names, np.exp(theta)):
             consts[k][n] = float(v)
     return consts
+
+
+def routing_pairs() -> list:
+    """[(forced-balance run id, dropless run id)]: every published layout run both ways."""
+    return [(rid[: -len(" dropless")], rid) for rid, run in TRAINING_RUNS.items()
+            if run["layout"].get("natural_routing") and rid[: -len(" dropless")] in TRAINING_RUNS]
+
+
+def routing_ratio(pair: tuple, cv: float | None = None) -> tuple:
+    """(predicted, published) throughput of a pair's dropless run over its forced-balance run,
+    the prediction at a natural router's load ``cv`` (default: estimate.py's). A ratio of two
+    estimates of one layout: what both share (the GPU's speed, the GEMMs) cancels."""
+    from . import estimate as est
+    saved = est.NATURAL_EXPERT_LOAD_CV
+    if cv is not None:
+        est.NATURAL_EXPERT_LOAD_CV = cv
+    try:
+        forced, dropless = (_estimate(rid)["tokens_per_s_per_gpu"] for rid in pair)
+    finally:
+        est.NATURAL_EXPERT_LOAD_CV = saved
+    return dropless / forced, (TRAINING_RUNS[pair[1]]["published_tokens_per_s"]
+                               / TRAINING_RUNS[pair[0]]["published_tokens_per_s"])
+
+
+def fit_natural_routing(pair: tuple = NATURAL_ROUTING_PAIR) -> float:
+    """estimate.NATURAL_EXPERT_LOAD_CV at which ``pair``'s predicted dropless over forced-balance
+    throughput equals the published one (bisection: more variation, a slower dropless run)."""
+    low, high = 0.0, 8.0
+    for _ in range(40):
+        mid = (low + high) / 2
+        predicted_ratio, published_ratio = routing_ratio(pair, mid)
+        low, high = (mid, high) if predicted_ratio > published_ratio else (low, mid)
+    return (low + high) / 2
 
 
 def summary(split: str, consts: dict | None = None) -> dict:

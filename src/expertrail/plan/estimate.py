@@ -91,6 +91,14 @@ OVERLAP_COMM_SMS = {"deepep": 20, "ncclep": 20, "hybridep": 16, None: 20}
 # (each chunk pair ends in a wait, and the next chunk's launch follows it). Not fitted; the two
 # published pairs with and without Megatron's EP overlap check it (docs/cost-model.md, "EP overlap").
 EP_OVERLAP_HIDES = 0.81
+# A natural (dropless, auxiliary-loss balanced) router's load: how much one expert's share of a
+# micro-batch's routed rows varies around the mean, as a coefficient of variation. Each MoE layer
+# waits for its busiest EP rank, so the experts' GEMMs and the exchange take that rank's rows
+# (`routing_imbalance`). Calibrated on the ModelZoo's Qwen3-235B runs published with forced
+# balancing and dropless at sequence 16k (calibration.fit_natural_routing); its three longer
+# sequence pairs stay held out. moe_router_force_load_balancing gives every rank its even share.
+NATURAL_EXPERT_LOAD_CV = 1.44
+IMBALANCE_SAMPLES = 2000
 # Host link per GPU, each way, for activation and optimizer offloading: NVLink-C2C on Grace
 # systems (900 GB/s both ways), PCIe Gen5 x16 (64 GB/s) elsewhere; 80% of it achieved.
 HOST_LINK_GBPS = {**{name: 360.0 for name in GRACE_HOSTED}, None: 50.0}
@@ -122,7 +130,8 @@ def _routing(arch: Architecture, tokens: int):
 
 
 def dispatch_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> tuple:
-    """(dispatch + combine of one MoE layer and one micro-batch, forward + backward; algorithm)."""
+    """(dispatch + combine of one MoE layer and one micro-batch, forward + backward, on the busiest
+    EP rank (`routing_imbalance`); algorithm)."""
     if layout.ep <= 1:
         return 0.0, None
     domain = domain_for(hw, layout.ep)
@@ -142,7 +151,33 @@ def dispatch_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout) -
         dispatch = max(dispatch, logical_GB / DEEPEP_RACK_GBPS["dispatch"])
         combine = max(combine, logical_GB / DEEPEP_RACK_GBPS["combine"])
     framework = FRAMEWORK_CALL_FACTOR if domain < layout.ep and algorithm not in NCCL_ALGORITHMS else 1.0
-    return 2 * (dispatch + combine) * framework * tokens / sample, algorithm
+    # The busiest rank receives (dispatch) and sends back (combine) its imbalance times the mean
+    # rows; an all-gather moves every token to every rank whatever the routing.
+    load = routing_imbalance(arch, layout) if algorithm != "allgather" else 1.0
+    return 2 * (dispatch + combine) * framework * load * tokens / sample, algorithm
+
+
+def routing_imbalance(arch: Architecture, layout: TrainingLayout) -> float:
+    """The busiest EP rank's routed rows over the mean in one MoE layer and micro-batch, which
+    every rank waits for: 1 where each rank gets its even share (moe_router_force_load_balancing,
+    or EP 1); under a natural router, the expected largest of the EP ranks' loads over their mean,
+    a rank's load the sum of its experts' and an expert's a lognormal share of the rows with
+    `NATURAL_EXPERT_LOAD_CV` (more ranks, fewer experts each: a larger excess)."""
+    if not layout.natural_routing or layout.ep <= 1:
+        return 1.0
+    return _expected_busiest(arch.experts, layout.ep, NATURAL_EXPERT_LOAD_CV)
+
+
+@lru_cache(maxsize=256)
+def _expected_busiest(experts: int, ep: int, cv: float) -> float:
+    """E[max over ``ep`` ranks of a rank's load / the ranks' mean], ``experts / ep`` experts a
+    rank, each expert's load lognormal with mean 1 and coefficient of variation ``cv`` (a fixed
+    seed: the same answer every call)."""
+    import numpy as np
+    sigma2 = float(np.log1p(cv * cv))
+    rng = np.random.default_rng(0)
+    loads = rng.lognormal(-sigma2 / 2, sigma2 ** 0.5, size=(IMBALANCE_SAMPLES, ep, experts // ep)).sum(axis=2)
+    return float((loads.max(axis=1) / loads.mean(axis=1)).mean())
 
 
 def _speed(hw: Hardware) -> float:
@@ -179,12 +214,13 @@ def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe:
     """Time of one layer for one micro-batch (forward + backward) on one GPU, by part."""
     t = layout.tokens_per_gpu
     f = arch.layer_flops(layout.seq, moe)
-    rows = t * arch.topk * layout.etp * layout.ep / arch.experts
+    load = routing_imbalance(arch, layout) if moe else 1.0      # the busiest EP rank's rows over the mean
+    rows = t * arch.topk * layout.etp * layout.ep / arch.experts * load
     w = width_factor(arch)
     attn_gemm = _gemm_seconds(3 * t * f["attention_gemm"], hw, layout.precision, width=w)
     dense_mlp = _gemm_seconds(3 * t * f["dense_mlp"], hw, layout.precision, width=w)
     dense = attn_gemm + dense_mlp
-    experts = _gemm_seconds(3 * t * f["experts"], hw, layout.precision, rows, width=w) if moe else 0.0
+    experts = _gemm_seconds(3 * t * f["experts"] * load, hw, layout.precision, rows, width=w) if moe else 0.0
     core = 3 * t * f["attention_core"] / (hw.bf16_TFLOPS * 1e12 * ATTENTION_EFFICIENCY * attention_speed(arch) * _speed(hw))
     full_acts = sum(layer_activation_bytes(arch, _no_recompute(layout), moe).values())
     elementwise = ELEMENTWISE_PASSES * full_acts / (hw.hbm_TBps * 1e12)
@@ -384,8 +420,9 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
                    "global_batch": m * layout.micro_batch * layout.dp, "micro_batches": m, "seq": layout.seq,
                    "precision": layout.precision, "recompute": layout.recompute,
                    "recompute_modules": list(layout.recompute_modules), "dispatcher": layout.dispatcher,
-                   "flex_backend": layout.flex_backend, "algorithm": algorithm, "ep_overlap": layout.ep_overlap},
-        "assumed": list(layout.assumed) + recipe_assumption(hw, layout),
+                   "flex_backend": layout.flex_backend, "algorithm": algorithm, "ep_overlap": layout.ep_overlap,
+                   "routing_imbalance": routing_imbalance(arch, layout)},
+        "assumed": list(layout.assumed) + routing_assumption(arch, layout) + recipe_assumption(hw, layout),
         "not_modelled": list(layout.not_modelled),
         "fits": fits, "peak_memory_GB": busiest.total_GB, "usable_memory_GB": usable, "hbm_GB": hw.hbm_GB,
         "memory": {"busiest_rank": busiest.rank, "weights_GB": busiest.weights_GB,
@@ -405,6 +442,15 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     }
     result["wall"], result["wall_reason"] = wall(result, busiest, usable)
     return result
+
+
+def routing_assumption(arch: Architecture, layout: TrainingLayout) -> list:
+    """The assumed line's note on a natural router: the busiest EP rank's share it is costed at."""
+    if not layout.natural_routing or layout.ep <= 1:
+        return []
+    return [f"a natural router's loads: the busiest of {layout.ep} EP ranks takes "
+            f"{routing_imbalance(arch, layout):.2f}x the mean rows in each MoE layer (docs/cost-model.md, "
+            "'Natural routing'; moe_router_force_load_balancing=true gives every rank its even share)"]
 
 
 # The FP8 recipes the fit rows ran, by GPU generation: GEMM_EFFICIENCY["fp8"] is theirs.

@@ -119,6 +119,9 @@ class TrainingLayout:
     # rows; None: unbounded (HybridEP then sizes its buffer for the worst case).
     rank_capacity: float | None = None
     fp8_wire: bool | None = None            # NCCL EP's moe_dispatch_fwd_dtype=mxfp8 (None: the backend's own rule)
+    # A natural router's loads (Megatron's default); False: every EP rank its even share, as
+    # moe_router_force_load_balancing gives (the published benchmark runs).
+    natural_routing: bool = False
     ep_overlap: bool = False
     delay_wgrad: bool = False               # delay_wgrad_compute: expert weight gradients beside the dispatch's backward
     tp_comm_overlap: bool = False
@@ -293,10 +296,6 @@ class TrainingLayout:
         if get("chunked_optimizer_state_offload", False) or get("offload_optimizer_states", False):
             state_offload = float(get("optimizer_state_offload_fraction", 1.0))
         pp, ep = size("pipeline_model_parallel_size"), size("expert_model_parallel_size")
-        if ep > 1 and not get("moe_router_force_load_balancing", False):
-            # Every EP rank is costed with its even share of the rows, which forced balancing gives.
-            assumed.append("balanced expert loads (as moe_router_force_load_balancing=true gives; "
-                           "a natural router's imbalance is left out)")
         vpp = size("virtual_pipeline_model_parallel_size") if v.get("virtual_pipeline_model_parallel_size") else \
             size("num_virtual_stages_per_pipeline_rank") if v.get("num_virtual_stages_per_pipeline_rank") else 1
         if v.get("pipeline_model_parallel_layout"):
@@ -322,6 +321,7 @@ class TrainingLayout:
             recompute_method=get("recompute_method", "uniform" if granularity == "full" else None),
             recompute_layers=int(get("recompute_num_layers", 1) or 1),
             dispatcher=dispatcher, flex_backend=backend, dispatcher_sms=sms,
+            natural_routing=ep > 1 and not get("moe_router_force_load_balancing", False),
             ep_overlap=bool(get("overlap_moe_expert_parallel_comm", False)),
             delay_wgrad=bool(get("delay_wgrad_compute", False)),
             tp_comm_overlap=bool(get("tp_comm_overlap", False)),
