@@ -314,6 +314,29 @@ def test_optimizer_states_kept_on_the_host_between_updates():
         estimate(QWEN, HARDWARE["h100"], both)
 
 
+def test_optimizer_offload_as_bridge_measured_it():
+    """Megatron-Bridge's measured optimizer CPU offloading (calibration.OFFLOAD_FIGURES, held
+    out): the peak memory without it within 10%, each offloaded fraction's saving within 0.5 GB
+    (the Adam moments leave the GPU, the FP32 main weights stay) and its step time against none
+    within 10% (the host's Adam at CPU_ADAM_PARAMS_PER_S, an assumption this checks)."""
+    fig = calibration.OFFLOAD_FIGURES
+    arch, hw = ARCHITECTURES[fig["model"]], HARDWARE[fig["hardware"]]
+
+    def at(fraction, *more):
+        flags = fig["flags"] + ["--optimizer-cpu-offload", "--optimizer-offload-fraction", str(fraction), *more]
+        return estimate(arch, hw, TrainingLayout.from_fields(load_config(None, flags), fig["gpus"]))
+    none = at(0.0)
+    assert none["peak_memory_GB"] == pytest.approx(fig["peak_GB"], rel=0.10)
+    for fraction, saved in fig["saved_GB"].items():
+        r = at(fraction)
+        assert none["peak_memory_GB"] - r["peak_memory_GB"] == pytest.approx(saved, abs=0.5), fraction
+        assert r["peak_memory_GB"] == pytest.approx(fig["peak_GB"] - saved, rel=0.10), fraction
+        assert r["step_time_s"] / none["step_time_s"] == pytest.approx(fig["step_ratio"][fraction], rel=0.10), fraction
+    for fraction, ratio in fig["step_ratio_overlapped"].items():
+        r = at(fraction, "--overlap-cpu-optimizer-d2h-h2d")
+        assert r["step_time_s"] / none["step_time_s"] == pytest.approx(ratio, rel=0.10)
+
+
 def test_host_optimizer_step_beside_its_copies_with_overlap_cpu_optimizer_d2h_h2d():
     """ModelZoo's optimizer-offload runs set overlap_cpu_optimizer_d2h_h2d: the host's step runs
     beside the copies, so the offload costs the longer of the two, not their sum."""

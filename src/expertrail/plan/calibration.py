@@ -36,6 +36,28 @@ KERNEL_FIGURES = {
                                            64: (46.63, 50.55, 51.03)}},
 }
 
+# Megatron-Bridge's measurement of optimizer CPU offloading (HybridDeviceOptimizer): one layout,
+# its peak memory without offloading, the memory each offloaded fraction saved and the step time
+# against none; what tests/test_estimate.py checks `estimate` against (held out: nothing is fitted
+# on it).
+OFFLOAD_FIGURES = {
+    "source": "Megatron-Bridge skills/nemo-mbridge-perf-cpu-offloading (SKILL.md and card.yaml, validated "
+              "2026-03-30, commit fb5743649 of NVIDIA-NeMo/Megatron-Bridge): Qwen3-30B-A3B pretraining on 2 H100 "
+              "nodes, TP 2 x PP 2 x EP 4, the qwen3_30b_a3b_pretrain_config recipe of that commit (ETP 1, "
+              "sequence parallel, full uniform recompute of 1 layer, the alltoall dispatcher, FP32 main grads and "
+              "moments) with the skill's command (global batch 8, micro-batch 1, sequence 4096)",
+    "flags": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+              "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1", "--global-batch-size", "8",
+              "--micro-batch-size", "1", "--seq-length", "4096", "--bf16", "--recompute-granularity", "full",
+              "--recompute-method", "uniform", "--recompute-num-layers", "1", "--moe-token-dispatcher-type",
+              "alltoall", "--moe-router-force-load-balancing"],
+    "gpus": 16, "hardware": "h100", "model": "qwen3-30b-a3b",
+    "peak_GB": 47.2,                                        # without offloading
+    "saved_GB": {0.25: 3.8, 0.5: 7.6, 0.75: 11.5, 1.0: 15.3},
+    "step_ratio": {0.25: 1.9, 0.5: 2.5, 0.75: 3.2, 1.0: 4.2},
+    "step_ratio_overlapped": {1.0: 3.9},                    # with overlap_cpu_optimizer_d2h_h2d
+}
+
 # A run published below OUTLIER_SHARE of the best throughput of its model on its system at its
 # precision and sequence length (any container) is a release's regression (the same layout runs
 # 1.7-3x faster in another release, or a recipe the table does not describe): it stays in the

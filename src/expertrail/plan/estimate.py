@@ -390,9 +390,10 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     offload_optimizer_s = 0.0
     host = host_link_Bps(hw)
     if layout.optimizer_offload:
-        # The host's share: gradients down, weights back up, and the host's Adam step.
+        # The host's share (HybridDeviceOptimizer): gradients down, the updated FP32 main weights
+        # back up into the GPU's copy, and the host's Adam step.
         params = busiest.optimizer_params * layout.optimizer_offload
-        copies, step = params * (layout.main_grad_bytes + 2) / host, params / CPU_ADAM_PARAMS_PER_S
+        copies, step = params * (layout.main_grad_bytes + 4) / host, params / CPU_ADAM_PARAMS_PER_S
         # overlap_cpu_optimizer_d2h_h2d runs the host's step beside the copies, bucket by bucket.
         offload_optimizer_s = max(copies, step) if layout.optimizer_offload_overlap else copies + step
     if layout.optimizer_state_offload:

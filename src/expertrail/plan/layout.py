@@ -141,7 +141,7 @@ class TrainingLayout:
     sync_free: bool = False                 # cuda_graph_impl=full_iteration: MoE layers without a host synchronisation
     fsdp: str | None = None                 # Megatron-FSDP's data_parallel_sharding_strategy (None: not FSDP)
     offload_modules: tuple = ()             # fine-grained activation offloading's modules
-    optimizer_offload: float = 0.0          # optimizer_cpu_offload: share of the optimizer states on the host
+    optimizer_offload: float = 0.0          # optimizer_cpu_offload: share of the Adam moments on the host
     optimizer_offload_overlap: bool = False  # overlap_cpu_optimizer_d2h_h2d: the host's step beside the copies
     # chunked_optimizer_state_offload (or its alias offload_optimizer_states): the share of the optimizer
     # states and FP32 main weights kept on the host between updates, and the GPU window (MB; 0: all

@@ -21,8 +21,9 @@ being DP x CP for dense parameters and expert-DP for the routed experts, plus th
 working set: two layers' weights (the one computing and the one prefetched) and one layer's
 gradients before their reduce-scatter. Fine-grained activation offloading moves the tensors of
 its ``offload_modules`` to the host; two layers' worth stay on the GPU (one going out, one
-coming back). ``optimizer_cpu_offload`` keeps its share of the optimizer states (FP32 main
-weights and moments) on the host. ``chunked_optimizer_state_offload`` keeps its share there
+coming back). ``optimizer_cpu_offload`` keeps its share of the Adam moments on the host, where
+Megatron's HybridDeviceOptimizer steps them; the FP32 main weights stay on the GPU (measured:
+a third of the optimizer's memory stays, docs/cost-model.md, "CPU offloading"). ``chunked_optimizer_state_offload`` keeps its share there
 between updates: the update, after the step's activations are freed, brings the main weights
 back whole and the moments through a window of ``optimizer_state_offload_chunk_size_mb`` (all
 at once at 0), so they count only where they exceed the activations.
@@ -148,7 +149,7 @@ def stage_memory(arch: Architecture, layout: TrainingLayout, rank: int, stage: t
     else:
         optimizer = (dense + experts) * main
     optimizer_params = optimizer / main
-    optimizer *= 1 - layout.optimizer_offload
+    optimizer -= optimizer_params * layout.optimizer_state_bytes * layout.optimizer_offload
     # Kept on the host between updates (chunked_optimizer_state_offload): the update brings the
     # FP32 main weights back whole and the moments through a window of optimizer_state_chunk_MB.
     away = optimizer * layout.optimizer_state_offload
