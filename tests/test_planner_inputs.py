@@ -73,11 +73,33 @@ def test_estimate_refuses_a_value_of_the_wrong_kind_by_name(capsys):
 
 def test_fields_the_estimate_does_not_model_are_named(capsys):
     assert main(["estimate", "--hardware", "h100", "--gpus", "256", "--model", "deepseek-v3",
-                 "--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "32", "--cpu-offloading",
-                 "--cpu-offloading-num-layers", "2", "--moe-router-dtype", "fp32"]) == 0
+                 "--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "32",
+                 "--moe-router-dtype", "fp32", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn"]) == 0
     out = capsys.readouterr().out
-    assert "not modelled (set, but the estimate leaves them out): cpu_offloading, cpu_offloading_num_layers, " \
-           "moe_router_dtype" in out
+    assert "not modelled (set, but the estimate leaves them out): moe_router_dtype, cuda_graph_scope" in out
+
+
+def test_layer_level_cpu_offloading_is_read_and_refused_where_megatron_refuses_it(capsys, tmp_path):
+    """cpu_offloading keeps the saved activations of the model's first cpu_offloading_num_layers
+    layers on the host (one in transit stays) and pays the copies the next layer's compute does
+    not cover; with PP > 1 or recompute Megatron-Core raises, and so do validate and estimate."""
+    base = ["estimate", "--hardware", "h100", "--gpus", "8", "--model", "qwen3-30b-a3b", "--expert-model-parallel-size",
+            "8", "--global-batch-size", "64", "--moe-token-dispatcher-type", "flex", "--moe-router-force-load-balancing",
+            "--json", str(tmp_path / "e.json")]
+    assert main(base) == 0
+    plain = json.loads((tmp_path / "e.json").read_text())
+    assert main(base + ["--cpu-offloading", "--cpu-offloading-num-layers", "24"]) == 0
+    assert "not modelled" not in capsys.readouterr().out
+    off = json.loads((tmp_path / "e.json").read_text())
+    per_layer = sum(off["memory"]["activation_per_layer_GB"].values())
+    saved = plain["memory"]["activations_GB"] - off["memory"]["activations_GB"]
+    assert saved == pytest.approx(23 * per_layer, rel=0.01)                    # 24 layers out, one in transit
+    assert off["terms_s"]["offload"] > 0 and off["step_time_s"] > plain["step_time_s"]
+    assert main(base + ["--cpu-offloading", "--cpu-offloading-num-layers", "4", "--pipeline-model-parallel-size", "2",
+                        "--expert-model-parallel-size", "4"]) == 2
+    assert "cpu_offloading does not support pipeline parallelism" in capsys.readouterr().err
+    assert main(["validate", "--cpu-offloading", "--pipeline-model-parallel-size", "2"]) == 1
+    assert "[cpu-offload-pp]" in capsys.readouterr().out
 
 
 def test_megatron_fsdp_and_offloading_are_read_not_named(tmp_path, capsys):

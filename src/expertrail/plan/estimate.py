@@ -280,6 +280,21 @@ def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe:
     return {"gemm": dense + experts, "attention": core, "elementwise": elementwise, "recompute": recompute, **comm}
 
 
+def cpu_offload_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, dense_layers: int,
+                        moe_layer: dict, dense_layer: dict) -> float:
+    """Layer-level cpu_offloading's exposed copies for one micro-batch: each of the model's first
+    ``cpu_offloading_num_layers`` layers (the dense ones first) sends its saved activations to the
+    host beside the next layer's forward and brings them back beside the backward before it;
+    what a copy takes beyond that compute is exposed."""
+    total = 0.0
+    dense_off = min(layout.cpu_offload_layers, dense_layers)
+    for count, moe, part in ((dense_off, False, dense_layer), (layout.cpu_offload_layers - dense_off, True, moe_layer)):
+        moved = sum(layer_activation_bytes(arch, layout, moe).values()) / host_link_Bps(hw)
+        compute = part["gemm"] + part["attention"] + part["elementwise"]
+        total += count * (max(0.0, moved - compute / 3) + max(0.0, moved - 2 * compute / 3))
+    return total
+
+
 def moe_syncs(layout: TrainingLayout) -> int:
     """Host synchronisations of one MoE layer and micro-batch: its forward's, and its recomputed
     forward's under full recompute or the ``moe`` module recomputed; none with full-iteration
@@ -367,6 +382,9 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
                 parts[k] = parts.get(k, 0.0) + share * v
         if out:
             parts["gemm"] += output_s * (1 + mtp)
+        if layout.cpu_offload_layers and rank == 0:
+            parts["offload"] = parts.get("offload", 0.0) + cpu_offload_seconds(arch, hw, layout, dense_n,
+                                                                                moe_layer, dense_layer)
         parts["pipeline"] = pp_send
         gpu = sum(parts.values())
         host = host_per_layer * (layers + mtp)

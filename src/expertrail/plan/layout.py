@@ -20,7 +20,7 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 PIPELINE_STAGE_MARKS = {"E": "embedding", "t": "layer", "m": "mtp", "L": "loss"}
 # Fields that change a run's memory or time which the estimate does not model: named in its
 # output when a configuration sets them, never silently ignored.
-NOT_MODELLED = ("cpu_offloading", "cpu_offloading_num_layers", "moe_router_dtype", "cuda_graph_scope",
+NOT_MODELLED = ("cpu_offloading_weights", "cpu_offloading_double_buffering", "moe_router_dtype", "cuda_graph_scope",
                 "fp8_param_gather", "fp8_param", "fp4_param", "fp4_param_gather", "fp8_dot_product_attention",
                 "fp8_wgrad", "moe_shared_expert_overlap", "moe_expert_capacity_factor",
                 "moe_pad_expert_input_to_capacity", "moe_token_dropping", "moe_router_topk_limited_devices",
@@ -141,6 +141,9 @@ class TrainingLayout:
     sync_free: bool = False                 # cuda_graph_impl=full_iteration: MoE layers without a host synchronisation
     fsdp: str | None = None                 # Megatron-FSDP's data_parallel_sharding_strategy (None: not FSDP)
     offload_modules: tuple = ()             # fine-grained activation offloading's modules
+    # cpu_offloading (layer-level activation offloading, PP 1 only): cpu_offloading_num_layers, the
+    # first layers of the model, whose saved activations wait on the host for their backward.
+    cpu_offload_layers: int = 0
     optimizer_offload: float = 0.0          # optimizer_cpu_offload: share of the Adam moments on the host
     optimizer_offload_overlap: bool = False  # overlap_cpu_optimizer_d2h_h2d: the host's step beside the copies
     # chunked_optimizer_state_offload (or its alias offload_optimizer_states): the share of the optimizer
@@ -181,6 +184,17 @@ class TrainingLayout:
         if self.optimizer_offload and self.optimizer_state_offload:
             out.append("optimizer_cpu_offload and chunked_optimizer_state_offload (offload_optimizer_states) exclude "
                        "each other (Megatron-Core asserts): keep one")
+        if self.cpu_offload_layers:
+            # Megatron-Core's TransformerConfig refuses these (validate's cpu-offload-* rules).
+            if self.pp > 1:
+                out.append("cpu_offloading does not support pipeline parallelism (Megatron-Core raises): set "
+                           "pipeline_model_parallel_size=1 or use fine_grained_activation_offloading")
+            if self.recompute:
+                out.append("cpu_offloading does not work with activation recomputation (Megatron-Core raises): "
+                           "leave recompute_granularity unset or drop cpu_offloading")
+            if not 0 <= self.cpu_offload_layers < layers:
+                out.append(f"cpu_offloading_num_layers={self.cpu_offload_layers} must be from 0 to {layers - 1} "
+                           "(below the model's layers)")
         model = self.tp * self.pp * self.cp
         if self.gpus % model:
             out.append(f"TP {self.tp} x PP {self.pp} x CP {self.cp} = {model} does not divide {self.gpus} GPUs: "
@@ -292,6 +306,8 @@ class TrainingLayout:
         else:
             unknown = []
         optimizer_offload = float(get("optimizer_offload_fraction", 1.0)) if get("optimizer_cpu_offload", False) else 0.0
+        cpu_offload_layers = int(get("cpu_offloading_num_layers", 0) or 0) \
+            if get("cpu_offloading", False) and get("cpu_offloading_activations", True) else 0
         state_offload = 0.0
         if get("chunked_optimizer_state_offload", False) or get("offload_optimizer_states", False):
             state_offload = float(get("optimizer_state_offload_fraction", 1.0))
@@ -335,7 +351,7 @@ class TrainingLayout:
             loss_in_split=bool(get("account_for_loss_in_pipeline_split", False)),
             layout_string=v.get("pipeline_model_parallel_layout"), cuda_graphs=graphs,
             sync_free=graph_impl == "full_iteration", fsdp=fsdp,
-            offload_modules=tuple(offload), optimizer_offload=optimizer_offload,
+            offload_modules=tuple(offload), cpu_offload_layers=cpu_offload_layers, optimizer_offload=optimizer_offload,
             optimizer_offload_overlap=bool(get("overlap_cpu_optimizer_d2h_h2d", False)),
             rank_capacity=get("moe_expert_rank_capacity_factor", None) if backend in ("hybridep", "ncclep") else None,
             fp8_wire=(get("moe_dispatch_fwd_dtype", "bf16") == "mxfp8") if backend == "ncclep" else None,

@@ -19,7 +19,9 @@ Megatron-FSDP (``data_parallel_sharding_strategy``) keeps 1/DP of what it shards
 states; with ``optim_grads`` the gradients; with ``optim_grads_params`` the weights too), DP
 being DP x CP for dense parameters and expert-DP for the routed experts, plus the unsharded
 working set: two layers' weights (the one computing and the one prefetched) and one layer's
-gradients before their reduce-scatter. Fine-grained activation offloading moves the tensors of
+gradients before their reduce-scatter. Layer-level ``cpu_offloading`` (PP 1, no recompute) keeps
+the saved activations of the model's first ``cpu_offloading_num_layers`` layers on the host but
+for the layer in transit. Fine-grained activation offloading moves the tensors of
 its ``offload_modules`` to the host; two layers' worth stay on the GPU (one going out, one
 coming back). ``optimizer_cpu_offload`` keeps its share of the Adam moments on the host, where
 Megatron's HybridDeviceOptimizer steps them; the FP32 main weights stay on the GPU (measured:
@@ -179,6 +181,15 @@ def stage_memory(arch: Architecture, layout: TrainingLayout, rank: int, stage: t
         kept_layers = flight * (moe_layers + dense_layers + mtp)
         per_moe -= off_moe * max(0.0, 1 - 2 / kept_layers) if kept_layers else 0.0
         per_dense -= off_dense * max(0.0, 1 - 2 / kept_layers) if kept_layers else 0.0
+    if layout.cpu_offload_layers:
+        # cpu_offloading (PP 1, no recompute): the model's first layers (the dense ones first) keep
+        # their saved activations on the host but for the one in transit.
+        dense_off = min(layout.cpu_offload_layers, dense_layers)
+        moe_off = min(layout.cpu_offload_layers - dense_off, moe_layers)
+        away = dense_off * per_dense + moe_off * per_moe
+        act_offloaded = away - (per_dense if moe_off == 0 else per_moe)
+    else:
+        act_offloaded = 0.0
     if layout.recompute == "full":
         kept = layout.tokens_per_gpu * arch.hidden * 2
         if layout.recompute_method == "block":
@@ -189,7 +200,7 @@ def stage_memory(arch: Architecture, layout: TrainingLayout, rank: int, stage: t
             act = flight * layers * kept / max(1, layout.recompute_layers) \
                 + layout.recompute_layers * (moe_share * per_moe + (1 - moe_share) * per_dense)
     else:
-        act = flight * (moe_layers * per_moe + dense_layers * per_dense)
+        act = flight * (moe_layers * per_moe + dense_layers * per_dense) - max(0.0, act_offloaded)
     act += mtp * per_moe * flight
     if has_embedding:
         act += flight * layout.tokens_per_gpu * arch.hidden * 2

@@ -577,6 +577,28 @@ RULES = [
          "the GPU, optimizer_cpu_offload steps on the host",
          lambda c: bool(c["chunked_optimizer_state_offload"]) or bool(c["offload_optimizer_states"]),
          lambda c: not c["optimizer_cpu_offload"] or float(c["optimizer_state_offload_fraction"] or 1.0) == 0.0),
+    # Layer-level activation offloading (cpu_offloading): Megatron-Core's TransformerConfig refuses these.
+    Rule("cpu-offload-pp", "layer-level CPU offloading (cpu_offloading) does not support pipeline parallelism "
+         "(Megatron-Core raises)", ("cpu_offloading", "pipeline_model_parallel_size"),
+         "set pipeline_model_parallel_size=1, or offload with fine_grained_activation_offloading (works with PP) or "
+         "optimizer_cpu_offload", lambda c: bool(c["cpu_offloading"]),
+         lambda c: int(c["pipeline_model_parallel_size"]) == 1),
+    Rule("cpu-offload-recompute", "layer-level CPU offloading (cpu_offloading) does not work with activation "
+         "recomputation (Megatron-Core raises)", ("cpu_offloading", "recompute_granularity", "recompute_activations"),
+         "leave recompute_granularity unset, or drop cpu_offloading", lambda c: bool(c["cpu_offloading"]),
+         lambda c: c["recompute_granularity"] in (None, "none") and not c["recompute_activations"]),
+    Rule("cpu-offload-graphs", "layer-level CPU offloading (cpu_offloading) does not work with CUDA graphs "
+         "(Megatron-Core raises)", ("cpu_offloading", "cuda_graph_impl", "enable_cuda_graph"),
+         "set cuda_graph_impl=none, or drop cpu_offloading", lambda c: bool(c["cpu_offloading"]),
+         lambda c: c["cuda_graph_impl"] in (None, "none") and not c["enable_cuda_graph"]),
+    Rule("cpu-offload-one-way", "fine_grained_activation_offloading and cpu_offloading exclude each other "
+         "(Megatron-Core asserts)", ("fine_grained_activation_offloading", "cpu_offloading"),
+         "keep one: fine_grained_activation_offloading (by module, any PP) or cpu_offloading (whole layers, PP 1)",
+         lambda c: bool(c["cpu_offloading"]), lambda c: not c["fine_grained_activation_offloading"]),
+    Rule("cpu-offload-layers", "cpu_offloading_num_layers must be at least 0 and below num_layers "
+         "(Megatron-Core raises)", ("cpu_offloading_num_layers", "num_layers"),
+         "offload from 0 to num_layers - 1 layers", lambda c: bool(c["cpu_offloading"]) and c.given("num_layers"),
+         lambda c: 0 <= int(c["cpu_offloading_num_layers"] or 0) < int(c["num_layers"])),
     Rule("one-vpp-source", "at most one of the virtual-pipeline splits may be given (Megatron asserts)",
          VPP_SOURCES, "keep one of num_layers_per_virtual_pipeline_stage, num_virtual_stages_per_pipeline_rank, "
          "pipeline_model_parallel_layout", lambda c: True, lambda c: sum(c.given(f) for f in VPP_SOURCES) <= 1),
