@@ -74,9 +74,14 @@ def test_estimate_refuses_a_value_of_the_wrong_kind_by_name(capsys):
 def test_fields_the_estimate_does_not_model_are_named(capsys):
     assert main(["estimate", "--hardware", "h100", "--gpus", "256", "--model", "deepseek-v3",
                  "--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "32",
-                 "--moe-router-dtype", "fp32", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn"]) == 0
+                 "--moe-router-dtype", "fp64", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn"]) == 0
     out = capsys.readouterr().out
     assert "not modelled (set, but the estimate leaves them out): moe_router_dtype, cuda_graph_scope" in out
+    # An FP32 router is what the estimate costs (BF16 inputs, FP32 logits kept): nothing to name.
+    assert main(["estimate", "--hardware", "h100", "--gpus", "256", "--model", "deepseek-v3",
+                 "--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "32",
+                 "--moe-router-dtype", "fp32"]) == 0
+    assert "moe_router_dtype" not in capsys.readouterr().out
 
 
 def test_layer_level_cpu_offloading_is_read_and_refused_where_megatron_refuses_it(capsys, tmp_path):

@@ -38,9 +38,11 @@ NOT_MODELLED = ("cpu_offloading_weights", "cpu_offloading_double_buffering", "mo
 # Values of those fields that leave the run as the estimate costs it: nothing to name. A field
 # with its own default there is named whenever set to another value.
 UNSET = (None, False, "no_shard", "none", [])
+# moe_router_dtype=fp32 is what the estimate costs: Transformer Engine's GEMM takes the router's
+# BF16 inputs and writes FP32 logits, which the layer keeps (`memory.layer_activation_bytes`).
 NOT_MODELLED_DEFAULTS = {"num_distributed_optimizer_instances": 1, "main_params_dtype": "fp32",
                          "megatron_fsdp_main_params_dtype": "fp32", "moe_combine_bwd_dtype": "bf16",
-                         "fp8_wgrad": True, "activation_offload_fraction": 1.0}
+                         "fp8_wgrad": True, "activation_offload_fraction": 1.0, "moe_router_dtype": "fp32"}
 # Megatron-FSDP's data_parallel_sharding_strategy: what each rank keeps 1/DP of.
 FSDP_SHARDS = {"no_shard": (), "optim": ("optimizer",), "optim_grads": ("optimizer", "gradients"),
                "optim_grads_params": ("optimizer", "gradients", "weights")}
