@@ -405,31 +405,37 @@ def _ranking_key(run: dict) -> tuple:
     return run["model"], run["system"], source_of(run), run["layout"]["seq"]
 
 
-def _layouts_by_group() -> dict:
-    """{ranking key: {layout key: [run ids]}} over the runs not in OUTLIERS."""
+def _table_key(run: dict) -> tuple:
+    """One job within one container: `_ranking_key` with the container for the publication."""
+    return run["model"], run["system"], run["container"], run["layout"]["seq"]
+
+
+def _layouts_by_group(key=_ranking_key) -> dict:
+    """{group key: {layout key: [run ids]}} over the runs not in OUTLIERS."""
     groups = {}
     for rid, run in TRAINING_RUNS.items():
         if rid not in OUTLIERS:
-            groups.setdefault(_ranking_key(run), {}).setdefault(_layout_key(run), []).append(rid)
+            groups.setdefault(key(run), {}).setdefault(_layout_key(run), []).append(rid)
     return groups
 
 
-def ranking_groups() -> dict:
+def ranking_groups(key=_ranking_key) -> dict:
     """{(model, system, source, seq): Spearman correlation of predicted and published
     throughput} over the distinct layouts of one model at one sequence length on one system in
     one publication (two or more; a layout published in several containers counts once, at its
-    mean throughput; OUTLIERS left out)."""
+    mean throughput; OUTLIERS left out). ``key=_table_key`` groups by container instead (for
+    Bridge one release's table): (model, system, container, seq)."""
     out = {}
-    for key, layouts in _layouts_by_group().items():
+    for key, layouts in _layouts_by_group(key).items():
         if len(layouts) >= 2:
             published = [sum(TRAINING_RUNS[r]["published_tokens_per_s"] for r in ids) / len(ids) for ids in layouts.values()]
             out[key] = spearman([predicted(ids[0])["tokens_per_s_per_gpu"] for ids in layouts.values()], published)
     return out
 
 
-def _ranks_with_counts() -> dict:
-    groups = _layouts_by_group()
-    return {key: (rho, len(groups[key])) for key, rho in ranking_groups().items()}
+def _ranks_with_counts(key=_ranking_key) -> dict:
+    groups = _layouts_by_group(key)
+    return {k: (rho, len(groups[k])) for k, rho in ranking_groups(key).items()}
 
 
 def table() -> str:
@@ -462,4 +468,7 @@ def table() -> str:
                  "(Spearman): " + ", ".join(
                      f"{models[m]} {names[s]} ({src}, {n} layouts{'' if seq == 4096 else f', sequence {seq}'}) {rho:+.2f}"
                      for (m, s, src, seq), (rho, n) in sorted(ranks.items())))
+    lines.append("- ranking within one container (for Bridge, one release's table): " + ", ".join(
+        f"{models[m]} {names[s]} ({container}, {n} layouts{'' if seq == 4096 else f', sequence {seq}'}) {rho:+.2f}"
+        for (m, s, container, seq), (rho, n) in sorted(_ranks_with_counts(_table_key).items())))
     return "\n".join(lines) + "\n"
