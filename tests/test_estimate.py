@@ -223,6 +223,25 @@ def test_plan_fit_lists_fitting_layouts_that_validate(capsys):
     assert "no layout of deepseek-v3 fits 8 x h100" in capsys.readouterr().out
 
 
+def test_plan_fit_tries_ep_overlap_where_megatron_allows_it(capsys):
+    """Each layout with EP is searched with and without EP overlap (and delayed weight gradients):
+    where the estimate puts it ahead it leads, every overlapped layout keeps validate's rules (VPP
+    with PP, no full recompute), and the emitted configuration turns it on and validates."""
+    from expertrail.plan.search import layout_fields, search
+    found = search(DSV3, HARDWARE["gb200-nvl72"], 256, global_batch=4096, precision="fp8", top=40)
+    overlapped = [layout for _, layout in found if layout.ep_overlap]
+    assert overlapped and found[0][1].ep_overlap
+    for layout in overlapped:
+        assert layout.delay_wgrad and layout.recompute != "full" and (layout.pp == 1 or layout.vpp > 1)
+        fields = layout_fields(DSV3, layout, HARDWARE["gb200-nvl72"])
+        assert validate(dict(fields, hardware="gb200-nvl72", world_size=256)) == []
+    plain = {(lay.tp, lay.cp, lay.pp, lay.ep, lay.etp) for _, lay in found if not lay.ep_overlap}
+    assert plain                                                 # both kinds compete in one ranking
+    assert main(["plan", "--fit", "--gpus", "256", "--hardware", "gb200-nvl72", "--model", "deepseek-v3", "--precision",
+                 "fp8", "--global-batch", "4096", "--emit", "megatron"]) == 0
+    assert "--overlap-moe-expert-parallel-comm" in capsys.readouterr().out
+
+
 def test_terms_add_up_to_the_step():
     """estimate --json's terms_s: GEMM, attention, elementwise, recompute, EP, TP, pipeline, bubble,
     DP, optimizer (and FSDP, offload where set) sum to the step."""

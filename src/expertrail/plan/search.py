@@ -3,8 +3,10 @@
 Parallel folding: attention layers take TP x CP x DP x PP and MoE layers ETP x EP x EDP x PP of
 the same GPUs, so TP / CP and EP / ETP are searched independently (within one pipeline
 stage's GPUs). For each layout the search also tries the recompute choices of `RECOMPUTE`
-(lightest first) and VPP; a layout that does not fit at any of them, or that breaks a
-`validate` rule, is dropped. The estimate of each survivor (`estimate.estimate`) ranks them.
+(lightest first) and VPP, and with EP it tries Megatron's EP overlap (with delayed weight
+gradients) as well as without; a layout that does not fit at any of them, or that breaks a
+`validate` rule (EP overlap needs VPP with PP, no full recompute, two micro-batches), is
+dropped. The estimate of each survivor (`estimate.estimate`) ranks them.
 
 `fitting_pp` is the memory check `expertrail plan` makes for an EP size: the fewest pipeline
 stages with which a reference run of the model fits at that EP.
@@ -89,13 +91,14 @@ def search(arch: Architecture, hw: Hardware, gpus: int, seq: int = 4096, global_
                     for etp in (1, tp) if tp > 1 else (1,):
                         if stage % (ep * etp):
                             continue
-                        base = TrainingLayout(gpus=gpus, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, seq=seq,
-                                              micro_batch=micro_batch, global_batch=batch, precision=precision,
-                                              dispatcher="flex", flex_backend=backend,
-                                              ep_overlap=False)
-                        best = _best_fit(arch, hw, base)
-                        if best:
-                            found.append(best)
+                        for overlap in (False, True):
+                            base = TrainingLayout(gpus=gpus, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, seq=seq,
+                                                  micro_batch=micro_batch, global_batch=batch, precision=precision,
+                                                  dispatcher="flex", flex_backend=backend,
+                                                  ep_overlap=overlap, delay_wgrad=overlap)
+                            best = _best_fit(arch, hw, base)
+                            if best:
+                                found.append(best)
     found.sort(key=lambda pair: pair[0]["step_time_s"] / pair[0]["layout"]["global_batch"])
     return found[:top]
 
@@ -144,6 +147,8 @@ def layout_fields(arch: Architecture, layout: TrainingLayout, hw: Hardware) -> d
     if layout.precision == "fp8":
         fields.update(fp8="e4m3", fp8_recipe="mxfp8" if hw.arch == "blackwell" else "blockwise",
                       moe_router_dtype="fp32")
+    if layout.ep_overlap:
+        fields.update(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=layout.delay_wgrad)
     return fields
 
 
@@ -171,15 +176,16 @@ def format_search(found: list, arch: Architecture, hw: Hardware, gpus: int) -> s
         return (f"plan --fit: no layout of {arch.name} fits {gpus} x {hw.name} (every PP, TP, CP, EP, ETP, VPP and "
                 "recompute choice tried): more GPUs, or GPUs with more memory")
     lines = [f"plan --fit: {arch.name} on {gpus} x {hw.name}, fastest first (predicted; docs/planner.md)", "",
-             f"  {'#':>2} {'TP':>3} {'CP':>3} {'PP':>3} {'VPP':>3} {'DP':>4} | {'EP':>4} {'ETP':>3} {'EDP':>4}  "
-             f"{'recompute':<28} {'step s':>7} {'TFLOPS':>7} {'peak GB':>8}  wall"]
+             f"  {'#':>2} {'TP':>3} {'CP':>3} {'PP':>3} {'VPP':>3} {'DP':>4} | {'EP':>4} {'ETP':>3} {'EDP':>4} "
+             f"{'overlap':>7}  {'recompute':<28} {'step s':>7} {'TFLOPS':>7} {'peak GB':>8}  wall"]
     for i, (r, layout) in enumerate(found, 1):
         lay = r["layout"]
         rec = layout.recompute or "none"
         if layout.recompute == "selective":
             rec = ",".join(layout.recompute_modules)
         lines.append(f"  {i:>2} {lay['tp']:>3} {lay['cp']:>3} {lay['pp']:>3} {lay['vpp']:>3} {lay['dp']:>4} | "
-                     f"{lay['ep']:>4} {lay['etp']:>3} {lay['edp']:>4}  {rec:<28} {r['step_time_s']:>7.2f} "
+                     f"{lay['ep']:>4} {lay['etp']:>3} {lay['edp']:>4} {'EP' if lay['ep_overlap'] else '-':>7}  "
+                     f"{rec:<28} {r['step_time_s']:>7.2f} "
                      f"{r['tflops_per_gpu']:>7.0f} {r['peak_memory_GB']:>8.1f}  {r['wall']}")
     r = found[0][0]
     mem = r["memory"]
