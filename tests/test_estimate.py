@@ -472,6 +472,28 @@ def test_a_natural_router_waits_for_its_busiest_ep_rank():
     assert "busiest of 8 EP ranks" in said and "moe_router_force_load_balancing" in said
 
 
+def test_estimate_takes_a_routers_loads_from_routing(tmp_path, capsys):
+    """--routing gives the natural router's loads: a recording of your run's topk_idx (every rank's
+    tokens counted), or a Zipf skew. A recording whose tokens all go to rank 0's experts makes
+    that rank take every row: EP times the mean; a uniform router's noise leaves about the mean."""
+    from expertrail.plan.estimate import routing_imbalance
+    hot = tmp_path / "hot.npy"
+    rng = np.random.default_rng(0)
+    np.save(hot, np.stack([rng.integers(0, 16, size=(512, 8)) for _ in range(2)]))   # [world, N, K]
+    layout = TrainingLayout(gpus=64, ep=8, natural_routing=True)
+    assert routing_imbalance(QWEN, replace(layout, routing=str(hot))) == pytest.approx(8.0)
+    assert routing_imbalance(QWEN, replace(layout, routing="uniform")) == pytest.approx(1.0, abs=0.05)
+    assert routing_imbalance(QWEN, replace(layout, routing="zipf:1.2")) > routing_imbalance(QWEN, layout)
+    assert routing_imbalance(QWEN, replace(layout, routing=str(hot), natural_routing=False)) == 1.0
+    base = ["estimate", "--hardware", "h100", "--gpus", "64", "--model", "qwen3-235b-a22b", "--pipeline-model-parallel-size",
+            "8", "--expert-model-parallel-size", "8", "--moe-token-dispatcher-type", "flex", "--global-batch-size", "512"]
+    assert main(base + ["--routing", str(hot)]) == 0
+    assert "the busiest of 8 EP ranks takes 8.00x the mean rows" in capsys.readouterr().out
+    np.save(tmp_path / "wide.npy", np.full((4, 8), 200))
+    assert main(base + ["--routing", str(tmp_path / "wide.npy")]) == 2
+    assert "do not fit the 128 experts" in capsys.readouterr().err
+
+
 def test_an_fp8_recipe_the_fit_did_not_run_is_said_to_be_costed_as_the_fitted_one():
     """One FP8 GEMM efficiency is fitted, on current-scaling (tensorwise) runs on Hopper and
     MXFP8 runs on Blackwell: another recipe (blockwise, Megatron's default delayed) is costed the

@@ -165,7 +165,32 @@ def routing_imbalance(arch: Architecture, layout: TrainingLayout) -> float:
     `NATURAL_EXPERT_LOAD_CV` (more ranks, fewer experts each: a larger excess)."""
     if not layout.natural_routing or layout.ep <= 1:
         return 1.0
+    if layout.routing:
+        return _routed_busiest(arch, layout.ep, layout.routing, layout.tokens_per_gpu * layout.ep)
     return _expected_busiest(arch.experts, layout.ep, NATURAL_EXPERT_LOAD_CV)
+
+
+# Tokens a `--routing` spec is sampled at for the busiest rank's share: enough that a uniform
+# router's noise is under 2% of a rank's rows at EP 64, few enough to stay fast.
+ROUTED_SAMPLE = 65536
+
+
+@lru_cache(maxsize=64)
+def _routed_busiest(arch: Architecture, ep: int, spec: str, tokens: int) -> float:
+    """The busiest of ``ep`` ranks' routed rows over the mean under ``spec`` (cost.Routing's forms;
+    a recorded .npy counts every rank's tokens in it), each rank holding ``experts / ep``
+    consecutive experts as Megatron places them."""
+    import numpy as np
+    routing = Routing(spec)
+    idx = routing.sample(arch.moe_model(), min(tokens, ROUTED_SAMPLE))   # a recording: rank 0's, checked
+    if spec.endswith(".npy"):
+        recorded = np.load(spec)
+        idx = recorded.reshape(-1, recorded.shape[-1])                   # every rank's tokens
+        if idx.max() >= arch.experts:
+            raise ConfigError(f"--routing {spec!r}: expert ids up to {idx.max()} do not fit the {arch.experts} "
+                              f"experts of {arch.name}")
+    rows = np.bincount(idx[idx >= 0].ravel(), minlength=arch.experts).reshape(ep, -1).sum(axis=1)
+    return float(rows.max() / rows.mean()) if rows.sum() else 1.0
 
 
 @lru_cache(maxsize=256)
@@ -467,9 +492,11 @@ def routing_assumption(arch: Architecture, layout: TrainingLayout) -> list:
     """The assumed line's note on a natural router: the busiest EP rank's share it is costed at."""
     if not layout.natural_routing or layout.ep <= 1:
         return []
+    source = f"--routing {layout.routing}" if layout.routing else \
+        "docs/cost-model.md, 'Natural routing'; --routing gives your router's loads"
     return [f"a natural router's loads: the busiest of {layout.ep} EP ranks takes "
-            f"{routing_imbalance(arch, layout):.2f}x the mean rows in each MoE layer (docs/cost-model.md, "
-            "'Natural routing'; moe_router_force_load_balancing=true gives every rank its even share)"]
+            f"{routing_imbalance(arch, layout):.2f}x the mean rows in each MoE layer ({source}; "
+            "moe_router_force_load_balancing=true gives every rank its even share)"]
 
 
 # The FP8 recipes the fit rows ran, by GPU generation: GEMM_EFFICIENCY["fp8"] is theirs.

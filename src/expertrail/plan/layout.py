@@ -124,6 +124,9 @@ class TrainingLayout:
     # A natural router's loads (Megatron's default); False: every EP rank its even share, as
     # moe_router_force_load_balancing gives (the published benchmark runs).
     natural_routing: bool = False
+    # The natural router's loads as a cost.Routing spec (zipf:<alpha>, or a .npy of recorded
+    # topk_idx); None: the calibrated model of a natural router (estimate.routing_imbalance).
+    routing: str | None = None
     ep_overlap: bool = False
     delay_wgrad: bool = False               # delay_wgrad_compute: expert weight gradients beside the dispatch's backward
     tp_comm_overlap: bool = False

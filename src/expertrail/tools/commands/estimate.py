@@ -22,6 +22,11 @@ def add_parser(sub) -> None:
     _fit_arguments(p, ARCHITECTURES)
     p.add_argument("--json", metavar="PATH", help="also write the estimate as JSON (fits, peak_memory_GB, "
                                                   "step_time_s, tflops_per_gpu and the breakdowns)")
+    p.add_argument("--routing", metavar="SPEC", default=None,
+                   help="a natural router's loads, where the configuration does not force balance: zipf:<alpha> (hot "
+                        "experts at low ids), uniform, or a .npy of recorded topk_idx ([N, K] or [world, N, K], "
+                        "every rank's tokens counted): each MoE layer waits for the EP rank with the most rows "
+                        "(default: the calibrated natural-router model, docs/cost-model.md)")
     p.set_defaults(config=[])
 
 
@@ -62,6 +67,8 @@ def run(args) -> int:
     from ...plan.output import dumps
     arch, hw, values, violations = _estimate_inputs(args, args.config)
     layout = TrainingLayout.from_fields(values, args.gpus)
+    if args.routing:
+        layout = replace(layout, routing=args.routing)
     if args.model is None:
         layout = replace(layout, assumed=(*layout.assumed, *unstated_model_fields(values)))
     result = estimate(arch, hw, layout)
