@@ -474,7 +474,7 @@ def test_a_natural_router_waits_for_its_busiest_ep_rank():
 
 def test_estimate_takes_a_routers_loads_from_routing(tmp_path, capsys):
     """--routing gives the natural router's loads: a recording of your run's topk_idx (every rank's
-    tokens counted), or a Zipf skew. A recording whose tokens all go to rank 0's experts makes
+    tokens counted), LoadRecorder's token counts, or a Zipf skew. A recording whose tokens all go to rank 0's experts makes
     that rank take every row: EP times the mean; a uniform router's noise leaves about the mean."""
     from expertrail.plan.estimate import routing_imbalance
     hot = tmp_path / "hot.npy"
@@ -492,6 +492,16 @@ def test_estimate_takes_a_routers_loads_from_routing(tmp_path, capsys):
     np.save(tmp_path / "wide.npy", np.full((4, 8), 200))
     assert main(base + ["--routing", str(tmp_path / "wide.npy")]) == 2
     assert "do not fit the 128 experts" in capsys.readouterr().err
+    # LoadRecorder's token counts [layers, experts], as `expertrail balance --load` reads them:
+    # rank 0's 16 experts at 3x the others' load take 48 of every 160 rows, 2.4x the mean.
+    counts = np.ones((4, 128))
+    counts[:, :16] = 3
+    np.savetxt(tmp_path / "loads.csv", counts, delimiter=",")
+    assert main(base + ["--routing", str(tmp_path / "loads.csv")]) == 0
+    assert "takes 2.40x the mean rows in each MoE layer (the recorded loads" in capsys.readouterr().out
+    np.savetxt(tmp_path / "few.csv", np.ones((2, 64)), delimiter=",")
+    assert main(base + ["--routing", str(tmp_path / "few.csv")]) == 2
+    assert "64 experts' counts, but qwen3-235b-a22b has 128" in capsys.readouterr().err
 
 
 def test_an_fp8_recipe_the_fit_did_not_run_is_said_to_be_costed_as_the_fitted_one():

@@ -9,15 +9,15 @@ from ..errors import ConfigError, ExpertrailError
 from .planner import balancedness, check_load, contiguous_balancedness, plan_placement, rank_loads, zipf_load
 
 
-def load_loads(path: str) -> np.ndarray:
+def load_loads(path: str, option: str = "--load") -> np.ndarray:
     """Expert loads [layers, experts] (or [experts]) from a .npy, .csv or .json file, checked:
     token counts, finite and >= 0, and every layer with at least one token (a layer of zeros
-    has no balancedness: nothing was recorded for it). Raises ConfigError naming ``--load``."""
+    has no balancedness: nothing was recorded for it). Raises ConfigError naming ``option``."""
     p = Path(path)
     if not p.exists():
-        raise ConfigError(f"--load {path!r}: file not found")
+        raise ConfigError(f"{option} {path!r}: file not found")
     if p.suffix not in (".npy", ".csv", ".json"):
-        raise ConfigError(f"--load {path!r}: use .npy, .csv or .json holding [layers, experts] token counts")
+        raise ConfigError(f"{option} {path!r}: use .npy, .csv or .json holding [layers, experts] token counts")
     try:
         if p.suffix == ".npy":
             data = np.load(p)
@@ -27,8 +27,8 @@ def load_loads(path: str) -> np.ndarray:
             import json
             data = json.loads(p.read_text())
     except (OSError, ValueError) as err:         # json.JSONDecodeError is a ValueError
-        raise ConfigError(f"--load {path!r}: cannot read token counts from it: {err}") from None
-    return check_loads(data, f"--load {path!r}")
+        raise ConfigError(f"{option} {path!r}: cannot read token counts from it: {err}") from None
+    return check_loads(data, f"{option} {path!r}")
 
 
 def check_loads(load, name: str) -> np.ndarray:

@@ -165,9 +165,20 @@ def routing_imbalance(arch: Architecture, layout: TrainingLayout) -> float:
     `NATURAL_EXPERT_LOAD_CV` (more ranks, fewer experts each: a larger excess)."""
     if not layout.natural_routing or layout.ep <= 1:
         return 1.0
+    if layout.expert_loads:
+        return _recorded_busiest(layout.expert_loads, layout.ep)
     if layout.routing:
         return _routed_busiest(arch, layout.ep, layout.routing, layout.tokens_per_gpu * layout.ep)
     return _expected_busiest(arch.experts, layout.ep, NATURAL_EXPERT_LOAD_CV)
+
+
+def _recorded_busiest(loads: tuple, ep: int) -> float:
+    """The busiest of ``ep`` ranks' rows over the mean, from recorded token counts
+    [layers][experts] (each rank holding its experts in order), averaged over the layers."""
+    import numpy as np
+    counts = np.asarray(loads, dtype=float).reshape(len(loads), ep, -1).sum(axis=2)
+    counts = counts[counts.sum(axis=1) > 0]
+    return float((counts.max(axis=1) / counts.mean(axis=1)).mean()) if len(counts) else 1.0
 
 
 # Tokens a `--routing` spec is sampled at for the busiest rank's share: enough that a uniform
@@ -492,7 +503,7 @@ def routing_assumption(arch: Architecture, layout: TrainingLayout) -> list:
     """The assumed line's note on a natural router: the busiest EP rank's share it is costed at."""
     if not layout.natural_routing or layout.ep <= 1:
         return []
-    source = f"--routing {layout.routing}" if layout.routing else \
+    source = "the recorded loads" if layout.expert_loads else f"--routing {layout.routing}" if layout.routing else \
         "docs/cost-model.md, 'Natural routing'; --routing gives your router's loads"
     return [f"a natural router's loads: the busiest of {layout.ep} EP ranks takes "
             f"{routing_imbalance(arch, layout):.2f}x the mean rows in each MoE layer ({source}; "

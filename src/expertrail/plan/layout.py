@@ -125,8 +125,10 @@ class TrainingLayout:
     # moe_router_force_load_balancing gives (the published benchmark runs).
     natural_routing: bool = False
     # The natural router's loads as a cost.Routing spec (zipf:<alpha>, or a .npy of recorded
-    # topk_idx); None: the calibrated model of a natural router (estimate.routing_imbalance).
+    # topk_idx), or as recorded token counts per layer and expert (LoadRecorder's [layers][experts]);
+    # neither: the calibrated model of a natural router (estimate.routing_imbalance).
     routing: str | None = None
+    expert_loads: tuple | None = field(default=None, compare=False)
     ep_overlap: bool = False
     delay_wgrad: bool = False               # delay_wgrad_compute: expert weight gradients beside the dispatch's backward
     tp_comm_overlap: bool = False

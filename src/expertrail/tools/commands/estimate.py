@@ -24,9 +24,10 @@ def add_parser(sub) -> None:
                                                   "step_time_s, tflops_per_gpu and the breakdowns)")
     p.add_argument("--routing", metavar="SPEC", default=None,
                    help="a natural router's loads, where the configuration does not force balance: zipf:<alpha> (hot "
-                        "experts at low ids), uniform, or a .npy of recorded topk_idx ([N, K] or [world, N, K], "
-                        "every rank's tokens counted): each MoE layer waits for the EP rank with the most rows "
-                        "(default: the calibrated natural-router model, docs/cost-model.md)")
+                        "experts at low ids), uniform, a .npy of recorded topk_idx ([N, K] or [world, N, K], every "
+                        "rank's tokens counted), or LoadRecorder's token counts [layers, experts] (.npy, .csv, .json, "
+                        "as `expertrail balance --load` reads them): each MoE layer waits for the EP rank with the "
+                        "most rows (default: the calibrated natural-router model, docs/cost-model.md)")
     p.set_defaults(config=[])
 
 
@@ -68,7 +69,7 @@ def run(args) -> int:
     arch, hw, values, violations = _estimate_inputs(args, args.config)
     layout = TrainingLayout.from_fields(values, args.gpus)
     if args.routing:
-        layout = replace(layout, routing=args.routing)
+        layout = replace(layout, routing=args.routing, expert_loads=_recorded_loads(args.routing, arch))
     if args.model is None:
         layout = replace(layout, assumed=(*layout.assumed, *unstated_model_fields(values)))
     result = estimate(arch, hw, layout)
@@ -81,3 +82,23 @@ def run(args) -> int:
             f.write(dumps(result, fallback=str))
         print(f"wrote {args.json}")
     return 0
+
+
+def _recorded_loads(spec: str, arch) -> tuple | None:
+    """Token counts [layers][experts] when ``spec`` is a file of them (LoadRecorder's, as
+    `expertrail balance --load` reads), not a topk_idx recording or a Routing name; else None."""
+    from pathlib import Path
+    import numpy as np
+    from ...balance.report import load_loads
+    path = Path(spec)
+    if path.suffix not in (".npy", ".csv", ".json"):
+        return None
+    if path.suffix == ".npy":
+        data = np.load(path, mmap_mode="r")
+        if data.ndim == 3 or data.shape[-1] != arch.experts:
+            return None                                # topk_idx: its last axis is top-k, not the experts
+    loads = load_loads(spec, "--routing")
+    if loads.shape[-1] != arch.experts:
+        raise ExpertrailError(f"--routing {spec!r}: {loads.shape[-1]} experts' counts, but {arch.name} has "
+                              f"{arch.experts}")
+    return tuple(map(tuple, loads.tolist()))
