@@ -43,7 +43,7 @@ def test_outliers_are_read_from_the_published_figures_only():
 
 # What docs/cost-model.md states (the summary lines of its calibration record).
 DOCUMENTED = {"fit": {"within_25": 0.89, "median_abs_pct": 3.2},
-              "held_out": {"within_25": 0.90, "median_abs_pct": 9.8}}
+              "held_out": {"within_25": 0.90, "median_abs_pct": 10.3}}
 
 
 @pytest.mark.parametrize("split", ["fit", "held_out"])
@@ -52,6 +52,13 @@ def test_errors_are_the_documented_ones(split):
     assert s["within_25"] == pytest.approx(DOCUMENTED[split]["within_25"], abs=0.03), s
     assert s["median_abs_pct"] == pytest.approx(DOCUMENTED[split]["median_abs_pct"], abs=1.5), s
     assert s["fit"] == s["runs"], s                        # every published run that ran is predicted to fit
+
+
+def test_published_peak_memory_is_predicted_within_ten_percent():
+    """Where a published run states its peak memory, the estimate's busiest rank is within 10%
+    of it (the issue's memory bar; docs/cost-model.md's record lists them)."""
+    errors = calibration.memory_errors()
+    assert errors and all(abs(e) <= 10 for e in errors.values()), errors
 
 
 def test_the_natural_routers_load_is_the_fit_of_its_one_pair():

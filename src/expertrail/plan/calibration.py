@@ -327,6 +327,13 @@ def fit(run_ids=None, rounds: int = 3) -> dict:
     return consts
 
 
+def memory_errors() -> dict:
+    """{run id: predicted peak memory against the published one, in percent} for every run that
+    publishes its peak memory (``published_peak_GB``)."""
+    return {rid: 100 * (predicted(rid)["peak_memory_GB"] - run["published_peak_GB"]) / run["published_peak_GB"]
+            for rid, run in TRAINING_RUNS.items() if run.get("published_peak_GB")}
+
+
 def routing_pairs() -> list:
     """[(forced-balance run id, dropless run id)]: every published layout run both ways."""
     return [(rid[: -len(" dropless")], rid) for rid, run in TRAINING_RUNS.items()
@@ -395,8 +402,12 @@ def spearman(x: list, y: list) -> float:
 
 
 def source_of(run: dict) -> str:
-    """The publication a run comes from: "ModelZoo" (Megatron-MoE-ModelZoo) or "Bridge"."""
-    return "ModelZoo" if run["container"] == "ModelZoo" else "Bridge"
+    """The publication a run comes from: "ModelZoo" (Megatron-MoE-ModelZoo), "Bridge card" (a
+    Megatron-Bridge skill card's measurement, container "card <date>") or "Bridge" (its
+    performance summaries)."""
+    if run["container"] == "ModelZoo":
+        return "ModelZoo"
+    return "Bridge card" if run["container"].startswith("card") else "Bridge"
 
 
 def _ranking_key(run: dict) -> tuple:
@@ -463,6 +474,9 @@ def table() -> str:
         lines.append(f"- {split.replace('_', '-')}: {n} runs, {round(s['within_25'] * n)} ({s['within_25']:.1%}) "
                      f"within 25% ({s['within_15']:.1%} within 15%), median absolute error {s['median_abs_pct']:.1f}%, "
                      f"{s['fit']} of {s['runs']} predicted to fit")
+    memory = memory_errors()
+    lines.append(f"- peak memory, the {len(memory)} runs that publish it: " + ", ".join(
+        f"{TRAINING_RUNS[rid]['published_peak_GB']:.1f} GB published, {err:+.0f}%" for rid, err in memory.items()))
     ranks = _ranks_with_counts()
     lines.append("- ranking, layouts of one model at one sequence length on one system in one publication "
                  "(Spearman): " + ", ".join(

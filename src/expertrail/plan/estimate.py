@@ -88,7 +88,7 @@ OVERLAP_COMM_SMS = {"deepep": 20, "ncclep": 20, "hybridep": 16, None: 20}
 # expertrail's own overlapped 1F1B measured it with one rank per core (docs/results/
 # overlap-train-2x1.json: (2435 - 1456) / (2435 - 1232) ms, the step without overlap, with it,
 # and the overlapped step's CPU floor): streams are not free to run side by side all the time
-# (each chunk pair ends in a wait, and the next chunk's launch follows it). Not fitted; the two
+# (each chunk pair ends in a wait, and the next chunk's launch follows it). Not fitted; the
 # published pairs with and without Megatron's EP overlap check it (docs/cost-model.md, "EP overlap").
 EP_OVERLAP_HIDES = 0.81
 # A natural (dropless, auxiliary-loss balanced) router's load: how much one expert's share of a
