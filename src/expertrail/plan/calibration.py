@@ -62,6 +62,37 @@ OFFLOAD_FIGURES = {
     "pp1_static_GB": 70.0,
 }
 
+# Published peak memory of runs outside the table (their step times are not of the table's kind):
+# Megatron-Bridge's matched activation-recompute study of Moonlight-16B-A3B (8 H100, TP 2 x EP 8,
+# ETP 1, sequence parallel, BF16, sequence 4096, micro-batch 1, global batch 4, the
+# alltoall dispatcher; the recipe's precision-aware optimizer with BF16 main gradients and
+# moments; peak allocated after iteration 2), one figure per set of recomputed modules. The model
+# is Moonlight's config.json (moonshotai/Moonlight-16B-A3B). The card writes "gb"; read as GB
+# (as GiB they would be 7.4% more).
+_MOONLIGHT = {"model_type": "deepseek_v3", "hidden_size": 2048, "num_hidden_layers": 27, "num_attention_heads": 16,
+              "num_key_value_heads": 16, "intermediate_size": 11264, "moe_intermediate_size": 1408,
+              "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+              "n_group": 1, "topk_group": 1, "vocab_size": 163840, "q_lora_rank": None, "kv_lora_rank": 512,
+              "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+_MOONLIGHT_FLAGS = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "8",
+                    "--expert-tensor-parallel-size", "1", "--global-batch-size", "4", "--micro-batch-size", "1",
+                    "--seq-length", "4096", "--bf16", "--moe-token-dispatcher-type", "alltoall",
+                    "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16", "--exp-avg-dtype", "bf16",
+                    "--exp-avg-sq-dtype", "bf16"]
+MEMORY_FIGURES = {
+    f"card h100 moonlight-16b 2/1/-/8 recompute {name}": {
+        "source": "Megatron-Bridge skills/nemo-mbridge-perf-activation-recompute/card.yaml (validated 2026-08-12, "
+                  "commit 067f987d of NVIDIA-NeMo/Megatron-Bridge), measured_results, Moonlight 16B, experiment "
+                  f"{name}; the recipe moonlight_16b_pretrain_8gpu_h100_bf16_config of bridge commit 600d069b",
+        "hf_config": _MOONLIGHT, "hardware": "h100", "gpus": 8,
+        "flags": _MOONLIGHT_FLAGS + (["--recompute-granularity", "selective", "--recompute-modules", *modules]
+                                     if modules else []),
+        "published_peak_GB": peak}
+    for name, modules, peak in (("empty_control", (), 36.618), ("core_attn", ("core_attn",), 36.614),
+                                ("mla_up_proj", ("mla_up_proj",), 35.902),
+                                ("moe_act", ("moe_act",), 35.941),
+                                ("layernorm_plus_moe_act", ("layernorm", "moe_act"), 35.949))}
+
 # A run published below OUTLIER_SHARE of the best throughput of its model on its system at its
 # precision and sequence length (any container) is a release's regression (the same layout runs
 # 1.7-3x faster in another release, or a recipe the table does not describe): it stays in the
@@ -327,11 +358,27 @@ def fit(run_ids=None, rounds: int = 3) -> dict:
     return consts
 
 
+def memory_predicted(key: str) -> dict:
+    """`estimate`'s result for a `MEMORY_FIGURES` entry."""
+    from .architecture import from_hf_config
+    from .catalog import HARDWARE
+    from .estimate import estimate
+    from .layout import TrainingLayout
+    from .validate import load_config
+    fig = MEMORY_FIGURES[key]
+    layout = TrainingLayout.from_fields(load_config(None, fig["flags"]), fig["gpus"])
+    return estimate(from_hf_config(fig["hf_config"], key), HARDWARE[fig["hardware"]], layout)
+
+
 def memory_errors() -> dict:
-    """{run id: predicted peak memory against the published one, in percent} for every run that
-    publishes its peak memory (``published_peak_GB``)."""
-    return {rid: 100 * (predicted(rid)["peak_memory_GB"] - run["published_peak_GB"]) / run["published_peak_GB"]
-            for rid, run in TRAINING_RUNS.items() if run.get("published_peak_GB")}
+    """{id: predicted peak memory against the published one, in percent} for every published
+    peak: the table's runs that give one (``published_peak_GB``) and `MEMORY_FIGURES`."""
+    out = {rid: 100 * (predicted(rid)["peak_memory_GB"] - run["published_peak_GB"]) / run["published_peak_GB"]
+           for rid, run in TRAINING_RUNS.items() if run.get("published_peak_GB")}
+    for key, fig in MEMORY_FIGURES.items():
+        peak = fig["published_peak_GB"]
+        out[key] = 100 * (memory_predicted(key)["peak_memory_GB"] - peak) / peak
+    return out
 
 
 def routing_pairs() -> list:
@@ -475,8 +522,10 @@ def table() -> str:
                      f"within 25% ({s['within_15']:.1%} within 15%), median absolute error {s['median_abs_pct']:.1f}%, "
                      f"{s['fit']} of {s['runs']} predicted to fit")
     memory = memory_errors()
-    lines.append(f"- peak memory, the {len(memory)} runs that publish it: " + ", ".join(
-        f"{TRAINING_RUNS[rid]['published_peak_GB']:.1f} GB published, {err:+.0f}%" for rid, err in memory.items()))
+    published = {**{rid: run.get("published_peak_GB") for rid, run in TRAINING_RUNS.items()},
+                 **{key: fig["published_peak_GB"] for key, fig in MEMORY_FIGURES.items()}}
+    lines.append(f"- peak memory, the {len(memory)} runs that publish it (the table's and calibration.MEMORY_FIGURES): "
+                 + ", ".join(f"{rid} {published[rid]:.1f} GB, {err:+.0f}%" for rid, err in memory.items()))
     ranks = _ranks_with_counts()
     lines.append("- ranking, layouts of one model at one sequence length on one system in one publication "
                  "(Spearman): " + ", ".join(
