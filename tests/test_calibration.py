@@ -69,6 +69,9 @@ def test_the_natural_routers_load_is_the_fit_of_its_one_pair():
     forced, dropless = calibration.NATURAL_ROUTING_PAIR
     assert calibration.TRAINING_RUNS[dropless]["split"] == "fit"
     assert calibration.FITTED_ON["estimate.NATURAL_EXPERT_LOAD_CV"] == [dropless]
+    run = calibration.TRAINING_RUNS[dropless]        # the experts a rank held there: what the output calls calibrated
+    from expertrail.plan.architecture import ARCHITECTURES
+    assert estimate.NATURAL_CALIBRATED_EXPERTS_PER_RANK == ARCHITECTURES[run["model"]].experts // run["layout"]["ep"]
     assert dropless not in calibration.FITTED_ON["estimate.GEMM_EFFICIENCY"]
 
 

@@ -158,6 +158,7 @@ FITTED_ON = {
     "estimate.DEEPEP_RACK_GBPS": "Megatron-LM docs/discussions/deepseek-v3-gb200-optimization, 2.2.1: DeepEP at EP 32 "
                                  "on GB200 NVL72, 24 SMs",
     "estimate.NATURAL_EXPERT_LOAD_CV": [NATURAL_ROUTING_PAIR[1]],
+    "estimate.NATURAL_CALIBRATED_EXPERTS_PER_RANK": [NATURAL_ROUTING_PAIR[1]],
     "estimate.EP_OVERLAP_HIDES": "measured: expertrail's overlapped 1F1B, 2 emulated nodes x 1 rank "
                                  "(docs/results/overlap-train-2x1.json)",
     "estimate.OVERLAP_COMM_SMS": "Megatron's and DeepEP's default moe_deepep_num_sms (20), Hybrid-EP's 16",

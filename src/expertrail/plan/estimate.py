@@ -98,6 +98,7 @@ EP_OVERLAP_HIDES = 0.81
 # balancing and dropless at sequence 16k (calibration.fit_natural_routing); its three longer
 # sequence pairs stay held out. moe_router_force_load_balancing gives every rank its even share.
 NATURAL_EXPERT_LOAD_CV = 1.44
+NATURAL_CALIBRATED_EXPERTS_PER_RANK = 16          # the calibrating pair's 128 experts over EP 8
 IMBALANCE_SAMPLES = 2000
 # Host link per GPU, each way, for activation and optimizer offloading: NVLink-C2C on Grace
 # systems (900 GB/s both ways), PCIe Gen5 x16 (64 GB/s) elsewhere; 80% of it achieved.
@@ -505,6 +506,9 @@ def routing_assumption(arch: Architecture, layout: TrainingLayout) -> list:
         return []
     source = "the recorded loads" if layout.expert_loads else f"--routing {layout.routing}" if layout.routing else \
         "docs/cost-model.md, 'Natural routing'; --routing gives your router's loads"
+    if not (layout.expert_loads or layout.routing) and arch.experts // layout.ep < NATURAL_CALIBRATED_EXPERTS_PER_RANK:
+        source = (f"calibrated at {NATURAL_CALIBRATED_EXPERTS_PER_RANK} experts a rank, so at "
+                  f"{arch.experts // layout.ep} the load model's extrapolation; " + source)
     return [f"a natural router's loads: the busiest of {layout.ep} EP ranks takes "
             f"{routing_imbalance(arch, layout):.2f}x the mean rows in each MoE layer ({source}; "
             "moe_router_force_load_balancing=true gives every rank its even share)"]
