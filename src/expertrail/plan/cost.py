@@ -63,11 +63,12 @@ class Routing:
             np.put_along_axis(allowed, chosen, True, axis=1)
             scores = np.where(np.repeat(allowed, e // g, axis=1), rng.random((tokens, e)), -1.0)
         else:
-            return self._recorded(model)
+            return self.recorded(model)
         return np.argpartition(-scores, k - 1, axis=1)[:, :k]
 
-    def _recorded(self, model: MoEModel) -> np.ndarray:
-        """Rank 0's ``topk_idx`` from a ``.npy`` file, checked against the model."""
+    def recorded(self, model: MoEModel, every_rank: bool = False) -> np.ndarray:
+        """Rank 0's ``topk_idx`` from a ``.npy`` file (every rank's tokens with ``every_rank``),
+        checked against the model."""
         path = Path(self.spec)
         if path.suffix != ".npy" or not path.is_file():
             raise ConfigError(f"--routing {self.spec!r}: give uniform, zipf:<alpha>, grouped, or a .npy file of "
@@ -76,7 +77,8 @@ class Routing:
             idx = np.load(path)
         except Exception as err:
             raise ConfigError(f"--routing {self.spec!r}: cannot read it as .npy ({err})") from None
-        idx = idx[0] if idx.ndim == 3 else idx
+        if idx.ndim == 3:
+            idx = idx.reshape(-1, idx.shape[-1]) if every_rank else idx[0]
         if idx.ndim != 2 or not idx.size or not np.issubdtype(idx.dtype, np.integer):
             raise ConfigError(f"--routing {self.spec!r}: expected integer topk_idx [N, K] or [world, N, K], got "
                               f"{idx.dtype} {list(idx.shape)}")

@@ -194,13 +194,8 @@ def _routed_busiest(arch: Architecture, ep: int, spec: str, tokens: int) -> floa
     consecutive experts as Megatron places them."""
     import numpy as np
     routing = Routing(spec)
-    idx = routing.sample(arch.moe_model(), min(tokens, ROUTED_SAMPLE))   # a recording: rank 0's, checked
-    if spec.endswith(".npy"):
-        recorded = np.load(spec)
-        idx = recorded.reshape(-1, recorded.shape[-1])                   # every rank's tokens
-        if idx.max() >= arch.experts:
-            raise ConfigError(f"--routing {spec!r}: expert ids up to {idx.max()} do not fit the {arch.experts} "
-                              f"experts of {arch.name}")
+    idx = routing.recorded(arch.moe_model(), every_rank=True) if spec.endswith(".npy") else \
+        routing.sample(arch.moe_model(), min(tokens, ROUTED_SAMPLE))
     rows = np.bincount(idx[idx >= 0].ravel(), minlength=arch.experts).reshape(ep, -1).sum(axis=1)
     return float(rows.max() / rows.mean()) if rows.sum() else 1.0
 
@@ -504,11 +499,16 @@ def routing_assumption(arch: Architecture, layout: TrainingLayout) -> list:
     """The assumed line's note on a natural router: the busiest EP rank's share it is costed at."""
     if not layout.natural_routing or layout.ep <= 1:
         return []
-    source = "the recorded loads" if layout.expert_loads else f"--routing {layout.routing}" if layout.routing else \
-        "docs/cost-model.md, 'Natural routing'; --routing gives your router's loads"
-    if not (layout.expert_loads or layout.routing) and arch.experts // layout.ep < NATURAL_CALIBRATED_EXPERTS_PER_RANK:
-        source = (f"calibrated at {NATURAL_CALIBRATED_EXPERTS_PER_RANK} experts a rank, so at "
-                  f"{arch.experts // layout.ep} the load model's extrapolation; " + source)
+    if layout.expert_loads:
+        source = "the recorded loads"
+    elif layout.routing:
+        source = f"--routing {layout.routing}"
+    else:
+        source = "docs/cost-model.md, 'Natural routing'; --routing gives your router's loads"
+        per_rank = arch.experts // layout.ep
+        if per_rank < NATURAL_CALIBRATED_EXPERTS_PER_RANK:
+            source = (f"calibrated at {NATURAL_CALIBRATED_EXPERTS_PER_RANK} experts a rank, so at {per_rank} the "
+                      f"load model's extrapolation; {source}")
     return [f"a natural router's loads: the busiest of {layout.ep} EP ranks takes "
             f"{routing_imbalance(arch, layout):.2f}x the mean rows in each MoE layer ({source}; "
             "moe_router_force_load_balancing=true gives every rank its even share)"]
