@@ -34,7 +34,7 @@ from .catalog import Hardware
 from .cost import NCCL_ALGORITHMS, EPLayout, Routing, link_bandwidth, predict
 from .layout import DEEPEP_LIKE, TrainingLayout, stage_layers
 from . import layout as layout_fields
-from .memory import GB, layer_activation_bytes, memory, offloaded_bytes, usable_GB
+from .memory import GB, cpu_offloaded_layers, layer_activation_bytes, memory, offloaded_bytes, usable_GB
 from .simulate import domain_for
 
 GEMM_EFFICIENCY = {"bf16": 0.75, "fp8": 0.44}   # of the dense peak of that precision, before width_factor (calibration.fit)
@@ -313,14 +313,14 @@ def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe:
 
 
 def cpu_offload_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, dense_layers: int,
-                        moe_layer: dict, dense_layer: dict) -> float:
-    """Layer-level cpu_offloading's exposed copies for one micro-batch: each of the model's first
-    ``cpu_offloading_num_layers`` layers (the dense ones first) sends its saved activations to the
-    host beside the next layer's forward and brings them back beside the backward before it;
-    what a copy takes beyond that compute is exposed."""
+                        moe_layers: int, moe_layer: dict, dense_layer: dict) -> float:
+    """Layer-level cpu_offloading's exposed copies for one micro-batch: each offloaded layer
+    (`memory.cpu_offloaded_layers`) sends its saved activations to the host beside the next
+    layer's forward and brings them back beside the backward before it; what a copy takes
+    beyond that compute is exposed."""
     total = 0.0
-    dense_off = min(layout.cpu_offload_layers, dense_layers)
-    for count, moe, part in ((dense_off, False, dense_layer), (layout.cpu_offload_layers - dense_off, True, moe_layer)):
+    dense_off, moe_off = cpu_offloaded_layers(layout, dense_layers, moe_layers)
+    for count, moe, part in ((dense_off, False, dense_layer), (moe_off, True, moe_layer)):
         moved = sum(layer_activation_bytes(arch, layout, moe).values()) / host_link_Bps(hw)
         compute = part["gemm"] + part["attention"] + part["elementwise"]
         total += count * (max(0.0, moved - compute / 3) + max(0.0, moved - 2 * compute / 3))
@@ -416,7 +416,7 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
             parts["gemm"] += output_s * (1 + mtp)
         if layout.cpu_offload_layers and rank == 0:
             parts["offload"] = parts.get("offload", 0.0) + cpu_offload_seconds(arch, hw, layout, dense_n,
-                                                                                moe_layer, dense_layer)
+                                                                                layers - dense_n, moe_layer, dense_layer)
         parts["pipeline"] = pp_send
         gpu = sum(parts.values())
         host = host_per_layer * (layers + mtp)

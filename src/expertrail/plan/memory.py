@@ -107,6 +107,13 @@ def offloaded_bytes(arch: Architecture, layout: TrainingLayout, moe: bool) -> fl
     return out
 
 
+def cpu_offloaded_layers(layout: TrainingLayout, dense_layers: int, moe_layers: int) -> tuple:
+    """(dense, MoE) layers whose activations layer-level cpu_offloading keeps on the host: the
+    model's first ``cpu_offloading_num_layers`` layers, the dense ones first."""
+    dense = min(layout.cpu_offload_layers, dense_layers)
+    return dense, min(layout.cpu_offload_layers - dense, moe_layers)
+
+
 def in_flight_chunks(layout: TrainingLayout, rank: int) -> float:
     """Layers' worth of activations rank ``rank`` holds at its peak, per layer it owns."""
     pp, vpp, m = layout.pp, layout.vpp, layout.micro_batches
@@ -182,10 +189,9 @@ def stage_memory(arch: Architecture, layout: TrainingLayout, rank: int, stage: t
         per_moe -= off_moe * max(0.0, 1 - 2 / kept_layers) if kept_layers else 0.0
         per_dense -= off_dense * max(0.0, 1 - 2 / kept_layers) if kept_layers else 0.0
     if layout.cpu_offload_layers:
-        # cpu_offloading (PP 1, no recompute): the model's first layers (the dense ones first) keep
-        # their saved activations on the host but for the one in transit.
-        dense_off = min(layout.cpu_offload_layers, dense_layers)
-        moe_off = min(layout.cpu_offload_layers - dense_off, moe_layers)
+        # cpu_offloading (PP 1, no recompute): the offloaded layers keep their saved activations
+        # on the host but for the one in transit.
+        dense_off, moe_off = cpu_offloaded_layers(layout, dense_layers, moe_layers)
         away = dense_off * per_dense + moe_off * per_moe
         act_offloaded = away - (per_dense if moe_off == 0 else per_moe)
     else:
