@@ -371,15 +371,19 @@ def memory_predicted(key: str) -> dict:
     return estimate(from_hf_config(fig["hf_config"], key), HARDWARE[fig["hardware"]], layout)
 
 
+def published_peaks() -> dict:
+    """{id: published peak memory, GB}: the table's runs that give one (``published_peak_GB``)
+    and `MEMORY_FIGURES`."""
+    return {**{rid: run["published_peak_GB"] for rid, run in TRAINING_RUNS.items() if run.get("published_peak_GB")},
+            **{key: fig["published_peak_GB"] for key, fig in MEMORY_FIGURES.items()}}
+
+
 def memory_errors() -> dict:
     """{id: predicted peak memory against the published one, in percent} for every published
-    peak: the table's runs that give one (``published_peak_GB``) and `MEMORY_FIGURES`."""
-    out = {rid: 100 * (predicted(rid)["peak_memory_GB"] - run["published_peak_GB"]) / run["published_peak_GB"]
-           for rid, run in TRAINING_RUNS.items() if run.get("published_peak_GB")}
-    for key, fig in MEMORY_FIGURES.items():
-        peak = fig["published_peak_GB"]
-        out[key] = 100 * (memory_predicted(key)["peak_memory_GB"] - peak) / peak
-    return out
+    peak (`published_peaks`)."""
+    def peak(key):
+        return (predicted(key) if key in TRAINING_RUNS else memory_predicted(key))["peak_memory_GB"]
+    return {key: 100 * (peak(key) - published) / published for key, published in published_peaks().items()}
 
 
 def routing_pairs() -> list:
@@ -522,9 +526,7 @@ def table() -> str:
         lines.append(f"- {split.replace('_', '-')}: {n} runs, {round(s['within_25'] * n)} ({s['within_25']:.1%}) "
                      f"within 25% ({s['within_15']:.1%} within 15%), median absolute error {s['median_abs_pct']:.1f}%, "
                      f"{s['fit']} of {s['runs']} predicted to fit")
-    memory = memory_errors()
-    published = {**{rid: run.get("published_peak_GB") for rid, run in TRAINING_RUNS.items()},
-                 **{key: fig["published_peak_GB"] for key, fig in MEMORY_FIGURES.items()}}
+    memory, published = memory_errors(), published_peaks()
     lines.append(f"- peak memory, the {len(memory)} runs that publish it (the table's and calibration.MEMORY_FIGURES): "
                  + ", ".join(f"{rid} {published[rid]:.1f} GB, {err:+.0f}%" for rid, err in memory.items()))
     ranks = _ranks_with_counts()
