@@ -201,7 +201,7 @@ def test_simulate_cli_json_names_every_algorithm(capsys):
 
 
 def test_simulate_skips_non_dividing_eps_with_a_note(capsys):
-    """Issue 15.15: the documented sweep `--ep 8..64:8` used to fail at EP 24."""
+    """The documented sweep `--ep 8..64:8` used to fail at EP 24."""
     assert main(["simulate", "--hardware", "h100", "--model", "deepseek-v3", "--ep", "8..64:8", "--tokens", "256",
                  "--backends", "alltoall,hierarchical", "--json"]) == 0
     captured = capsys.readouterr()

@@ -1,5 +1,6 @@
 """`expertrail estimate`: memory, step time and TFLOPS against published runs, and its sanity properties."""
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from expertrail.plan.architecture import ARCHITECTURES, from_fields
 from expertrail.plan.catalog import HARDWARE
 from expertrail.plan.cost import Routing
 from expertrail.plan.estimate import estimate, fsdp_seconds, layer_seconds
-from expertrail.plan.layout import TrainingLayout, stage_layers
+from expertrail.plan.layout import TrainingLayout, megatron_split, stage_layers
 from expertrail.plan.memory import usable_GB
 from expertrail.plan.simulate import simulate
 from expertrail.plan.validate import load_config, validate
@@ -24,7 +25,11 @@ DSV3, QWEN = ARCHITECTURES["deepseek-v3"], ARCHITECTURES["qwen3-235b-a22b"]
 
 
 def run(hardware, arch, **fields):
+    """The estimate of a 256-GPU layout; unless ``fields`` split the pipeline, the plainest split
+    Megatron builds (as `plan --fit` writes it)."""
     backend = "hybridep" if HARDWARE[hardware].domain_size > 8 else "deepep"
+    if not {"layout_string", "embedding_in_split", "first_stage_layers", "last_stage_layers"} & set(fields):
+        fields.update(megatron_split(arch.layers, arch.mtp_layers, fields.get("pp", 1), fields.get("vpp", 1)))
     layout = TrainingLayout(gpus=256, seq=4096, dispatcher="flex", flex_backend=backend, **fields)
     return estimate(arch, HARDWARE[hardware], layout)
 
@@ -107,14 +112,19 @@ def test_every_constant_names_the_rows_it_was_fitted_on():
 
 def test_model_flops_are_megatrons_count():
     """Bridge's table gives TFLOP/s and tokens/s per GPU; their ratio is the FLOPs per token:
-    782e12 / 3139 for DeepSeek-V3 (without MTP), 728e12 / 4916 for Qwen3-235B, 428e12 / 15784
-    for GPT-OSS-120B."""
-    assert DSV3.flops_per_token(4096) == pytest.approx(782e12 / 3139, rel=0.02)
+    732e12 / 2815 for DeepSeek-V3 with its MTP layer (26.04; Bridge counts MTP since its 2026-03
+    FLOPs update) and 782e12 / 3139 without (25.11's count), 728e12 / 4916 for Qwen3-235B,
+    428e12 / 15784 for GPT-OSS-120B. DeepSeek-V3 holds 671B parameters and 14B more in its MTP
+    module (its README: 685B on Hugging Face)."""
+    assert DSV3.flops_per_token(4096) == pytest.approx(732e12 / 2815, rel=0.02)
+    no_mtp = replace(DSV3, mtp_layers=0)
+    assert no_mtp.flops_per_token(4096) == pytest.approx(782e12 / 3139, rel=0.02)
+    assert DSV3.total_params() == pytest.approx(685e9, rel=0.01) and no_mtp.total_params() == pytest.approx(671e9, rel=0.01)
     assert QWEN.flops_per_token(4096) == pytest.approx(728e12 / 4916, rel=0.02)
     gpt_oss = ARCHITECTURES["gpt-oss-120b"]      # its clamped GEGLU experts count as two matrices
     assert gpt_oss.flops_per_token(4096) == pytest.approx(428e12 / 15784, rel=0.02)
     assert gpt_oss.flops_per_token(8192) == pytest.approx(488e12 / 15876, rel=0.02)
-    assert DSV3.total_params() == pytest.approx(671e9, rel=0.01) and QWEN.total_params() == pytest.approx(235e9, rel=0.01)
+    assert QWEN.total_params() == pytest.approx(235e9, rel=0.01)
 
 
 def test_more_recompute_means_less_memory_and_more_time():
@@ -172,7 +182,7 @@ def test_estimate_cli_is_torch_free_and_writes_json(tmp_path):
     path = tmp_path / "e.json"
     code = ("import sys; from expertrail.tools.cli import main; "
             "rc = main(['estimate', '--hardware', 'gb200-nvl72', '--gpus', '256', '--model', 'qwen3-235b-a22b', "
-            "'--pipeline-model-parallel-size', '8', '--expert-model-parallel-size', '32', '--global-batch-size', "
+            "'--pipeline-model-parallel-size', '8', '--account-for-embedding-in-pipeline-split', '--account-for-loss-in-pipeline-split', '--expert-model-parallel-size', '32', '--global-batch-size', "
             f"'1024', 'model.moe_token_dispatcher_type=flex', '--json', r'{path}']); "
             "assert 'torch' not in sys.modules; sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -221,6 +231,24 @@ def test_plan_fit_lists_fitting_layouts_that_validate(capsys):
     assert main(["validate", *flags, "hardware=h100", "world_size=64"]) == 0
     assert main(["plan", "--fit", "--gpus", "8", "--hardware", "h100", "--model", "deepseek-v3"]) == 1
     assert "no layout of deepseek-v3 fits 8 x h100" in capsys.readouterr().out
+
+
+def test_plan_fit_writes_the_pipeline_split_megatron_builds(capsys):
+    """A 61-layer DeepSeek-V3 (with its MTP layer) and a 94-layer Qwen3-235B split evenly over
+    no PP > 1: `plan --fit` gives each layout a split Megatron builds (the embedding and loss
+    counted, or a pipeline_model_parallel_layout), --emit writes it quoted for the shell, and
+    validate, given the layers, accepts it as it is."""
+    for model, hardware in (("deepseek-v3", "b200"), ("qwen3-235b-a22b", "h100")):
+        assert main(["plan", "--fit", "--gpus", "256", "--hardware", hardware, "--model", model, "--emit",
+                     "megatron"]) == 0
+        printed = capsys.readouterr().out.replace("\\\n", " ")
+        for tokens in (shlex.split(printed), printed.split()):      # pasted, or $(...) word splitting
+            assert "--num-layers" in tokens and ("--pipeline-model-parallel-layout" in tokens
+                                                 or "--account-for-embedding-in-pipeline-split" in tokens)
+            assert main(["validate", *tokens, f"hardware={hardware}", "world_size=256"]) == 0
+            assert capsys.readouterr().out.startswith("valid: ")
+            assert main(["estimate", "--hardware", hardware, "--gpus", "256", "--model", model, *tokens]) == 0
+            capsys.readouterr()
 
 
 def test_plan_fit_tries_ep_overlap_where_megatron_allows_it(capsys):
@@ -312,7 +340,8 @@ def test_optimizer_states_kept_on_the_host_between_updates():
     run sets it) takes the optimizer states off the GPU for the forward and backward; the update
     stages them back once the activations are freed (through a window of
     optimizer_state_offload_chunk_size_mb for the moments), and the copies cost time."""
-    base = dict(pp=2, vpp=16, ep=64, tp=16, etp=1, micro_batch=1, global_batch=128, seq=131072, precision="fp8",
+    base = dict(pp=2, vpp=16, layout_string="Et|t|(tt|)*29tL", ep=64, tp=16, etp=1, micro_batch=1, global_batch=128,
+                seq=131072, precision="fp8",
                 fp8_recipe="mxfp8", optimizer_state_bytes=4, recompute="selective",
                 recompute_modules=("mla_up_proj", "mlp", "layernorm", "moe_act"), offload_modules=("expert_fc1",),
                 gpus=128, dispatcher="flex", flex_backend="hybridep")
@@ -365,7 +394,8 @@ def test_optimizer_offload_as_bridge_measured_it():
 def test_host_optimizer_step_beside_its_copies_with_overlap_cpu_optimizer_d2h_h2d():
     """ModelZoo's optimizer-offload runs set overlap_cpu_optimizer_d2h_h2d: the host's step runs
     beside the copies, so the offload costs the longer of the two, not their sum."""
-    flags = ["--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "32", "--global-batch-size", "8192",
+    flags = ["--pipeline-model-parallel-size", "8", "--pipeline-model-parallel-layout", "Et*8|(t*8|)*6t*5mL",
+             "--expert-model-parallel-size", "32", "--global-batch-size", "8192",
              "--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0"]
     serial, overlapped = (estimate(DSV3, HARDWARE["h100"], TrainingLayout.from_fields(load_config(None, flags + extra),
                                                                                       256))
@@ -382,7 +412,7 @@ def test_flex_dispatcher_fields_of_megatron_core_are_read():
     sized for the worst case without it."""
     def layout(*flags):
         base = ["--expert-model-parallel-size", "64", "--pipeline-model-parallel-size", "4",
-                "--virtual-pipeline-model-parallel-size", "4", "--global-batch-size", "4096",
+                "--pipeline-model-parallel-layout", "Et*4|(t*4|)*14tmL", "--global-batch-size", "4096",
                 "--moe-token-dispatcher-type", "flex", "--moe-router-force-load-balancing"]
         return TrainingLayout.from_fields(load_config(None, base + list(flags)), 256)
     hw = HARDWARE["gb200-nvl72"]
@@ -445,7 +475,7 @@ def test_a_natural_router_waits_for_its_busiest_ep_rank():
     and memory stays at the mean rows (a rank's layers in flight average their loads)."""
     from expertrail.plan.estimate import routing_imbalance
     base = dict(pp=8, vpp=4, tp=4, etp=1, global_batch=256, recompute="selective",
-                recompute_modules=("layernorm", "moe"))
+                recompute_modules=("layernorm", "moe"), embedding_in_split=True, loss_in_split=True)
     forced, natural = (run("h100", QWEN, ep=8, natural_routing=n, **base) for n in (False, True))
     excess = routing_imbalance(QWEN, TrainingLayout(gpus=256, ep=8, natural_routing=True))
     assert 1.2 < excess < 3 and natural["layout"]["routing_imbalance"] == excess
@@ -486,7 +516,7 @@ def test_estimate_takes_a_routers_loads_from_routing(tmp_path, capsys):
     assert routing_imbalance(QWEN, replace(layout, routing="zipf:1.2")) > routing_imbalance(QWEN, layout)
     assert routing_imbalance(QWEN, replace(layout, routing=str(hot), natural_routing=False)) == 1.0
     base = ["estimate", "--hardware", "h100", "--gpus", "64", "--model", "qwen3-235b-a22b", "--pipeline-model-parallel-size",
-            "8", "--expert-model-parallel-size", "8", "--moe-token-dispatcher-type", "flex", "--global-batch-size", "512"]
+            "8", "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split", "--expert-model-parallel-size", "8", "--moe-token-dispatcher-type", "flex", "--global-batch-size", "512"]
     assert main(base + ["--routing", str(hot)]) == 0
     assert "the busiest of 8 EP ranks takes 8.00x the mean rows" in capsys.readouterr().out
     np.save(tmp_path / "wide.npy", np.full((4, 8), 200))
@@ -561,8 +591,8 @@ def test_narrow_attention_heads_run_slower():
 def test_moe_enable_deepep_selects_deepep_as_megatron_does(capsys):
     """Megatron-Core maps the deprecated ``--moe-enable-deepep`` onto the DeepEP backend of the flex
     dispatcher: validate then finds no missing backend, and estimate costs DeepEP."""
-    flags = ["--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "32", "--global-batch-size",
-             "1024", "--moe-token-dispatcher-type", "flex"]
+    flags = ["--pipeline-model-parallel-size", "8", "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split", "--expert-model-parallel-size", "32",
+             "--global-batch-size", "1024", "--moe-token-dispatcher-type", "flex"]
     values = load_config(None, flags + ["--moe-enable-deepep"])
     assert [v.rule for v in validate(values)] == []
     assert TrainingLayout.from_fields(values, 256).flex_backend == "deepep"
@@ -578,8 +608,9 @@ def test_fields_the_estimate_leaves_out_are_named_and_sequence_parallel_is_requi
     """FP8 weights and shared-expert overlap change memory or time but are not modelled: the
     estimate names them. An MoE model with TP > 1 needs sequence parallelism in Megatron-Core:
     estimate assumes it (and says so), validate refuses an explicit false."""
-    flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "8", "--expert-model-parallel-size",
-             "32", "--global-batch-size", "1024", "--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
+    flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "8", "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+             "--expert-model-parallel-size", "32", "--global-batch-size", "1024", "--fp8-format", "e4m3",
+             "--fp8-recipe", "blockwise"]
     layout = TrainingLayout.from_fields(load_config(None, flags + ["--fp8-param-gather", "--moe-shared-expert-overlap"]),
                                         512)
     assert {"fp8_param_gather", "moe_shared_expert_overlap"} <= set(layout.not_modelled)

@@ -84,7 +84,7 @@ def test_ep_table_verdicts_follow_the_comm_to_compute_ratio():
 
 
 def test_one_recommendation_decides_table_json_advice_and_flags(plans):
-    """Issue 15.13: the table's mark, the JSON algorithm / dispatcher, the advice and the emitted
+    """The table's mark, the JSON algorithm / dispatcher, the advice and the emitted
     flags all say the same thing, at every stage."""
     for key, r in plans:
         hw = HARDWARE[key[0]]
@@ -187,7 +187,7 @@ def test_emitted_configs_pass_validation_as_they_are(hardware, model, ep, precis
 
 
 def test_emitted_megatron_flags_validate_on_the_command_line(capsys):
-    """Issue 15.11: `expertrail validate $(expertrail plan ... --emit megatron)` passes, the shell's
+    """`expertrail validate $(expertrail plan ... --emit megatron)` passes, the shell's
     split of the backslash continuations included."""
     for hardware, ep in (("h100", 32), ("gb200-nvl72", 64)):
         assert main(["plan", "--hardware", hardware, "--model", "deepseek-v3", "--ep", str(ep), "--stage", "tune",
@@ -249,12 +249,14 @@ def test_ep_choice_respects_memory():
     # the table's PP agrees with the estimator run on that layout: it fits there, not one step down
     from expertrail.plan.architecture import ARCHITECTURES
     from expertrail.plan.estimate import estimate
-    from expertrail.plan.layout import TrainingLayout
+    from expertrail.plan.layout import TrainingLayout, megatron_split
+    dsv3 = ARCHITECTURES["deepseek-v3"]
 
     def fits(pp):
         layout = TrainingLayout(gpus=256, pp=pp, ep=4, precision="fp8", dispatcher="flex", flex_backend="hybridep",
-                                global_batch=2048, recompute="selective", recompute_modules=("mla_up_proj", "moe_act"))
-        return estimate(ARCHITECTURES["deepseek-v3"], HARDWARE["gb200-nvl72"], layout)["fits"]
+                                global_batch=2048, recompute="selective", recompute_modules=("mla_up_proj", "moe_act"),
+                                **megatron_split(dsv3.layers, dsv3.mtp_layers, pp, 1))
+        return estimate(dsv3, HARDWARE["gb200-nvl72"], layout)["fits"]
     assert fits(rows[4]["fits_at_pp"]) and not fits(rows[4]["fits_at_pp"] // 2)
     forced = plan(HARDWARE["h100"], MODELS["deepseek-v3"], ep=8, stage="tune")
     assert forced["advice"][0]["topic"] == "memory" and forced["advice"][0]["value"] is False

@@ -58,7 +58,7 @@ def empty_dir(tmp_path):
     (["validate", "hardware=h1000", "expert_model_parallel_size=8"], "hardware='h1000'"),
 ])
 def test_bad_arguments_give_one_clear_line_and_exit_2(argv, names, empty_dir, capsys):
-    """Issue 15.14: each of these used to end in a traceback (or pass silently)."""
+    """Each of these used to end in a traceback (or pass silently)."""
     argv = [str(empty_dir) if a == "{dir}" else a for a in argv]
     rc, out, err = run(capsys, *argv)
     assert rc == 2, (argv, out, err)
@@ -93,7 +93,7 @@ def _strings(obj, path="$"):
                                   ["validate", "--expert-model-parallel-size", "8", "--num-experts", "64",
                                    "overlap_moe_expert_parallel_comm=true", "moe_router_topk=2.5", "--json"]])
 def test_json_holds_booleans_and_numbers_not_their_reprs(argv, capsys):
-    """Issue 15.12: `"ep_overlap": "True"` (a NumPy bool through str) is gone, everywhere."""
+    """`"ep_overlap": "True"` (a NumPy bool through str) is gone, everywhere."""
     rc, out, _ = run(capsys, *argv)
     assert rc in (0, 1)
     doc = json.loads(out)
@@ -140,7 +140,7 @@ def _broken_pipe(argv):
 
 
 def test_a_closed_pipe_ends_quietly():
-    """Issue 15.14: `expertrail plan ... | head -1` printed a BrokenPipeError traceback."""
+    """`expertrail plan ... | head -1` printed a BrokenPipeError traceback."""
     for argv in (PLAN + ["--json"], SIM + ["--json"]):
         rc, err = _broken_pipe(argv)
         # the command's own status if it had finished writing, else 141 (128 + SIGPIPE, as the shell reports)

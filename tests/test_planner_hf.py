@@ -5,7 +5,7 @@ import pytest
 from expertrail.plan.architecture import ARCHITECTURES, from_hf_config
 from expertrail.plan.catalog import HARDWARE
 from expertrail.plan.estimate import estimate
-from expertrail.plan.layout import TrainingLayout
+from expertrail.plan.layout import TrainingLayout, megatron_split
 
 MLA = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
 FAMILIES = {
@@ -78,6 +78,7 @@ def test_each_family_reads_into_the_shape_it_publishes(family):
 def test_each_family_estimates(family):
     arch = from_hf_config(FAMILIES[family][0], family)
     ep = max(e for e in (1, 2, 4, 8) if arch.experts % e == 0)
+    split = megatron_split(arch.layers, arch.mtp_layers, 4, 1)      # as plan --fit splits PP 4
     result = estimate(arch, HARDWARE["h100"], TrainingLayout(gpus=64, pp=4, ep=ep, global_batch=256,
-                                                             dispatcher="flex", flex_backend="deepep"))
+                                                             dispatcher="flex", flex_backend="deepep", **split))
     assert result["step_time_s"] > 0 and result["peak_memory_GB"] > 0

@@ -8,7 +8,8 @@ from expertrail.errors import ConfigError
 from expertrail.plan.architecture import ARCHITECTURES, load_architecture
 from expertrail.plan.catalog import HARDWARE
 from expertrail.plan.estimate import estimate
-from expertrail.plan.layout import TrainingLayout, stage_layers
+from expertrail.plan.layout import TrainingLayout, megatron_split, stage_layers
+from expertrail.plan.validate import load_config
 from expertrail.tools.cli import main
 
 QWEN, DSV3 = ARCHITECTURES["qwen3-235b-a22b"], ARCHITECTURES["deepseek-v3"]
@@ -19,7 +20,8 @@ def test_embedding_and_loss_take_a_layer_slot_as_megatron_splits_them():
     fields = {"pipeline_model_parallel_size": 32, "virtual_pipeline_model_parallel_size": 3,
               "expert_model_parallel_size": 8}
     plain = TrainingLayout.from_fields(fields, 256)
-    assert plain.problems(QWEN.experts, QWEN.layers) == ["PP 32 x VPP 3 exceeds the 94 layers: fewer stages"]
+    [problem] = plain.problems(QWEN.experts, QWEN.layers)
+    assert problem.startswith("94 layers do not split evenly over PP 32 (Megatron-Core asserts)")
     counted = TrainingLayout.from_fields(dict(fields, account_for_embedding_in_pipeline_split=True,
                                               account_for_loss_in_pipeline_split=True), 256)
     assert counted.problems(QWEN.experts, QWEN.layers) == []
@@ -28,21 +30,79 @@ def test_embedding_and_loss_take_a_layer_slot_as_megatron_splits_them():
     assert ranks[0][2] and ranks[-1][3]                    # the embedding on the first rank, the loss on the last
 
 
+def test_splits_megatron_refuses_are_refused_by_validate_and_estimate_alike(capsys):
+    """Megatron-Core's pipeline checks, each refused with its reason by both commands: layers that
+    do not split evenly over PP (or a rank's over VPP), first/last layers beside the account_for_*
+    flags, middle ranks left uneven, a layout that misplaces layers. Bridge's DeepSeek-V3 layout
+    for 16 stages is accepted and puts one layer, the MTP layer and the loss on the last stage."""
+    base = ["--expert-model-parallel-size", "8", "--global-batch-size", "4096", "--moe-token-dispatcher-type", "flex",
+            "--moe-flex-dispatcher-backend", "deepep"]
+    refused = {
+        "61 layers do not split evenly over PP 16": ["--pipeline-model-parallel-size", "16"],
+        "each pipeline rank's 16 layers do not split over VPP 3": [
+            "--pipeline-model-parallel-size", "4", "--virtual-pipeline-model-parallel-size", "3", "--num-layers", "64"],
+        "cannot be set together": ["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "13",
+                                   "--account-for-loss-in-pipeline-split"],
+        "the 33 layers left between the first and last pipeline ranks": [
+            "--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "12",
+            "--decoder-last-pipeline-num-layers", "16"],
+        "places 60 decoder layers (t)": ["--pipeline-model-parallel-size", "16",
+                                         "--pipeline-model-parallel-layout", "Et*4|(t*4|)*14mL"],
+    }
+    for reason, flags in refused.items():
+        assert main(["validate", "--num-layers", "61", *base, *flags]) == 1
+        printed = capsys.readouterr().out
+        assert "[pipeline-split]" in printed and reason in printed, reason
+        assert main(["estimate", "--hardware", "b200", "--gpus", "256", "--model", "deepseek-v3", *base, *flags]) == 2
+        assert reason in capsys.readouterr().err, reason
+    bridge = ["--pipeline-model-parallel-size", "16", "--pipeline-model-parallel-layout", "Et*4|(t*4|)*14tmL"]
+    assert main(["validate", "--num-layers", "61", "--mtp-num-layers", "1", *base, *bridge]) == 0
+    capsys.readouterr()
+    assert main(["validate", "--num-layers", "61", "--mtp-num-layers", "0", *base, *bridge]) == 1
+    assert "places 1 MTP layers (m); mtp_num_layers is 0" in capsys.readouterr().out
+    layout = TrainingLayout.from_fields(load_config(None, base + bridge), 256)
+    ranks = stage_layers(layout, DSV3.layers, DSV3.mtp_layers, DSV3.dense_layers)
+    assert ranks[0] == (4, 3, True, False, 0) and ranks[-1] == (1, 0, False, True, 1)
+
+
+@pytest.mark.parametrize("model", sorted(ARCHITECTURES))
+def test_the_plainest_split_megatron_builds_for_every_pp_and_vpp(model):
+    """`megatron_split` (what plan --fit uses) returns, for every PP x VPP with at least two slots
+    a stage, a split Megatron's checks accept that places every layer and MTP layer once."""
+    arch = ARCHITECTURES[model]
+    for pp in (2, 4, 8, 16, 32):
+        for vpp in (1, 2, 3, 4):
+            split = megatron_split(arch.layers, arch.mtp_layers, pp, vpp)
+            if split is None:
+                assert arch.layers + 2 + arch.mtp_layers < 2 * pp * vpp
+                continue
+            layout = TrainingLayout(gpus=pp, pp=pp, vpp=vpp, **split)
+            assert layout.problems(arch.experts, arch.layers) == []
+            ranks = stage_layers(layout, arch.layers, arch.mtp_layers, arch.dense_layers)
+            assert sum(r[0] for r in ranks) == arch.layers and sum(r[4] for r in ranks) == arch.mtp_layers
+            assert max(r[0] for r in ranks) - min(r[0] for r in ranks) <= 2 * vpp + arch.mtp_layers
+
+
 def test_first_and_last_pipeline_layers_are_a_whole_ranks_layers():
     """decoder_first/last_pipeline_num_layers count the layers of the first / last pipeline rank,
-    over all its virtual stages, and must divide by VPP."""
+    over all its virtual stages, and must divide by VPP. (DeepSeek-V3's 61 layers have no such
+    split at PP 4 x VPP 4, the layers between an even first and last being odd: a 60-layer
+    model here.)"""
     fields = {"pipeline_model_parallel_size": 4, "virtual_pipeline_model_parallel_size": 4,
               "decoder_first_pipeline_num_layers": 12, "decoder_last_pipeline_num_layers": 16,
               "expert_model_parallel_size": 32}
-    ranks = stage_layers(TrainingLayout.from_fields(fields, 256), DSV3.layers, 0, DSV3.dense_layers)
-    assert [r[0] for r in ranks] == [12, 17, 16, 16]
+    ranks = stage_layers(TrainingLayout.from_fields(fields, 256), 60, 0, DSV3.dense_layers)
+    assert [r[0] for r in ranks] == [12, 16, 16, 16] and ranks[0][1] == DSV3.dense_layers
     bad = TrainingLayout.from_fields(dict(fields, decoder_last_pipeline_num_layers=17), 256)
     assert any("decoder_last_pipeline_num_layers=17" in p and "multiple of 4" in p
                for p in bad.problems(DSV3.experts, DSV3.layers))
+    assert TrainingLayout.from_fields(fields, 256).problems(DSV3.experts, DSV3.layers) == [
+        "the 33 layers left between the first and last pipeline ranks do not split evenly over the other 2 ranks: "
+        "choose decoder_first/last_pipeline_num_layers that leave a multiple of 2"]
     # Megatron-Core's (and Bridge's) names for the same split.
     core = {k: v for k, v in fields.items() if not k.startswith("decoder_")}
     core.update(num_layers_in_first_pipeline_stage=12, num_layers_in_last_pipeline_stage=16)
-    assert stage_layers(TrainingLayout.from_fields(core, 256), DSV3.layers, 0, DSV3.dense_layers) == ranks
+    assert stage_layers(TrainingLayout.from_fields(core, 256), 60, 0, DSV3.dense_layers) == ranks
     with pytest.raises(ConfigError, match="name the same split"):
         TrainingLayout.from_fields(dict(fields, num_layers_in_first_pipeline_stage=8), 256)
 
@@ -73,13 +133,13 @@ def test_estimate_refuses_a_value_of_the_wrong_kind_by_name(capsys):
 
 def test_fields_the_estimate_does_not_model_are_named(capsys):
     assert main(["estimate", "--hardware", "h100", "--gpus", "256", "--model", "deepseek-v3",
-                 "--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "32",
+                 "--pipeline-model-parallel-size", "8", "--pipeline-model-parallel-layout", "Et*8|(t*8|)*6t*5mL", "--expert-model-parallel-size", "32",
                  "--moe-router-dtype", "fp64", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn"]) == 0
     out = capsys.readouterr().out
     assert "not modelled (set, but the estimate leaves them out): moe_router_dtype, cuda_graph_scope" in out
     # An FP32 router is what the estimate costs (BF16 inputs, FP32 logits kept): nothing to name.
     assert main(["estimate", "--hardware", "h100", "--gpus", "256", "--model", "deepseek-v3",
-                 "--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "32",
+                 "--pipeline-model-parallel-size", "8", "--pipeline-model-parallel-layout", "Et*8|(t*8|)*6t*5mL", "--expert-model-parallel-size", "32",
                  "--moe-router-dtype", "fp32"]) == 0
     assert "moe_router_dtype" not in capsys.readouterr().out
 
@@ -112,7 +172,7 @@ def test_megatron_fsdp_and_offloading_are_read_not_named(tmp_path, capsys):
     weight gradients change the estimate; none is left on the not-modelled line."""
     base = ["estimate", "--hardware", "h100", "--gpus", "256", "--model", "deepseek-v3", "--json", str(tmp_path / "e.json"),
             "--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "32", "--global-batch-size", "1024",
-            "--virtual-pipeline-model-parallel-size", "2"]
+            "--pipeline-model-parallel-layout", "Et*4|(t*4|)*14tmL"]
     extra = ["--use-megatron-fsdp", "--fine-grained-activation-offloading", "--offload-modules", "moe_act",
              "--optimizer-cpu-offload", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
              "--moe-token-dispatcher-type", "flex"]
@@ -136,7 +196,7 @@ def test_a_hugging_face_config_is_a_model_for_estimate_and_plan(tmp_path, capsys
     arch = load_architecture(str(tmp_path))
     assert {k: v for k, v in vars(arch).items() if k != "name"} == {k: v for k, v in vars(QWEN).items() if k != "name"}
     layout = TrainingLayout(gpus=256, tp=2, pp=8, vpp=4, ep=32, precision="fp8", global_batch=2048,
-                            dispatcher="flex", flex_backend="deepep")
+                            dispatcher="flex", flex_backend="deepep", embedding_in_split=True, loss_in_split=True)
     assert estimate(arch, HARDWARE["h100"], layout)["tflops_per_gpu"] == \
         pytest.approx(estimate(QWEN, HARDWARE["h100"], layout)["tflops_per_gpu"])
     assert main(["plan", "--hardware", "h100", "--model", str(tmp_path), "--ep", "32"]) == 0
@@ -160,7 +220,8 @@ def test_gradients_reduced_in_bf16_move_less():
 def test_gradient_buffers_in_bf16_halve_the_gradients_and_their_traffic():
     """Bridge's GPT-OSS recipes set grad_reduce_in_fp32 false: the gradient buffers are BF16."""
     fields = {"pipeline_model_parallel_size": 4, "expert_model_parallel_size": 8, "global_batch_size": 1024,
-              "moe_token_dispatcher_type": "alltoall"}
+              "moe_token_dispatcher_type": "alltoall", "account_for_embedding_in_pipeline_split": True,
+              "account_for_loss_in_pipeline_split": True}
     fp32 = estimate(QWEN, HARDWARE["h100"], TrainingLayout.from_fields(fields, 256))
     bf16 = estimate(QWEN, HARDWARE["h100"], TrainingLayout.from_fields(dict(fields, grad_reduce_in_fp32=False), 256))
     assert TrainingLayout.from_fields(dict(fields, grad_reduce_in_fp32=True), 256).main_grad_bytes == 4

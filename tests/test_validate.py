@@ -101,6 +101,11 @@ CASES = {   # rule -> (breaking config, satisfying config)
                        {"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|t|t|tL"}),
     "pipeline-layout": ({"pipeline_model_parallel_size": 3, "pipeline_model_parallel_layout": "Et|(tt|)*2tL"},
                         {"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|(tt|)*2tL"}),
+    # A 94-layer model on PP 32 x VPP 3 (a published 256-GPU layout) splits only with the embedding
+    # and the loss counted as layers.
+    "pipeline-split": ({"num_layers": 94, "pipeline_model_parallel_size": 32, "virtual_pipeline_model_parallel_size": 3},
+                       {"num_layers": 94, "pipeline_model_parallel_size": 32, "virtual_pipeline_model_parallel_size": 3,
+                        "account_for_embedding_in_pipeline_split": True, "account_for_loss_in_pipeline_split": True}),
     "parallel-sizes": ({"world_size": 64, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 4,
                         "data_parallel_size": 4},
                        {"world_size": 64, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 4,
@@ -179,7 +184,7 @@ def test_cli_text_json_and_exit_codes(tmp_path, capsys):
     assert rc == 2 and "not found" in err
 
 
-# Issue 15.10: plain nonsense used to pass.
+# Plain nonsense used to pass.
 
 @pytest.mark.parametrize("entry,field,words", [
     ("moe_token_dispatcher_type=alltoal", "moe_token_dispatcher_type", "did you mean 'alltoall'"),
@@ -252,7 +257,7 @@ def test_nothing_to_validate(capsys):
     assert rc == 2 and "at most one config file" in err
 
 
-# Issue 15.11: Megatron's command-line forms, as written.
+# Megatron's command-line forms, as written.
 
 MEGATRON_FORMS = [
     ["--expert-model-parallel-size", "32", "--num-experts", "256", "--moe-router-topk", "8", "--moe-grouped-gemm",

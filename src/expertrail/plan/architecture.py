@@ -126,8 +126,11 @@ class Architecture:
 
 
 ARCHITECTURES = {a.name: a for a in [
+    # DeepSeek-V3 with its one MTP layer (config.json's num_nextn_predict_layers), as Megatron-Bridge's
+    # recipes and the ModelZoo's runs train it (mtp_num_layers=0 in a configuration leaves it out).
     Architecture("deepseek-v3", 61, 3, 7168, 18432, 2048, 256, 8, 2048, 128, 128, 128, 129280,
-                 q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128, num_groups=8, group_topk=4),
+                 q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128, num_groups=8, group_topk=4,
+                 mtp_layers=1),
     # Kimi-K2 (moonshotai/Kimi-K2-Base config.json): DeepSeek-V3's shape with 384 experts, 64 heads, one dense layer.
     Architecture("kimi-k2", 61, 1, 7168, 18432, 2048, 384, 8, 2048, 64, 64, 128, 163840,
                  q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128),

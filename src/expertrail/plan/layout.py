@@ -211,15 +211,8 @@ class TrainingLayout:
                        "expert_model_parallel_size x expert_tensor_parallel_size dividing GPUs / PP")
         if experts % self.ep:
             out.append(f"EP {self.ep} does not divide the {experts} experts: choose a divisor")
-        slots = layers + self.embedding_in_split + self.loss_in_split
-        if self.pp * self.vpp > slots:
-            counted = " (with the embedding and loss counted as layers)" if slots > layers else ""
-            out.append(f"PP {self.pp} x VPP {self.vpp} exceeds the {slots} layers{counted}: fewer stages")
-        for name, count in (("decoder_first_pipeline_num_layers", self.first_stage_layers),
-                            ("decoder_last_pipeline_num_layers", self.last_stage_layers)):
-            if count is not None and count % self.vpp:
-                out.append(f"{name}={count} is the layers of a whole pipeline rank, split over its VPP {self.vpp} "
-                           f"virtual stages: give a multiple of {self.vpp}")
+        out += pipeline_split_problems(layers, self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers,
+                                       self.embedding_in_split, self.loss_in_split, self.layout_string)
         if self.global_batch and self.dp and self.global_batch % (self.micro_batch * max(1, self.dp)):
             out.append(f"global_batch_size {self.global_batch} is not a multiple of micro_batch_size "
                        f"{self.micro_batch} x DP {self.dp}: choose a multiple")
@@ -424,33 +417,29 @@ def stage_layers(layout: TrainingLayout, layers: int, mtp_layers: int, dense_lay
 
 def _even_split(layout: TrainingLayout, layers: int) -> list:
     """Decoder layers of each of the PP x VPP virtual stages, in order (virtual stage i on rank
-    i mod PP): the first / last pipeline rank's given layers split evenly over its virtual
-    stages; the rest, with the embedding and loss slots where they count, as evenly as Megatron
-    splits them (the first stages take one more)."""
+    i mod PP), as Megatron splits them: the first / last pipeline rank's given layers evenly
+    over its virtual stages, the rest evenly over the others, the embedding and the loss each
+    taking a layer's slot where they count; refused by name where Megatron refuses the split
+    (`pipeline_split_problems`)."""
     pp, vpp = layout.pp, layout.vpp
+    if pp == 1:
+        return [layers]
+    problems = pipeline_split_problems(layers, pp, vpp, layout.first_stage_layers, layout.last_stage_layers,
+                                       layout.embedding_in_split, layout.loss_in_split)
+    if problems:
+        raise ConfigError("; ".join(problems))
     n = pp * vpp
     fixed = {}                                        # virtual stage -> layers it is given
-    for count, rank, name in ((layout.first_stage_layers, 0, "first"), (layout.last_stage_layers, pp - 1, "last")):
-        if count is None:
-            continue
-        if count % vpp:
-            raise ConfigError(f"decoder_{name}_pipeline_num_layers={count} must be a multiple of VPP {vpp}: it is the "
-                              "layers of a whole pipeline rank, split over its virtual stages")
-        for chunk in range(vpp):
-            fixed[chunk * pp + rank] = count // vpp
-    free = [i for i in range(n) if i not in fixed]
-    slots = layers - sum(fixed.values()) + (layout.embedding_in_split and 0 in free) + \
-        (layout.loss_in_split and n - 1 in free)
-    if slots < 0 or (not free and slots) or (free and slots < len(free)):
-        raise ConfigError(f"decoder_first/last_pipeline_num_layers ({layout.first_stage_layers}, "
-                          f"{layout.last_stage_layers}) do not leave the other stages layers to split ({layers} layers, "
-                          f"PP {pp} x VPP {vpp})")
-    even = {i: slots // len(free) + (k < slots % len(free)) for k, i in enumerate(free)} if free else {}
-    if layout.embedding_in_split and 0 in even:
-        even[0] -= 1                                  # the embedding took a layer's slot
-    if layout.loss_in_split and n - 1 in even:
-        even[n - 1] -= 1                              # the loss took a layer's slot
-    return [fixed.get(i, even.get(i, 0)) for i in range(n)]
+    for count, rank in ((layout.first_stage_layers, 0), (layout.last_stage_layers, pp - 1)):
+        if count is not None:
+            for chunk in range(vpp):
+                fixed[chunk * pp + rank] = count // vpp
+    free = n - len(fixed)
+    slots = layers - sum(fixed.values()) + layout.embedding_in_split + layout.loss_in_split
+    counts = [fixed.get(i, slots // free if free else 0) for i in range(n)]
+    counts[0] -= layout.embedding_in_split            # the embedding took a layer's slot
+    counts[-1] -= layout.loss_in_split                # the loss took a layer's slot
+    return counts
 
 
 def layout_vpp(text: str, pp: int) -> int:
@@ -498,3 +487,104 @@ def _digits(text: str) -> str:
             break
         n += ch
     return n
+
+
+SPLIT_FIX = ("give decoder_first/last_pipeline_num_layers, account_for_embedding/loss_in_pipeline_split or a "
+             "pipeline_model_parallel_layout that splits them (`expertrail plan --fit --emit megatron` writes one)")
+
+
+def pipeline_split_problems(layers: int, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None,
+                            embedding: bool = False, loss: bool = False, layout: str | None = None,
+                            mtp_layers: int | None = None) -> list:
+    """Why Megatron-Core refuses to split ``layers`` decoder layers over PP x VPP stages as
+    configured (TransformerConfig's pipeline checks and get_num_layers_to_build's asserts), each
+    with its fix; empty when it builds them. ``first`` / ``last``: decoder_first/last_pipeline_num_layers;
+    ``embedding`` / ``loss``: account_for_embedding/loss_in_pipeline_split; ``layout``:
+    pipeline_model_parallel_layout, whose MTP layers are checked against ``mtp_layers`` when given."""
+    if pp <= 1:
+        return []
+    if layout:
+        if first is not None or last is not None or embedding or loss:
+            return ["pipeline_model_parallel_layout cannot be set with decoder_first/last_pipeline_num_layers or "
+                    "account_for_embedding/loss_in_pipeline_split (Megatron-Core raises): keep the layout alone"]
+        stages = expand_layout(layout)
+        out = []
+        decoders, mtp = sum(s.count("t") for s in stages), sum(s.count("m") for s in stages)
+        if decoders != layers:
+            out.append(f"pipeline_model_parallel_layout places {decoders} decoder layers (t); the model has {layers}: "
+                       "place every layer once")
+        if mtp_layers is not None and mtp != mtp_layers:
+            out.append(f"pipeline_model_parallel_layout places {mtp} MTP layers (m); mtp_num_layers is {mtp_layers}: "
+                       "place each MTP layer once (in the last stage, before L)")
+        if "E" not in stages[0] or "L" not in stages[-1]:
+            out.append("pipeline_model_parallel_layout must start with the embedding (E) and end with the loss (L)")
+        return out
+    if first is not None or last is not None:
+        if embedding or loss:
+            return ["decoder_first/last_pipeline_num_layers and account_for_embedding/loss_in_pipeline_split cannot "
+                    "be set together (Megatron-Core raises): keep one way of splitting"]
+        out, middle, middle_ranks = [], layers, pp
+        for name, count in (("first", first), ("last", last)):
+            if count is None:
+                continue
+            if count < 1:
+                out.append(f"decoder_{name}_pipeline_num_layers={count} must be at least 1")
+            elif count % vpp:
+                out.append(f"decoder_{name}_pipeline_num_layers={count} is the layers of a whole pipeline rank, split "
+                           f"over its VPP {vpp} virtual stages: give a multiple of {vpp}")
+            middle, middle_ranks = middle - count, middle_ranks - 1
+        if middle_ranks and (middle < middle_ranks or middle % middle_ranks):
+            out.append(f"the {middle} layers left between the first and last pipeline ranks do not split evenly over "
+                       f"the other {middle_ranks} ranks: choose decoder_first/last_pipeline_num_layers that leave a "
+                       f"multiple of {middle_ranks}")
+        elif middle_ranks and (middle // middle_ranks) % vpp:
+            out.append(f"each middle pipeline rank's {middle // middle_ranks} layers do not split over its VPP {vpp} "
+                       f"virtual stages: leave a multiple of {middle_ranks * vpp} layers between the first and last ranks")
+        elif not middle_ranks and middle:
+            out.append(f"decoder_first/last_pipeline_num_layers ({first} + {last}) must add up to the model's {layers} "
+                       f"layers at PP {pp}")
+        return out
+    slots = layers + embedding + loss
+    counted = " (the embedding and loss counted as layers)" if embedding or loss else ""
+    if slots % pp:
+        return [f"{slots} layers{counted} do not split evenly over PP {pp} (Megatron-Core asserts): {SPLIT_FIX}"]
+    if (slots // pp) % vpp:
+        return [f"each pipeline rank's {slots // pp} layers{counted} do not split over VPP {vpp} virtual stages "
+                f"(Megatron-Core asserts): choose a VPP dividing {slots // pp}, or {SPLIT_FIX}"]
+    return []
+
+
+def megatron_split(layers: int, mtp_layers: int, pp: int, vpp: int) -> dict | None:
+    """The plainest `TrainingLayout` split fields with which Megatron-Core builds ``layers``
+    decoder layers on PP x VPP stages: none when they split evenly; the two account_for_* flags
+    when the embedding and loss slots make them split; else a pipeline_model_parallel_layout
+    that gives each stage an even share of the slots, the embedding, the loss and each MTP layer
+    counting as one. None when there are fewer slots than stages."""
+    if not pipeline_split_problems(layers, pp, vpp):
+        return {}
+    if not pipeline_split_problems(layers, pp, vpp, embedding=True, loss=True):
+        return {"embedding_in_split": True, "loss_in_split": True}
+    stages = pp * vpp
+    slots = layers + 2 + mtp_layers
+    if slots < 2 * stages:                  # every stage at least one decoder layer beside E or L
+        return None
+    share = [slots // stages + (0 < i < stages - 1 and i <= slots % stages) for i in range(stages)]
+    share[-1] += slots - sum(share)         # what the middle stages could not take
+    counts = [share[0] - 1, *share[1:-1], share[-1] - 1 - mtp_layers]
+    return {"layout_string": _layout_text(counts, mtp_layers)}
+
+
+def _layout_text(counts: list, mtp_layers: int) -> str:
+    """pipeline_model_parallel_layout of stages holding ``counts`` decoder layers, the embedding
+    before the first stage's and the MTP layers and the loss after the last's; runs of equal
+    stages written once as (..)*N."""
+    def stage(n):
+        return "t" if n == 1 else f"t*{n}" if n else ""
+    inner, i = [], 1
+    while i < len(counts) - 1:
+        j = i
+        while j < len(counts) - 1 and counts[j] == counts[i]:
+            j += 1
+        inner.append(f"({stage(counts[i])}|)*{j - i}" if j - i > 1 else f"{stage(counts[i])}|")
+        i = j
+    return f"E{stage(counts[0])}|{''.join(inner)}{stage(counts[-1])}{'m' * mtp_layers}L"

@@ -3,7 +3,9 @@
 Parallel folding: attention layers take TP x CP x DP x PP and MoE layers ETP x EP x EDP x PP of
 the same GPUs, so TP / CP and EP / ETP are searched independently (within one pipeline
 stage's GPUs). For each layout the search also tries the recompute choices of `RECOMPUTE`
-(lightest first) and VPP, and with EP it tries Megatron's EP overlap (with delayed weight
+(lightest first) and VPP, each with the plainest pipeline split Megatron builds
+(`layout.megatron_split`: even, the embedding and loss counted as layers, or a
+pipeline_model_parallel_layout), and with EP it tries Megatron's EP overlap (with delayed weight
 gradients) as well as without; a layout that does not fit at any of them, or that breaks a
 `validate` rule (EP overlap needs VPP with PP, no full recompute, two micro-batches), is
 dropped. The estimate of each survivor (`estimate.estimate`) ranks them.
@@ -13,13 +15,14 @@ stages with which a reference run of the model fits at that EP.
 """
 from __future__ import annotations
 
+import shlex
 from dataclasses import replace
 
 from ..errors import ConfigError
 from .architecture import ARCHITECTURES, Architecture
 from .catalog import Hardware, MoEModel
 from .estimate import estimate
-from .layout import TrainingLayout
+from .layout import TrainingLayout, megatron_split
 from .validate import validate
 
 # Lightest first: selective recompute of cheap modules before whole layers.
@@ -51,17 +54,19 @@ def fitting_pp(arch: Architecture, hw: Hardware, ep: int, precision: str, gpus: 
                seq: int = 4096) -> tuple:
     """(fewest PP that fits or None, its estimate or the last one tried) for a reference run:
     ``gpus`` GPUs, TP 1, micro-batch 1 of ``seq`` tokens, 8 micro-batches per stage, the
-    flex dispatcher, light selective recompute or else full recompute."""
+    flex dispatcher, light selective recompute or else full recompute, the plainest pipeline
+    split Megatron builds."""
     last = None
     light = ("selective", ("mla_up_proj", "moe_act") if arch.mla else ("moe_act",))
     for pp in PP_SIZES:
-        if gpus % (pp * ep) or pp > arch.layers:
+        split = megatron_split(arch.layers, arch.mtp_layers, pp, 1)
+        if gpus % (pp * ep) or split is None:
             continue
         for granularity, modules in (light, ("full", ())):
             layout = TrainingLayout(gpus=gpus, pp=pp, ep=ep, seq=seq, precision=precision, dispatcher="flex",
                                     flex_backend="hybridep" if hw.domain_size > 8 else "deepep",
                                     global_batch=8 * gpus, recompute=granularity, recompute_modules=modules,
-                                    recompute_method="uniform" if granularity == "full" else None)
+                                    recompute_method="uniform" if granularity == "full" else None, **split)
             last = estimate(arch, hw, layout)
             if last["fits"]:
                 return pp, last
@@ -109,10 +114,11 @@ def _best_fit(arch: Architecture, hw: Hardware, base: TrainingLayout):
     best = None
     for granularity, modules in _recompute_choices(arch):
         for vpp in vpps:
-            if base.pp * vpp > arch.layers or (arch.layers % (base.pp * vpp) and vpp > 1):
+            split = megatron_split(arch.layers, arch.mtp_layers, base.pp, vpp)
+            if split is None:
                 continue
             layout = replace(base, vpp=vpp, recompute=granularity, recompute_modules=modules,
-                             recompute_method="uniform" if granularity == "full" else None)
+                             recompute_method="uniform" if granularity == "full" else None, **split)
             if layout.problems(arch.experts, arch.layers) or _violations(arch, hw, layout):
                 continue
             r = estimate(arch, hw, layout)
@@ -134,8 +140,16 @@ def layout_fields(arch: Architecture, layout: TrainingLayout, hw: Hardware) -> d
               "use_distributed_optimizer": True, "bf16": True}
     if layout.tp > 1:
         fields["sequence_parallel"] = True
-    if layout.vpp > 1:
+    if layout.pp > 1:                       # the split Megatron builds depends on the layers
+        fields["num_layers"] = arch.layers
+    if arch.mtp_layers:
+        fields["mtp_num_layers"] = arch.mtp_layers
+    if layout.layout_string:                # it sets VPP itself
+        fields["pipeline_model_parallel_layout"] = layout.layout_string
+    elif layout.vpp > 1:
         fields["virtual_pipeline_model_parallel_size"] = layout.vpp
+    if layout.embedding_in_split:
+        fields.update(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
     if layout.flex_backend:
         fields["moe_flex_dispatcher_backend"] = layout.flex_backend
     if layout.recompute:
@@ -164,10 +178,12 @@ def emit_layout(arch: Architecture, hw: Hardware, layout: TrainingLayout, style:
         out = []
         for k, v in fields.items():
             flag = {"num_moe_experts": "--num-experts", "fp8": "--fp8-format"}.get(k, "--" + k.replace("_", "-"))
-            out.append(flag if v is True else f"{flag} {' '.join(v) if isinstance(v, list) else v}")
+            value = " ".join(v) if isinstance(v, list) else shlex.quote(str(v))    # a layout's | ( * for the shell
+            out.append(flag if v is True else f"{flag} {value}")
         return " \\\n  ".join(out)
     if style == "bridge":
-        return "\n".join(f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items())
+        return "\n".join(shlex.quote(f"model.{k}={str(v).lower() if isinstance(v, bool) else v}")
+                         for k, v in fields.items())
     raise ConfigError(f"--emit {style!r}; choose megatron or bridge")
 
 

@@ -26,7 +26,7 @@ from typing import Callable
 from ..errors import ConfigError
 from . import megatron_fields as mf
 from .catalog import HARDWARE, load_hardware, read_mapping
-from .layout import expand_layout
+from .layout import expand_layout, pipeline_split_problems, stage_override
 from .simulate import domain_for
 
 FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
@@ -359,12 +359,13 @@ class Config:
 
 @dataclass(frozen=True)
 class Rule:
-    """A rule: when ``applies``, ``holds`` must be true; else the fix is printed."""
+    """A rule: when ``applies``, ``holds`` must be true; else the fix is printed (a callable fix
+    writes it from the config)."""
 
     id: str
     title: str
     fields: tuple
-    fix: str
+    fix: str | Callable
     applies: Callable
     holds: Callable
 
@@ -421,6 +422,24 @@ def _layout_stages(c) -> int | None:
         return len(expand_layout(str(c["pipeline_model_parallel_layout"])))
     except ConfigError:
         return None
+
+
+def _split_problems(c) -> list:
+    """`layout.pipeline_split_problems` of the configured pipeline split (a layout that does not
+    parse is the pipeline-layout rule's)."""
+    pp, layers = int(c["pipeline_model_parallel_size"]), int(c["num_layers"])
+    embedding, loss = bool(c["account_for_embedding_in_pipeline_split"]), bool(c["account_for_loss_in_pipeline_split"])
+    layout = c["pipeline_model_parallel_layout"] if _layout_stages(c) else None
+    vpp = int(c["virtual_pipeline_model_parallel_size"] or c["num_virtual_stages_per_pipeline_rank"] or 1)
+    if c.given("num_layers_per_virtual_pipeline_stage") and not layout:
+        per_rank = (layers + embedding + loss) // pp
+        vpp = max(1, per_rank // int(c["num_layers_per_virtual_pipeline_stage"]))
+    try:
+        first, last = stage_override(c.values, "first"), stage_override(c.values, "last")
+    except ConfigError as err:
+        return [str(err)]
+    return pipeline_split_problems(layers, pp, vpp, first, last, embedding, loss, str(layout) if layout else None,
+                                   int(c["mtp_num_layers"]) if c.given("mtp_num_layers") else None)
 
 
 def _expected_domain(c) -> int:
@@ -608,6 +627,14 @@ RULES = [
          "pipeline_model_parallel_size of them (Megatron takes VPP = stages / PP)",
          lambda c: c.given("pipeline_model_parallel_layout"),
          lambda c: (stages := _layout_stages(c)) is not None and stages % int(c["pipeline_model_parallel_size"]) == 0),
+    Rule("pipeline-split", "the decoder layers must split over the pipeline stages as Megatron-Core builds them",
+         ("num_layers", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+          "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
+          "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
+          "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout"),
+         lambda c: "; ".join(_split_problems(c)),
+         lambda c: int(c["pipeline_model_parallel_size"]) > 1 and c.given("num_layers"),
+         lambda c: not _split_problems(c)),
     Rule("parallel-sizes", "TP x PP x CP x DP must equal the world size",
          ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
           "data_parallel_size"), "choose sizes whose product is the number of GPUs (DP = world / (TP x PP x CP))",
@@ -654,5 +681,5 @@ def validate(values: dict) -> list:
             shown = {f: c[f] for f in rule.fields}
             if rule.id == "domain-matches-hardware":
                 shown["expected"] = _expected_domain(c)
-            out.append(Violation(rule.id, rule.title, shown, rule.fix))
+            out.append(Violation(rule.id, rule.title, shown, rule.fix(c) if callable(rule.fix) else rule.fix))
     return out

@@ -55,6 +55,7 @@ def _estimate_inputs(args, config: list) -> tuple:
     arch = from_fields(load_architecture(args.model), values)
     values.setdefault("num_moe_experts", arch.experts)
     values.setdefault("moe_router_topk", arch.topk)
+    values.setdefault("num_layers", arch.layers)         # validate checks the pipeline split against it
     checked = dict(values, hardware=hw.name if not args.hardware.endswith((".yaml", ".yml", ".json")) else args.hardware,
                    world_size=args.gpus)
     return arch, hw, values, validate(checked)
