@@ -112,10 +112,13 @@ def test_hierarchical_forwarding_rows_match_brute_force():
 
 
 def test_grouped_routing_limits_groups():
+    """Megatron's group-limited top-k: at most group_topk groups a token, and the kept groups
+    (the best by their two best scores) hold its experts: nearly 4 groups a token, where groups
+    chosen blindly and then experts in them give 3.6."""
     model = MODELS["deepseek-v3"]
-    idx = Routing("grouped").sample(model, 500)
-    groups = idx // (256 // 8)
-    assert max(len(set(row)) for row in groups.tolist()) <= 4
+    idx = Routing("grouped").sample(model, 2000)
+    groups = [len(set(row)) for row in (idx // (256 // 8)).tolist()]
+    assert max(groups) <= 4 and sum(groups) / len(groups) > 3.9
 
 
 def test_hf_config_and_files(tmp_path):

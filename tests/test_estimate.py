@@ -55,6 +55,20 @@ def test_gb200_and_h100_layouts_of_one_model_in_the_published_order():
         assert ranks[key] == pytest.approx(1.0), (key, ranks[key])
 
 
+def test_exchanges_are_costed_on_the_routers_group_limited_choices():
+    """Under forced balance Megatron's router still applies the model's group limit: DeepSeek-V3's
+    tokens reach at most 4 of its 8 expert groups (4 EP ranks at EP 8, one group a rank), so its
+    EP 8 exchange is cheaper than on uniform choices; a model without groups is costed uniform."""
+    from expertrail.plan.estimate import _routing, dispatch_seconds
+    groups = [len(set(row)) for row in (_routing(DSV3, 1024) // (DSV3.experts // 8)).tolist()]
+    assert max(groups) == 4
+    assert max(len(set(row)) for row in (_routing(QWEN, 1024) // (QWEN.experts // 8)).tolist()) > 4
+    layout = TrainingLayout(gpus=64, ep=8, dispatcher="flex", flex_backend="deepep", global_batch=64)
+    grouped = dispatch_seconds(DSV3, HARDWARE["h100"], layout)[0]
+    uniform = dispatch_seconds(replace(DSV3, num_groups=None, group_topk=None), HARDWARE["h100"], layout)[0]
+    assert grouped < 0.85 * uniform
+
+
 def test_ep_overlap_on_nccl_all_to_all_across_h100_nodes_near_the_published_pair():
     """Qwen3-30B on 16 H100 at EP 16, Megatron's alltoall dispatcher, BF16: 41.25 s a step
     without EP overlap and 31.31 s with it, 1.32x (shared/reference/ep-overlap-validation.txt).

@@ -57,11 +57,16 @@ class Routing:
             if not model.num_groups:
                 raise ConfigError(f"--routing grouped needs a model with expert groups ({model.name} has none): "
                                   "use uniform or zipf:<alpha>")
+            # As Megatron's group-limited top-k: a group scores the sum of its best k / group_topk
+            # experts, the best group_topk groups are kept, and the top-k is taken inside them
+            # (so a kept group almost always holds one of the k).
             g = model.num_groups
-            chosen = np.argsort(rng.random((tokens, g)), axis=1)[:, :model.group_topk]
+            scores = rng.random((tokens, e))
+            best = np.sort(scores.reshape(tokens, g, e // g), axis=2)[:, :, -max(1, k // model.group_topk):]
+            chosen = np.argpartition(-best.sum(axis=2), model.group_topk - 1, axis=1)[:, :model.group_topk]
             allowed = np.zeros((tokens, g), bool)
             np.put_along_axis(allowed, chosen, True, axis=1)
-            scores = np.where(np.repeat(allowed, e // g, axis=1), rng.random((tokens, e)), -1.0)
+            scores = np.where(np.repeat(allowed, e // g, axis=1), scores, -1.0)
         else:
             return self.recorded(model)
         return np.argpartition(-scores, k - 1, axis=1)[:, :k]

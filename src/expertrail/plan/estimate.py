@@ -37,11 +37,11 @@ from . import layout as layout_fields
 from .memory import GB, cpu_offloaded_layers, layer_activation_bytes, memory, offloaded_bytes, usable_GB
 from .simulate import domain_for
 
-GEMM_EFFICIENCY = {"bf16": 0.81, "fp8": 0.48}   # of the dense peak of that precision, before width_factor (calibration.fit)
+GEMM_EFFICIENCY = {"bf16": 0.78, "fp8": 0.46}   # of the dense peak of that precision, before width_factor (calibration.fit)
 # Sustained speed of a system's tensor cores against GB200's at the same datasheet peak (clocks under its
 # power limit, Blackwell Ultra's faster softmax exponentials): scales GEMMs and attention (calibration.fit).
 # Systems not named here (measured machines, user catalogs) run at 1.0.
-SYSTEM_SPEED = {"gb200-nvl72": 1.0, "gb300-nvl72": 1.18, "b200": 0.72, "b300": 0.80, "h100": 0.94}
+SYSTEM_SPEED = {"gb200-nvl72": 1.0, "gb300-nvl72": 1.17, "b200": 0.73, "b300": 0.82, "h100": 0.94}
 GEMM_HALF_DIM = 2048.0                           # a model's GEMMs run at d / (d + this) of it, d its hidden size (calibration.fit)
 # Rows per expert at which a grouped GEMM reaches half of its many-rows speed: measured on an H100
 # (benchmarks/gpu_gemm_efficiency.py, the catalog's five expert shapes, forward + backward): 205 to
@@ -51,7 +51,7 @@ GROUPED_HALF_ROWS = 256
 # a recomputed one): the token counts go to the host to size the grouped GEMM's splits, and the
 # GPU idles while the host launches what follows (NVIDIA's fused MoE kernels remove it as a main
 # bottleneck, "sync-free MoE execution"). calibration.fit; full-iteration CUDA graphs run sync-free.
-SYNC_S_PER_MOE_LAYER = 1.5e-3
+SYNC_S_PER_MOE_LAYER = 1.25e-3
 ATTENTION_EFFICIENCY = 0.45                      # fused attention, forward and backward, of the BF16 peak
 # Fused attention's speed at a head width against 128-wide heads (64: 0.67): cuDNN's forward on
 # H100 at sequence 4k in FlashAttention-3's paper (arXiv 2407.08608, Fig. 5), 408 TFLOPS at head
@@ -97,7 +97,7 @@ EP_OVERLAP_HIDES = 0.81
 # (`routing_imbalance`). Calibrated on the ModelZoo's Qwen3-235B runs published with forced
 # balancing and dropless at sequence 16k (calibration.fit_natural_routing); its three longer
 # sequence pairs stay held out. moe_router_force_load_balancing gives every rank its even share.
-NATURAL_EXPERT_LOAD_CV = 1.52
+NATURAL_EXPERT_LOAD_CV = 1.48
 NATURAL_CALIBRATED_EXPERTS_PER_RANK = 16          # the calibrating pair's 128 experts over EP 8
 IMBALANCE_SAMPLES = 2000
 # Host link per GPU, each way, for activation and optimizer offloading: NVLink-C2C on Grace
@@ -127,7 +127,11 @@ def algorithm_for(layout: TrainingLayout, domain: int) -> str:
 
 @lru_cache(maxsize=64)
 def _routing(arch: Architecture, tokens: int):
-    return Routing("uniform").sample(arch.moe_model(), tokens)
+    """``tokens`` tokens' expert choices as Megatron's router makes them under forced balance
+    (random scores): group-limited where the model has expert groups (DeepSeek-V3's 4 of 8),
+    each group's experts contiguous, so on fewer ranks and nodes than uniform choices."""
+    grouped = (arch.num_groups or 1) > 1 and arch.group_topk
+    return Routing("grouped" if grouped else "uniform").sample(arch.moe_model(), tokens)
 
 
 def dispatch_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> tuple:
