@@ -65,6 +65,33 @@ def test_splits_megatron_refuses_are_refused_by_validate_and_estimate_alike(caps
     assert ranks[0] == (4, 3, True, False, 0) and ranks[-1] == (1, 0, False, True, 1)
 
 
+def test_a_layout_given_as_bridges_list_of_stages_is_its_string(tmp_path, capsys):
+    """Megatron-Bridge's recipes (and Megatron-Core) also take pipeline_model_parallel_layout as a
+    list of stages of layer names: read as the string it stands for, by validate and estimate
+    alike; an unknown layer name and a value of another kind are refused by name."""
+    stages = [["embedding"] + ["decoder"] * 4] + [["decoder"] * 4] * 14 + [["decoder", "mtp", "loss"]]
+    config = tmp_path / "bridge.json"
+    config.write_text(json.dumps({"model": {"pipeline_model_parallel_size": 16, "expert_model_parallel_size": 8,
+                                            "pipeline_model_parallel_layout": stages}}))
+    values = load_config(str(config))
+    assert values["pipeline_model_parallel_layout"] == "Etttt|" + "tttt|" * 14 + "tmL"
+    listed = TrainingLayout.from_fields(values, 256)
+    written = TrainingLayout.from_fields(load_config(None, ["--pipeline-model-parallel-size", "16",
+                                                            "--pipeline-model-parallel-layout", "Et*4|(t*4|)*14tmL"]), 256)
+    assert stage_layers(listed, DSV3.layers, 1, DSV3.dense_layers) == \
+        stage_layers(written, DSV3.layers, 1, DSV3.dense_layers)
+    assert main(["validate", str(config), "num_layers=61", "mtp_num_layers=1"]) == 0
+    assert main(["estimate", "--hardware", "b200", "--gpus", "256", "--model", "deepseek-v3", str(config)]) == 0
+    capsys.readouterr()
+    config.write_text(json.dumps({"pipeline_model_parallel_size": 2,
+                                  "pipeline_model_parallel_layout": [["embedding", "decoder"], ["dense", "loss"]]}))
+    assert main(["validate", str(config)]) == 2
+    assert "'dense' is no layer" in capsys.readouterr().err
+    flags = ["--pipeline-model-parallel-size", "16", "--pipeline-model-parallel-layout", "5"]
+    assert main(["estimate", "--hardware", "b200", "--gpus", "256", "--model", "deepseek-v3", *flags]) == 2
+    assert "pipeline_model_parallel_layout must be a layout" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("model", sorted(ARCHITECTURES))
 def test_the_plainest_split_megatron_builds_for_every_pp_and_vpp(model):
     """`megatron_split` (what plan --fit uses) returns, for every PP x VPP with at least two slots

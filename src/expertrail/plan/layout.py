@@ -442,6 +442,31 @@ def _even_split(layout: TrainingLayout, layers: int) -> list:
     return counts
 
 
+# Megatron-Core's layer type names in a pipeline_model_parallel_layout given as a list of stages
+# (as Megatron-Bridge's recipes write it), by the mark the string form gives each.
+LAYOUT_LAYER_NAMES = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
+
+
+def layout_text(value) -> str:
+    """``pipeline_model_parallel_layout`` in its string form: a string as given, or the list of
+    stages Megatron-Core and Bridge also take (each a list of ``embedding`` / ``decoder`` /
+    ``mtp`` / ``loss``) written as one."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(st, (list, tuple)) for st in value):
+        stages = []
+        for stage in value:
+            marks = [LAYOUT_LAYER_NAMES.get(str(name).lower(), str(name)) for name in stage]
+            wrong = [m for m in marks if m not in PIPELINE_STAGE_MARKS]
+            if wrong:
+                raise ConfigError(f"pipeline_model_parallel_layout: {wrong[0]!r} is no layer: a stage lists "
+                                  f"{', '.join(LAYOUT_LAYER_NAMES)}")
+            stages.append("".join(marks))
+        return "|".join(stages)
+    raise ConfigError(f"pipeline_model_parallel_layout={value!r}: give a string such as 'Et*4|(t*4|)*14tmL' or a "
+                      f"list of stages, each a list of {', '.join(LAYOUT_LAYER_NAMES)}")
+
+
 def layout_vpp(text: str, pp: int) -> int:
     """VPP as Megatron derives it from ``pipeline_model_parallel_layout``: its stages over PP
     (which must divide them)."""

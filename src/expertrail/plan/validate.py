@@ -26,7 +26,7 @@ from typing import Callable
 from ..errors import ConfigError
 from . import megatron_fields as mf
 from .catalog import HARDWARE, load_hardware, read_mapping
-from .layout import expand_layout, pipeline_split_problems, stage_override
+from .layout import expand_layout, layout_text, pipeline_split_problems, stage_override
 from .simulate import domain_for
 
 FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
@@ -226,7 +226,7 @@ def read_file(source: str) -> dict:
 def load_config(source: str | None = None, overrides: list | None = None) -> dict:
     """Flat config from a YAML/JSON file (optional) plus command-line entries (`split_arguments`:
     ``key=value``, ``--flag value``, ``--flag=value``, ``--switch``), a Bridge mixed-precision
-    recipe name expanded (`expand_precision_recipe`)."""
+    recipe name expanded (`expand_precision_recipe`), a list-of-stages pipeline layout as its string."""
     cfg = read_file(source) if source is not None else {}
     files, pairs = split_arguments(list(overrides or []))
     if files:
@@ -236,7 +236,7 @@ def load_config(source: str | None = None, overrides: list | None = None) -> dic
     if not cfg:
         raise ConfigError("no config fields given: give a YAML/JSON file, key=value overrides or Megatron flags "
                           "such as --expert-model-parallel-size 8")
-    return expand_precision_recipe(cfg)
+    return _normalized(cfg)
 
 
 def config_values(tokens: list) -> dict:
@@ -249,7 +249,16 @@ def config_values(tokens: list) -> dict:
                           "key=value or --flag VALUE for the others)")
     values = read_file(files[0]) if files else {}
     values.update(pairs)
-    return expand_precision_recipe(values)
+    return _normalized(values)
+
+
+def _normalized(values: dict) -> dict:
+    """``values`` with a Bridge mixed-precision recipe name expanded (`expand_precision_recipe`)
+    and a pipeline layout given as a list of stages written as its string (`layout.layout_text`)."""
+    values = expand_precision_recipe(values)
+    if isinstance(values.get("pipeline_model_parallel_layout"), (list, tuple)):
+        values = dict(values, pipeline_model_parallel_layout=layout_text(values["pipeline_model_parallel_layout"]))
+    return values
 
 
 def expand_precision_recipe(values: dict) -> dict:
@@ -285,6 +294,8 @@ def _value_problem(key: str, value) -> tuple | None:
     kind = KINDS.get(key)
     if value is None or kind is None:
         return None
+    if key == "pipeline_model_parallel_layout" and not isinstance(value, str):    # a list was written as one
+        return "must be a layout", f"write {key}='Et*4|(t*4|)*14tmL' (E, t, m, L stages between |) or a list of stages"
     if kind == "bool":
         if not isinstance(value, bool):
             return "must be true or false", f"write {key}=true or {key}=false"
