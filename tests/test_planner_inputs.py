@@ -92,6 +92,28 @@ def test_a_layout_given_as_bridges_list_of_stages_is_its_string(tmp_path, capsys
     assert "pipeline_model_parallel_layout must be a layout" in capsys.readouterr().err
 
 
+def test_tied_embeddings_are_held_once_where_one_rank_holds_both():
+    """share_embeddings_and_output_weights (Bridge's GPTModelProvider defaults it on; Megatron-LM's
+    --untie-embeddings-and-output-weights turns it off; Hugging Face's tie_word_embeddings): a
+    rank holding the embedding and the output layer holds one table; apart (PP > 1) nothing changes."""
+    from expertrail.plan.architecture import from_fields, from_hf_config
+    qwen30 = ARCHITECTURES["qwen3-30b-a3b"]
+    assert from_fields(qwen30, {"share_embeddings_and_output_weights": True}).tied_embeddings
+    assert not from_fields(qwen30, {"untie_embeddings_and_output_weights": True}).tied_embeddings
+    assert from_fields(qwen30, {"untie_embeddings_and_output_weights": False}).tied_embeddings
+    assert not from_fields(qwen30, {}).tied_embeddings
+    hf = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+          "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+          "vocab_size": 151936, "tie_word_embeddings": True}
+    assert from_hf_config(hf).tied_embeddings
+    tied = from_fields(qwen30, {"share_embeddings_and_output_weights": True})
+    assert qwen30.total_params() - tied.total_params() == qwen30.embedding_params()
+    for pp, saved in ((1, qwen30.embedding_params() * 2 / 1e9), (2, 0.0)):
+        layout = TrainingLayout(gpus=16, pp=pp, ep=8, global_batch=64)
+        apart, one = (estimate(arch, HARDWARE["h100"], layout) for arch in (qwen30, tied))
+        assert apart["memory"]["weights_GB"] - one["memory"]["weights_GB"] == pytest.approx(saved, abs=0.01), pp
+
+
 @pytest.mark.parametrize("model", sorted(ARCHITECTURES))
 def test_the_plainest_split_megatron_builds_for_every_pp_and_vpp(model):
     """`megatron_split` (what plan --fit uses) returns, for every PP x VPP with at least two slots

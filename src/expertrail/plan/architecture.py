@@ -48,6 +48,9 @@ class Architecture:
     # Megatron counts an expert's gated activation as three matrices only when it is SwiGLU;
     # GPT-OSS's clamped GEGLU it counts as two (its FLOPs per token, not its work).
     swiglu_count: bool = True
+    # The output layer shares the embedding's weights (share_embeddings_and_output_weights; a
+    # rank holding both holds them once). Every catalog model keeps them apart.
+    tied_embeddings: bool = False
 
     @property
     def moe_layers(self) -> int:
@@ -91,7 +94,8 @@ class Architecture:
         moe = self.moe_layers * (self.moe_layer_dense_params() + self.experts * self.expert_params())
         mtp = self.mtp_layers * (self.moe_layer_dense_params() + self.experts * self.expert_params()
                                  + 2 * self.hidden * self.hidden)
-        return self.dense_layers * self.dense_layer_params() + moe + mtp + 2 * self.embedding_params()
+        return self.dense_layers * self.dense_layer_params() + moe + mtp + \
+            (1 if self.tied_embeddings else 2) * self.embedding_params()
 
     # FLOPs -------------------------------------------------------------------------------
     def attention_flops(self, seq: int) -> tuple:
@@ -198,11 +202,25 @@ def unstated_model_fields(fields: dict) -> list:
     return [f"vocab_size={UNSTATED_VOCAB} (Megatron sizes it from the tokenizer: give vocab_size)"]
 
 
+def tied_embeddings_of(fields: dict) -> bool | None:
+    """Whether a configuration ties the output layer to the embedding: Megatron-Core's and
+    Bridge's ``share_embeddings_and_output_weights``, or Megatron-LM's
+    ``untie_embeddings_and_output_weights`` (its opposite); None where it says neither."""
+    if fields.get("share_embeddings_and_output_weights") is not None:
+        return bool(fields["share_embeddings_and_output_weights"])
+    if fields.get("untie_embeddings_and_output_weights") is not None:
+        return not fields["untie_embeddings_and_output_weights"]
+    return None
+
+
 def from_fields(base: Architecture | None, fields: dict) -> Architecture:
     """``base`` (a catalog architecture, or None) with the Megatron fields of ``fields`` applied."""
     given = {FIELDS[k]: v for k, v in fields.items() if k in FIELDS and v is not None}
     if fields.get("multi_latent_attention") is False:
         given.update(q_lora=0, kv_lora=0)
+    tied = tied_embeddings_of(fields)
+    if tied is not None:
+        given["tied_embeddings"] = tied
     if base is None:
         needed = ["num_layers", "hidden_size", "num_attention_heads", "num_moe_experts", "moe_ffn_hidden_size"]
         missing = [k for k in needed if FIELDS[k] not in given]
@@ -251,7 +269,7 @@ def from_hf_config(cfg: dict, name: str = "hf-model") -> Architecture:
         kv_lora=cfg.get("kv_lora_rank") or 0, qk_nope=cfg.get("qk_nope_head_dim") or 0,
         qk_rope=cfg.get("qk_rope_head_dim") or 0, v_head=cfg.get("v_head_dim") or 0,
         num_groups=moe.num_groups, group_topk=moe.group_topk,
-        swiglu_count=cfg.get("model_type") != "gpt_oss")
+        swiglu_count=cfg.get("model_type") != "gpt_oss", tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
 
 
 def load_architecture(name: str | None) -> Architecture | None:

@@ -147,7 +147,8 @@ def stage_memory(arch: Architecture, layout: TrainingLayout, rank: int, stage: t
     moe_layers = layers - dense_layers
     moe_share = moe_layers / layers if layers else 0.0
     dense = (dense_layers * arch.dense_layer_params() + moe_layers * arch.moe_layer_dense_params()) / layout.tp
-    dense += (has_embedding + has_output) * arch.embedding_params() / layout.tp
+    tables = has_embedding + has_output - (arch.tied_embeddings and has_embedding and has_output)   # tied: one
+    dense += tables * arch.embedding_params() / layout.tp
     experts = (moe_layers + mtp) * (arch.experts // layout.ep) * arch.expert_params() / layout.etp
     dense += mtp * (arch.moe_layer_dense_params() + 2 * arch.hidden * arch.hidden) / layout.tp
     main = 4 + layout.optimizer_state_bytes
