@@ -15,7 +15,7 @@ OVERLAP = {"overlap_moe_expert_parallel_comm": True, "expert_model_parallel_size
 
 CASES = {   # rule -> (breaking config, satisfying config)
     "ep-overlap-ep": ({**OVERLAP, "expert_model_parallel_size": 1, "num_moe_experts": 8}, OVERLAP),
-    "ep-overlap-experts": ({**OVERLAP, "num_moe_experts": 1}, OVERLAP),
+    "ep-overlap-experts": ({**OVERLAP, "num_moe_experts": 1}, OVERLAP),      # unset: the model's, not checked
     "ep-overlap-dispatcher": ({**OVERLAP, "moe_token_dispatcher_type": "allgather"}, OVERLAP),
     "ep-overlap-precision": ({**OVERLAP, "bf16": False}, {**OVERLAP, "bf16": False, "fp16": True}),
     "ep-overlap-torch": ({**OVERLAP, "torch_version": "2.5.1"}, {**OVERLAP, "torch_version": "2.6.0+cu124"}),
@@ -229,7 +229,10 @@ def test_real_megatron_and_bridge_fields_are_not_warned_about():
             "hidden_size=7168", "moe_grouped_gemm=true", "moe_permute_fusion=true", "use_distributed_optimizer=true",
             "train.train_iters=10", "optimizer.weight_decay=0.1", "ddp.overlap_grad_reduce=true",
             "--no-gradient-accumulation-fusion", "--disable-bias-linear", "--num-experts", "8", "--fp8-format", "hybrid",
-            "hardware=h100", "world_size=8", "num_of_hybrid_ep_ranks_per_nvlink_domain=8", "torch_version=2.7"]
+            "hardware=h100", "world_size=8", "num_of_hybrid_ep_ranks_per_nvlink_domain=8", "torch_version=2.7",
+            # Bridge's GPTModelProvider fields, and a Bridge dump's loader keys
+            "model.share_embeddings_and_output_weights=false", "model.hf_model_id=deepseek-ai/DeepSeek-V3",
+            "model._target_=megatron.bridge.models.DeepSeekV3ModelProvider"]
     assert unknown_fields(load_config(None, real)) == []
 
 

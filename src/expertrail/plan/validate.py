@@ -277,10 +277,11 @@ def expand_precision_recipe(values: dict) -> dict:
 
 def unknown_fields(values: dict) -> list:
     """Warnings for fields no known Megatron / Bridge / expertrail config has, each with the
-    closest known name when one is close."""
+    closest known name when one is close (keys starting with ``_``, such as a Bridge dump's
+    ``_target_``, are its loader's, not fields)."""
     out = []
     for key in values:
-        if key in KINDS:
+        if key in KINDS or key.startswith("_"):         # Hydra's _target_, Bridge's private fields
             continue
         close = difflib.get_close_matches(key, KNOWN, n=1, cutoff=0.8)
         out.append({"field": key, "closest": close[0] if close else None,
@@ -463,7 +464,8 @@ RULES = [
          "expert_model_parallel_size"), "set expert_model_parallel_size > 1, or turn the overlap off",
          _overlap, lambda c: c.ep > 1),
     Rule("ep-overlap-experts", "EP overlap needs more than one expert", ("num_moe_experts",),
-         "set num_moe_experts > 1", _overlap, lambda c: (c["num_moe_experts"] or 0) > 1),
+         "set num_moe_experts > 1", lambda c: _overlap(c) and c.given("num_moe_experts"),
+         lambda c: c["num_moe_experts"] > 1),
     Rule("ep-overlap-dispatcher", "EP overlap needs the alltoall or flex dispatcher", ("moe_token_dispatcher_type",),
          "set moe_token_dispatcher_type to 'alltoall' (or 'flex' with a DeepEP/HybridEP backend)",
          _overlap, lambda c: c["moe_token_dispatcher_type"] in ("alltoall", "flex")),
