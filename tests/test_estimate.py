@@ -16,7 +16,7 @@ from expertrail.plan.architecture import ARCHITECTURES, from_fields
 from expertrail.plan.catalog import HARDWARE
 from expertrail.plan.cost import Routing
 from expertrail.plan.estimate import estimate, fsdp_seconds, layer_seconds
-from expertrail.plan.layout import TrainingLayout, megatron_split, stage_layers
+from expertrail.plan.layout import TrainingLayout, stage_layers
 from expertrail.plan.memory import usable_GB
 from expertrail.plan.simulate import simulate
 from expertrail.plan.validate import load_config, validate
@@ -25,11 +25,9 @@ DSV3, QWEN = ARCHITECTURES["deepseek-v3"], ARCHITECTURES["qwen3-235b-a22b"]
 
 
 def run(hardware, arch, **fields):
-    """The estimate of a 256-GPU layout; unless ``fields`` split the pipeline, the plainest split
-    Megatron builds (as `plan --fit` writes it)."""
+    """The estimate of a 256-GPU layout (where ``fields`` leave the pipeline split out and the even
+    split does not build, the estimate takes the plainest split Megatron builds)."""
     backend = "hybridep" if HARDWARE[hardware].domain_size > 8 else "deepep"
-    if not {"layout_string", "embedding_in_split", "first_stage_layers", "last_stage_layers"} & set(fields):
-        fields.update(megatron_split(arch.layers, arch.mtp_layers, fields.get("pp", 1), fields.get("vpp", 1)))
     layout = TrainingLayout(gpus=256, seq=4096, dispatcher="flex", flex_backend=backend, **fields)
     return estimate(arch, HARDWARE[hardware], layout)
 

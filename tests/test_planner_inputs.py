@@ -31,16 +31,23 @@ def test_embedding_and_loss_take_a_layer_slot_as_megatron_splits_them():
 
 
 def test_splits_megatron_refuses_are_refused_by_validate_and_estimate_alike(capsys):
-    """Megatron-Core's pipeline checks, each refused with its reason by both commands: layers that
-    do not split evenly over PP (or a rank's over VPP), first/last layers beside the account_for_*
-    flags, middle ranks left uneven, a layout that misplaces layers. Bridge's DeepSeek-V3 layout
-    for 16 stages is accepted and puts one layer, the MTP layer and the loss on the last stage."""
+    """Megatron-Core's pipeline checks, each reported with its reason by validate: layers that do
+    not split evenly over PP (or a rank's over VPP), first/last layers beside the account_for_*
+    flags, middle ranks left uneven, a layout that misplaces layers. estimate refuses a split the
+    configuration gives; where it gives none, it costs the plainest split Megatron builds and
+    says so (as Bridge's recipes fill one in), with validate's violation beside it. Bridge's
+    DeepSeek-V3 layout for 16 stages is accepted and puts one layer, the MTP layer and the loss
+    on the last stage."""
     base = ["--expert-model-parallel-size", "8", "--global-batch-size", "4096", "--moe-token-dispatcher-type", "flex",
             "--moe-flex-dispatcher-backend", "deepep"]
+    unsplit = {
+        "61 layers do not split evenly over PP 16": (["--pipeline-model-parallel-size", "16"],
+                                                     "pipeline_model_parallel_layout='Et*3|(t*4|)*14t*2mL' (61 layers"),
+        "each pipeline rank's 16 layers do not split over VPP 3": (
+            ["--pipeline-model-parallel-size", "4", "--virtual-pipeline-model-parallel-size", "3", "--num-layers", "64"],
+            "pipeline_model_parallel_layout='Et*4|(t*6|)*7(t*5|)*3t*3mL' (64 layers"),
+    }
     refused = {
-        "61 layers do not split evenly over PP 16": ["--pipeline-model-parallel-size", "16"],
-        "each pipeline rank's 16 layers do not split over VPP 3": [
-            "--pipeline-model-parallel-size", "4", "--virtual-pipeline-model-parallel-size", "3", "--num-layers", "64"],
         "cannot be set together": ["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "13",
                                    "--account-for-loss-in-pipeline-split"],
         "the 33 layers left between the first and last pipeline ranks": [
@@ -49,10 +56,15 @@ def test_splits_megatron_refuses_are_refused_by_validate_and_estimate_alike(caps
         "places 60 decoder layers (t)": ["--pipeline-model-parallel-size", "16",
                                          "--pipeline-model-parallel-layout", "Et*4|(t*4|)*14mL"],
     }
-    for reason, flags in refused.items():
+    for reason, flags in [*((r, f) for r, (f, _) in unsplit.items()), *refused.items()]:
         assert main(["validate", "--num-layers", "61", *base, *flags]) == 1
         printed = capsys.readouterr().out
         assert "[pipeline-split]" in printed and reason in printed, reason
+    for reason, (flags, assumed) in unsplit.items():
+        assert main(["estimate", "--hardware", "b200", "--gpus", "256", "--model", "deepseek-v3", *base, *flags]) == 0
+        out, err = capsys.readouterr()
+        assert assumed in out and "[pipeline-split]" in err and reason in err, reason
+    for reason, flags in refused.items():
         assert main(["estimate", "--hardware", "b200", "--gpus", "256", "--model", "deepseek-v3", *base, *flags]) == 2
         assert reason in capsys.readouterr().err, reason
     bridge = ["--pipeline-model-parallel-size", "16", "--pipeline-model-parallel-layout", "Et*4|(t*4|)*14tmL"]

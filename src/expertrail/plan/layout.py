@@ -361,21 +361,39 @@ class TrainingLayout:
             + tuple(unknown))
         return layout
 
-    def for_model(self, layers: int) -> "TrainingLayout":
-        """This layout once the model's layer count is known: ``num_layers_per_virtual_pipeline_stage``
-        sets VPP (the layers of a pipeline rank over the layers of one of its virtual stages)."""
+    def for_model(self, layers: int, mtp_layers: int = 0) -> "TrainingLayout":
+        """This layout once the model's layer counts are known: ``num_layers_per_virtual_pipeline_stage``
+        sets VPP (the layers of a pipeline rank over the layers of one of its virtual stages); and
+        where the configuration gives no pipeline split and Megatron's even split does not build
+        (DeepSeek-V3's 61 layers on PP 16), the plainest split Megatron builds (`megatron_split`,
+        what `plan --fit` writes), said on the assumed line: Megatron-Bridge's DeepSeek-V3 and
+        Kimi-K2 recipes fill in a layout of their own there, Megatron-LM refuses (as `validate`'s
+        pipeline-split rule says)."""
         from dataclasses import replace
-        if self.layers_per_virtual_stage is None or self.vpp > 1:
-            return self
-        slots = layers + self.embedding_in_split + self.loss_in_split
-        per_rank = slots // self.pp
-        if slots % self.pp:
-            raise ConfigError(f"num_layers_per_virtual_pipeline_stage needs the {slots} layers to split evenly over "
-                              f"PP {self.pp} (as Megatron requires); give virtual_pipeline_model_parallel_size instead")
-        if per_rank % self.layers_per_virtual_stage:
-            raise ConfigError(f"num_layers_per_virtual_pipeline_stage={self.layers_per_virtual_stage} does not divide the "
-                              f"{per_rank} layers of each of the PP {self.pp} ranks: choose a divisor")
-        return replace(self, vpp=per_rank // self.layers_per_virtual_stage)
+        layout = self
+        if self.layers_per_virtual_stage is not None and self.vpp == 1:
+            slots = layers + self.embedding_in_split + self.loss_in_split
+            per_rank = slots // self.pp
+            if slots % self.pp:
+                raise ConfigError(f"num_layers_per_virtual_pipeline_stage needs the {slots} layers to split evenly "
+                                  f"over PP {self.pp} (as Megatron requires); give virtual_pipeline_model_parallel_size "
+                                  "instead")
+            if per_rank % self.layers_per_virtual_stage:
+                raise ConfigError(f"num_layers_per_virtual_pipeline_stage={self.layers_per_virtual_stage} does not "
+                                  f"divide the {per_rank} layers of each of the PP {self.pp} ranks: choose a divisor")
+            layout = replace(self, vpp=per_rank // self.layers_per_virtual_stage)
+        given = (layout.layout_string or layout.first_stage_layers is not None or layout.last_stage_layers is not None
+                 or layout.embedding_in_split or layout.loss_in_split)
+        if layout.pp > 1 and not given and pipeline_split_problems(layers, layout.pp, layout.vpp):
+            split = megatron_split(layers, mtp_layers, layout.pp, layout.vpp)
+            if split is not None:
+                named = (f"pipeline_model_parallel_layout='{split['layout_string']}'" if "layout_string" in split
+                         else "account_for_embedding_in_pipeline_split=true, account_for_loss_in_pipeline_split=true")
+                note = (f"{named} ({layers} layers do not split evenly over PP {layout.pp} x VPP {layout.vpp} and the "
+                        "configuration gives no split: the plainest Megatron builds, as plan --fit writes it; "
+                        "Megatron-LM refuses the configuration as given)")
+                layout = replace(layout, **split, assumed=(*layout.assumed, note))
+        return layout
 
 
 def stage_layers(layout: TrainingLayout, layers: int, mtp_layers: int, dense_layers: int = 0) -> list:
