@@ -614,6 +614,8 @@ def megatron_split(layers: int, mtp_layers: int, pp: int, vpp: int) -> dict | No
     share = [slots // stages + (0 < i < stages - 1 and i <= slots % stages) for i in range(stages)]
     share[-1] += slots - sum(share)         # what the middle stages could not take
     counts = [share[0] - 1, *share[1:-1], share[-1] - 1 - mtp_layers]
+    if counts[-1] < 0:                      # more MTP layers than the last stage's share
+        return None
     return {"layout_string": _layout_text(counts, mtp_layers)}
 
 
