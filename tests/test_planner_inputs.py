@@ -8,7 +8,7 @@ from expertrail.errors import ConfigError
 from expertrail.plan.architecture import ARCHITECTURES, load_architecture
 from expertrail.plan.catalog import HARDWARE
 from expertrail.plan.estimate import estimate
-from expertrail.plan.layout import TrainingLayout, megatron_split, stage_layers
+from expertrail.plan.layout import TrainingLayout, expand_layout, megatron_split, stage_layers
 from expertrail.plan.validate import load_config
 from expertrail.tools.cli import main
 
@@ -42,10 +42,10 @@ def test_splits_megatron_refuses_are_refused_by_validate_and_estimate_alike(caps
             "--moe-flex-dispatcher-backend", "deepep"]
     unsplit = {
         "61 layers do not split evenly over PP 16": (["--pipeline-model-parallel-size", "16"],
-                                                     "pipeline_model_parallel_layout='Et*3|(t*4|)*14t*2mL' (61 layers"),
+                                                     "pipeline_model_parallel_layout='Et*4|(t*4|)*14tmL' (61 layers"),
         "each pipeline rank's 16 layers do not split over VPP 3": (
             ["--pipeline-model-parallel-size", "4", "--virtual-pipeline-model-parallel-size", "3", "--num-layers", "64"],
-            "pipeline_model_parallel_layout='Et*4|(t*6|)*7(t*5|)*3t*3mL' (64 layers"),
+            "pipeline_model_parallel_layout='Et*6|(t*6|)*8(t*5|)*2mL' (64 layers"),
     }
     refused = {
         "cannot be set together": ["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "13",
@@ -128,20 +128,47 @@ def test_tied_embeddings_are_held_once_where_one_rank_holds_both():
 
 @pytest.mark.parametrize("model", sorted(ARCHITECTURES))
 def test_the_plainest_split_megatron_builds_for_every_pp_and_vpp(model):
-    """`megatron_split` (what plan --fit uses) returns, for every PP x VPP with at least two slots
-    a stage, a split Megatron's checks accept that places every layer and MTP layer once."""
+    """`megatron_split` (what plan --fit uses, and estimate where a configuration gives no split)
+    returns, for every PP x VPP with a layer a stage, a split Megatron's checks accept that places
+    every layer and MTP layer once; a layout it writes leaves no stage more than a layer of work
+    beyond the even share (the output layer and each MTP layer counted by their FLOPs), or than
+    the last stage's output layer where that alone is more."""
     arch = ARCHITECTURES[model]
+    head = arch.output_layers_worth()
+    tail = head + arch.mtp_layers * (1 + head)
     for pp in (2, 4, 8, 16, 32):
         for vpp in (1, 2, 3, 4):
-            split = megatron_split(arch.layers, arch.mtp_layers, pp, vpp)
+            split = megatron_split(arch.layers, arch.mtp_layers, pp, vpp, head)
             if split is None:
-                assert arch.layers + 2 + arch.mtp_layers < 2 * pp * vpp
+                assert arch.layers < pp * vpp
                 continue
             layout = TrainingLayout(gpus=pp, pp=pp, vpp=vpp, **split)
             assert layout.problems(arch.experts, arch.layers) == []
             ranks = stage_layers(layout, arch.layers, arch.mtp_layers, arch.dense_layers)
             assert sum(r[0] for r in ranks) == arch.layers and sum(r[4] for r in ranks) == arch.mtp_layers
-            assert max(r[0] for r in ranks) - min(r[0] for r in ranks) <= 2 * vpp + arch.mtp_layers
+            if "layout_string" in split:
+                counts = [stage.count("t") for stage in expand_layout(split["layout_string"])]
+                work = [*counts[:-1], counts[-1] + tail]
+                # the output layer cannot be split: a stage holds at least it
+                assert max(work) <= max(tail, (arch.layers + tail) / len(counts) + 1), (pp, vpp, split)
+
+
+def test_the_balanced_layout_is_bridges_for_deepseek_v3_and_kimi_k2():
+    """Held out: weighing the output layer and the MTP layer by their FLOPs, `megatron_split`
+    writes the layouts Megatron-Bridge's DeepSeek-V3 and Kimi-K2 recipes give by hand for every
+    PP x VP their maps name (recipes/deepseek/h100/deepseek_v3.py, recipes/kimi/h100/kimi_k2.py
+    at commit 067f987d)."""
+    kimi = ARCHITECTURES["kimi-k2"]
+    bridge = {
+        DSV3: {(16, 1): "Et*4|(t*4|)*14tmL", (8, 2): "Et*4|(t*4|)*14tmL", (4, 4): "Et*4|(t*4|)*14tmL",
+               (8, 1): "Et*8|(t*8|)*6t*5mL", (4, 2): "Et*8|(t*8|)*6t*5mL", (4, 1): "Et*16|t*16|t*16|t*13mL"},
+        kimi: {(16, 1): "Et*4|(t*4|)*14tL", (8, 2): "Et*4|(t*4|)*14tL", (4, 4): "Et*4|(t*4|)*14tL",
+               (2, 8): "Et*4|(t*4|)*14tL", (8, 1): "Et*8|(t*8|)*6t*5L", (4, 2): "Et*8|(t*8|)*6t*5L",
+               (4, 1): "Et*16|t*16|t*16|t*13L"}}
+    for arch, layouts in bridge.items():
+        for (pp, vpp), text in layouts.items():
+            split = megatron_split(arch.layers, arch.mtp_layers, pp, vpp, arch.output_layers_worth())
+            assert expand_layout(split["layout_string"]) == expand_layout(text), (arch.name, pp, vpp)
 
 
 def test_first_and_last_pipeline_layers_are_a_whole_ranks_layers():

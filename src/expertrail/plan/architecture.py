@@ -116,6 +116,11 @@ class Architecture:
             out["dense_mlp"] = 2 * 3 * self.hidden * self.ffn
         return out
 
+    def output_layers_worth(self, seq: int = 4096) -> float:
+        """The output layer (and loss) in MoE layers' worth of FLOPs: what a pipeline stage holding
+        it carries beside its decoder layers (an MTP layer carries one layer and its own)."""
+        return 2 * self.embedding_params() / sum(self.layer_flops(seq, True).values())
+
     def flops_per_token(self, seq: int) -> float:
         """Model FLOPs of one token in one training step (forward + backward), Megatron's count."""
         moe = self.layer_flops(seq, True)

@@ -392,7 +392,7 @@ def _no_recompute(layout: TrainingLayout) -> TrainingLayout:
 
 def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     """Everything `expertrail estimate` prints, as data."""
-    layout = layout.for_model(arch.layers, arch.mtp_layers)
+    layout = layout.for_model(arch.layers, arch.mtp_layers, arch.output_layers_worth(layout.seq))
     problems = layout.problems(arch.experts, arch.layers)
     if problems:
         raise ConfigError("; ".join(problems))

@@ -361,12 +361,13 @@ class TrainingLayout:
             + tuple(unknown))
         return layout
 
-    def for_model(self, layers: int, mtp_layers: int = 0) -> "TrainingLayout":
+    def for_model(self, layers: int, mtp_layers: int = 0, head: float = 1.0) -> "TrainingLayout":
         """This layout once the model's layer counts are known: ``num_layers_per_virtual_pipeline_stage``
         sets VPP (the layers of a pipeline rank over the layers of one of its virtual stages); and
         where the configuration gives no pipeline split and Megatron's even split does not build
-        (DeepSeek-V3's 61 layers on PP 16), the plainest split Megatron builds (`megatron_split`,
-        what `plan --fit` writes), said on the assumed line: Megatron-Bridge's DeepSeek-V3 and
+        (DeepSeek-V3's 61 layers on PP 16), the plainest split Megatron builds (`megatron_split`
+        with the output layer ``head`` layers' worth, what `plan --fit` writes), said on the
+        assumed line: Megatron-Bridge's DeepSeek-V3 and
         Kimi-K2 recipes fill in a layout of their own there, Megatron-LM refuses (as `validate`'s
         pipeline-split rule says)."""
         from dataclasses import replace
@@ -385,7 +386,7 @@ class TrainingLayout:
         given = (layout.layout_string or layout.first_stage_layers is not None or layout.last_stage_layers is not None
                  or layout.embedding_in_split or layout.loss_in_split)
         if layout.pp > 1 and not given and pipeline_split_problems(layers, layout.pp, layout.vpp):
-            split = megatron_split(layers, mtp_layers, layout.pp, layout.vpp)
+            split = megatron_split(layers, mtp_layers, layout.pp, layout.vpp, head)
             if split is not None:
                 named = (f"pipeline_model_parallel_layout='{split['layout_string']}'" if "layout_string" in split
                          else "account_for_embedding_in_pipeline_split=true, account_for_loss_in_pipeline_split=true")
@@ -597,25 +598,35 @@ def pipeline_split_problems(layers: int, pp: int, vpp: int = 1, first: int | Non
     return []
 
 
-def megatron_split(layers: int, mtp_layers: int, pp: int, vpp: int) -> dict | None:
+def megatron_split(layers: int, mtp_layers: int, pp: int, vpp: int, head: float = 1.0) -> dict | None:
     """The plainest `TrainingLayout` split fields with which Megatron-Core builds ``layers``
     decoder layers on PP x VPP stages: none when they split evenly; the two account_for_* flags
     when the embedding and loss slots make them split; else a pipeline_model_parallel_layout
-    that gives each stage an even share of the slots, the embedding, the loss and each MTP layer
-    counting as one. None when there are fewer slots than stages."""
+    balancing the stages' work: the embedding light, the output layer and loss ``head`` decoder
+    layers' worth (`Architecture.output_layers_worth`), each MTP layer one more layer and its own
+    head, all on the last stage. None when a stage would be left without a layer's worth."""
     if not pipeline_split_problems(layers, pp, vpp):
         return {}
     if not pipeline_split_problems(layers, pp, vpp, embedding=True, loss=True):
         return {"embedding_in_split": True, "loss_in_split": True}
     stages = pp * vpp
-    slots = layers + 2 + mtp_layers
-    if slots < 2 * stages:                  # every stage at least one decoder layer beside E or L
+    tail = head + mtp_layers * (1 + head)             # what the last stage holds beside its layers
+    if stages == 2:
+        options = [(first, layers - first) for first in range(1, layers + 1)]
+    else:
+        top = layers // (stages - 2) + 2
+        options = [(first, last) for first in range(1, top) for last in range(0, top)
+                   if layers - first - last >= stages - 2]
+    if not options:
         return None
-    share = [slots // stages + (0 < i < stages - 1 and i <= slots % stages) for i in range(stages)]
-    share[-1] += slots - sum(share)         # what the middle stages could not take
-    counts = [share[0] - 1, *share[1:-1], share[-1] - 1 - mtp_layers]
-    if counts[-1] < 0:                      # more MTP layers than the last stage's share
-        return None
+
+    def heaviest(option):                              # the most work a stage holds
+        first, last = option
+        middle = -(-(layers - first - last) // (stages - 2)) if stages > 2 else 0
+        return max(first, middle, last + tail), -first   # ties: the first stage takes more
+    first, last = min(options, key=heaviest)
+    middle, extra = divmod(layers - first - last, stages - 2) if stages > 2 else (0, 0)
+    counts = [first, *(middle + (i < extra) for i in range(stages - 2)), last]
     return {"layout_string": _layout_text(counts, mtp_layers)}
 
 

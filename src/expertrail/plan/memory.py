@@ -239,6 +239,6 @@ def dispatcher_GB(arch: Architecture, layout: TrainingLayout, domain: int) -> fl
 
 def memory(arch: Architecture, layout: TrainingLayout, domain: int) -> list:
     """StageMemory of every pipeline rank, first to last."""
-    layout = layout.for_model(arch.layers, arch.mtp_layers)
+    layout = layout.for_model(arch.layers, arch.mtp_layers, arch.output_layers_worth(layout.seq))
     stages = stage_layers(layout, arch.layers, arch.mtp_layers, arch.dense_layers)
     return [stage_memory(arch, layout, r, s, domain) for r, s in enumerate(stages)]

@@ -59,7 +59,7 @@ def fitting_pp(arch: Architecture, hw: Hardware, ep: int, precision: str, gpus: 
     last = None
     light = ("selective", ("mla_up_proj", "moe_act") if arch.mla else ("moe_act",))
     for pp in PP_SIZES:
-        split = megatron_split(arch.layers, arch.mtp_layers, pp, 1)
+        split = megatron_split(arch.layers, arch.mtp_layers, pp, 1, arch.output_layers_worth(seq))
         if gpus % (pp * ep) or split is None:
             continue
         for granularity, modules in (light, ("full", ())):
@@ -114,7 +114,7 @@ def _best_fit(arch: Architecture, hw: Hardware, base: TrainingLayout):
     best = None
     for granularity, modules in _recompute_choices(arch):
         for vpp in vpps:
-            split = megatron_split(arch.layers, arch.mtp_layers, base.pp, vpp)
+            split = megatron_split(arch.layers, arch.mtp_layers, base.pp, vpp, arch.output_layers_worth(base.seq))
             if split is None:
                 continue
             layout = replace(base, vpp=vpp, recompute=granularity, recompute_modules=modules,
