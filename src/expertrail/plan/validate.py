@@ -19,7 +19,7 @@ Three kinds of finding:
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -372,7 +372,8 @@ class Config:
 @dataclass(frozen=True)
 class Rule:
     """A rule: when ``applies``, ``holds`` must be true; else the fix is printed (a callable fix
-    writes it from the config)."""
+    writes it from the config). A violation shows the rule's fields; with ``given_only``, only
+    those the config sets (a rule over many optional fields)."""
 
     id: str
     title: str
@@ -380,6 +381,7 @@ class Rule:
     fix: str | Callable
     applies: Callable
     holds: Callable
+    given_only: bool = False
 
 
 @dataclass
@@ -647,7 +649,7 @@ RULES = [
           "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout"),
          lambda c: "; ".join(_split_problems(c)),
          lambda c: int(c["pipeline_model_parallel_size"]) > 1 and c.given("num_layers"),
-         lambda c: not _split_problems(c)),
+         lambda c: not _split_problems(c), given_only=True),
     Rule("parallel-sizes", "TP x PP x CP x DP must equal the world size",
          ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
           "data_parallel_size"), "choose sizes whose product is the number of GPUs (DP = world / (TP x PP x CP))",
@@ -688,10 +690,10 @@ def validate(values: dict) -> list:
             broken = rule.applies(c) and not rule.holds(c)
         except (TypeError, ValueError, ZeroDivisionError) as err:
             broken = True
-            rule = Rule(rule.id, f"{rule.title} (could not evaluate: {err})", rule.fields, rule.fix,
-                        rule.applies, rule.holds)
+            rule = replace(rule, title=f"{rule.title} (could not evaluate: {err})",
+                           fix=rule.fix if isinstance(rule.fix, str) else "give each of the fields a value of its kind")
         if broken:
-            shown = {f: c[f] for f in rule.fields}
+            shown = {f: c[f] for f in rule.fields if not rule.given_only or c.given(f)}
             if rule.id == "domain-matches-hardware":
                 shown["expected"] = _expected_domain(c)
             out.append(Violation(rule.id, rule.title, shown, rule.fix(c) if callable(rule.fix) else rule.fix))
