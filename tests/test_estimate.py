@@ -544,6 +544,15 @@ def test_estimate_takes_a_routers_loads_from_routing(tmp_path, capsys):
     np.savetxt(tmp_path / "few.csv", np.ones((2, 64)), delimiter=",")
     assert main(base + ["--routing", str(tmp_path / "few.csv")]) == 2
     assert "64 experts' counts, but qwen3-235b-a22b has 128" in capsys.readouterr().err
+    np.save(tmp_path / "loads.npy", counts)                      # the same counts as .npy: read once
+    assert main(base + ["--routing", str(tmp_path / "loads.npy")]) == 0
+    assert "takes 2.40x the mean rows in each MoE layer (the recorded loads" in capsys.readouterr().out
+    np.save(tmp_path / "negative.npy", -counts)
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    for name, said in (("negative.npy", "--routing"), ("missing.npy", "cannot read it as .npy"),
+                       ("objects.npy", "cannot read it as .npy")):
+        assert main(base + ["--routing", str(tmp_path / name)]) == 2, name
+        assert said in capsys.readouterr().err, name
 
 
 def test_an_fp8_recipe_the_fit_did_not_run_is_said_to_be_costed_as_the_fitted_one():

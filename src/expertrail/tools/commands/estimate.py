@@ -90,15 +90,20 @@ def _recorded_loads(spec: str, arch) -> tuple | None:
     `expertrail balance --load` reads), not a topk_idx recording or a Routing name; else None."""
     from pathlib import Path
     import numpy as np
-    from ...balance.report import load_loads
+    from ...balance.report import check_loads, load_loads
     path = Path(spec)
     if path.suffix not in (".npy", ".csv", ".json"):
         return None
-    if path.suffix == ".npy":
-        data = np.load(path, mmap_mode="r")
+    if path.suffix == ".npy":                          # read once: counts, or a topk_idx recording
+        try:
+            data = np.load(path)
+        except (OSError, ValueError) as err:           # missing, unreadable, or pickled objects
+            raise ExpertrailError(f"--routing {spec!r}: cannot read it as .npy ({err})") from None
         if data.ndim == 3 or data.shape[-1] != arch.experts:
             return None                                # topk_idx: its last axis is top-k, not the experts
-    loads = load_loads(spec, "--routing")
+        loads = check_loads(data, f"--routing {spec!r}")
+    else:
+        loads = load_loads(spec, "--routing")
     if loads.shape[-1] != arch.experts:
         raise ExpertrailError(f"--routing {spec!r}: {loads.shape[-1]} experts' counts, but {arch.name} has "
                               f"{arch.experts}")
