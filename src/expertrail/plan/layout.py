@@ -627,10 +627,10 @@ def megatron_split(layers: int, mtp_layers: int, pp: int, vpp: int, head: float 
     first, last = min(options, key=heaviest)
     middle, extra = divmod(layers - first - last, stages - 2) if stages > 2 else (0, 0)
     counts = [first, *(middle + (i < extra) for i in range(stages - 2)), last]
-    return {"layout_string": _layout_text(counts, mtp_layers)}
+    return {"layout_string": _layout_of_counts(counts, mtp_layers)}
 
 
-def _layout_text(counts: list, mtp_layers: int) -> str:
+def _layout_of_counts(counts: list, mtp_layers: int) -> str:
     """pipeline_model_parallel_layout of stages holding ``counts`` decoder layers, the embedding
     before the first stage's and the MTP layers and the loss after the last's; runs of equal
     stages written once as (..)*N."""
