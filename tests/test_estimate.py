@@ -480,6 +480,60 @@ def test_each_moe_layer_pays_a_host_synchronisation_per_micro_batch():
     assert TrainingLayout.from_fields(load_config(None, flags), 64).sync_free
 
 
+def test_cuda_graph_scope_is_read_as_megatron_reads_it():
+    """cuda_graph_impl and cuda_graph_scope give the parts of each layer in graphs: none without
+    an implementation, whole layers without a scope (or "full"), the listed parts otherwise (a
+    list, or names split by spaces or commas), everything and no host synchronisation for the
+    whole iteration; a value Megatron does not know is refused by name."""
+    from expertrail.plan.layout import WHOLE_LAYER, graph_scopes
+    assert graph_scopes(None, ["attn"]) == ((), False)
+    assert graph_scopes("none", None, enabled=True) == (WHOLE_LAYER, False)
+    assert graph_scopes("transformer_engine", []) == graph_scopes("transformer_engine", "full") == (WHOLE_LAYER, False)
+    assert graph_scopes("transformer_engine", "moe_preprocess,attn moe_router") == \
+        (("attn", "moe_router", "moe_preprocess"), False)
+    assert graph_scopes("local", ["full_iteration"]) == graph_scopes("full_iteration", None) == (WHOLE_LAYER, True)
+    with pytest.raises(ConfigError, match="cuda_graph_scope='atn'"):
+        graph_scopes("transformer_engine", ["atn"])
+    flags = ["--expert-model-parallel-size", "8", "--cuda-graph-impl", "transformer_engine",
+             "--cuda-graph-scope", "attn", "moe_router", "moe_preprocess"]
+    layout = TrainingLayout.from_fields(load_config(None, flags), 8)
+    assert layout.graph_scopes == ("attn", "moe_router", "moe_preprocess") and not layout.sync_free
+    assert "cuda_graph_scope" not in layout.not_modelled
+    # validate and estimate agree on a scope Megatron refuses.
+    bad = load_config(None, ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "atn"])
+    assert any(v.rule == "field-value" and "cuda_graph_scope" in v.fields for v in validate(bad))
+    with pytest.raises(ConfigError, match="cuda_graph_scope"):
+        TrainingLayout.from_fields(bad, 8)
+
+
+def test_the_host_launches_a_layer_as_its_cuda_graph_scope_says():
+    """The host's launch floor counts the parts of a layer its CUDA graphs capture: the fit runs
+    that pin the x86 floor (Qwen3-30B on one B200 node at micro-batch 1) captured the router and
+    the preprocess, so those leave the floor as it is; attention in graphs takes its share down,
+    whole-layer graphs most of it. Before, any implementation counted as whole-layer graphs and
+    put those very runs at a quarter of their launch time."""
+    from expertrail.plan.estimate import GRAPHED_LAUNCH_SHARE, HOST_S_PER_LAYER, LAUNCH_SHARES
+    qwen30 = ARCHITECTURES["qwen3-30b-a3b"]
+
+    def node(**fields):           # one B200 node at micro-batch 1, as the fit runs
+        layout = TrainingLayout(gpus=8, ep=8, global_batch=512, precision="fp8", fp8_recipe="mxfp8",
+                                dispatcher="flex", flex_backend="deepep", **fields)
+        return estimate(qwen30, HARDWARE["b200"], layout)
+    eager = node()
+    layers = eager["step"]["layers"]
+    assert eager["step"]["host_s"] == pytest.approx(HOST_S_PER_LAYER["x86"] * layers)
+    assert eager["wall"] == "host"
+    recipe = node(graph_scopes=("moe_router", "moe_preprocess"))
+    assert recipe["step"]["host_s"] == pytest.approx(eager["step"]["host_s"])
+    attn = node(graph_scopes=("attn", "moe_router", "moe_preprocess"))
+    saved = LAUNCH_SHARES["moe"]["attn"] * (1 - GRAPHED_LAUNCH_SHARE)
+    assert attn["step"]["host_s"] == pytest.approx(eager["step"]["host_s"] * (1 - saved))
+    whole = node(graph_scopes=("attn", "mlp", "moe"))
+    assert whole["step"]["host_s"] == pytest.approx(eager["step"]["host_s"] * GRAPHED_LAUNCH_SHARE)
+    assert eager["tokens_per_s_per_gpu"] == recipe["tokens_per_s_per_gpu"] < attn["tokens_per_s_per_gpu"] \
+        < whole["tokens_per_s_per_gpu"]
+
+
 def test_a_natural_router_waits_for_its_busiest_ep_rank():
     """Without moe_router_force_load_balancing (Megatron's default) each MoE layer waits for its
     busiest EP rank: its experts' GEMMs and its exchange take more than the mean rows, the more

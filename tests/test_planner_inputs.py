@@ -224,9 +224,9 @@ def test_estimate_refuses_a_value_of_the_wrong_kind_by_name(capsys):
 def test_fields_the_estimate_does_not_model_are_named(capsys):
     assert main(["estimate", "--hardware", "h100", "--gpus", "256", "--model", "deepseek-v3",
                  "--pipeline-model-parallel-size", "8", "--pipeline-model-parallel-layout", "Et*8|(t*8|)*6t*5mL", "--expert-model-parallel-size", "32",
-                 "--moe-router-dtype", "fp64", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn"]) == 0
+                 "--moe-router-dtype", "fp64", "--fp8-param-gather"]) == 0
     out = capsys.readouterr().out
-    assert "not modelled (set, but the estimate leaves them out): moe_router_dtype, cuda_graph_scope" in out
+    assert "not modelled (set, but the estimate leaves them out): moe_router_dtype, fp8_param_gather" in out
     # An FP32 router is what the estimate costs (BF16 inputs, FP32 logits kept): nothing to name.
     assert main(["estimate", "--hardware", "h100", "--gpus", "256", "--model", "deepseek-v3",
                  "--pipeline-model-parallel-size", "8", "--pipeline-model-parallel-layout", "Et*8|(t*8|)*6t*5mL", "--expert-model-parallel-size", "32",

@@ -151,6 +151,8 @@ FITTED_ON = {
     "estimate.ELEMENTWISE_PASSES": "assumption",
     "estimate.HOST_S_PER_LAYER['x86']": "launch_floor(): the launch-bound runs of the fit split",
     "estimate.HOST_S_PER_LAYER['grace']": "assumption",
+    "estimate.GRAPHED_LAUNCH_SHARE": "assumption (Grace's 40 of 150 us per layer with CUDA graphs)",
+    "estimate.LAUNCH_SHARES": "assumption (the kernels of each part of Megatron's Transformer Engine layer)",
     "estimate.TP_OVERLAP_HIDES": "assumption",
     "estimate.DP_EXPOSED": "assumption",
     "estimate.FRAMEWORK_CALL_FACTOR": ["hybrid-ep h100 internode"],
@@ -176,7 +178,7 @@ def layout_of(run: dict):
     from .catalog import HARDWARE
     from .layout import TrainingLayout
     fields = dict(run["layout"])
-    for key in ("recompute_modules", "offload_modules"):
+    for key in ("recompute_modules", "offload_modules", "graph_scopes"):
         fields[key] = tuple(fields.get(key, ()))
     fields.setdefault("dispatcher", "flex")
     if fields["dispatcher"] == "flex":
@@ -274,12 +276,13 @@ def published_layer_s(run_id: str) -> float:
 
 
 def launch_floor() -> tuple:
-    """(seconds, run ids): the host's launch time per layer on x86-hosted systems, as the fit
-    split publishes it: the fastest published layer among the launch-bound fit runs (a layer
+    """(seconds, run ids): the host's eager launch time per layer on x86-hosted systems, as the
+    fit split publishes it: the fastest published layer among the launch-bound fit runs (a layer
     the GPU model puts at under 1 / `LAUNCH_BOUND` of its published time, and that no release
-    ran `LAUNCH_BOUND` times faster in the same layout). A floor is what the fastest of them
+    ran `LAUNCH_BOUND` times faster in the same layout), over the share of its launches the
+    run's CUDA graphs left (`estimate.launch_share`). A floor is what the fastest of them
     reached; slower ones pay for other things too."""
-    from .estimate import GRACE_HOSTED
+    from .estimate import GRACE_HOSTED, HOST_S_PER_LAYER
 
     def key(run):
         return run["model"], run["system"], _layout_key(run)
@@ -294,7 +297,10 @@ def launch_floor() -> tuple:
         gpu_layer = r["step"]["gpu_s"] / r["step"]["layers"]
         if published_layer_s(rid) > LAUNCH_BOUND * gpu_layer:
             bound.append(rid)
-    return min(published_layer_s(rid) for rid in bound), bound
+    def eager(rid):
+        st = predicted(rid)["step"]                  # host_s: the slowest rank's layers at their launch shares
+        return published_layer_s(rid) * HOST_S_PER_LAYER["x86"] * st["layers"] / st["host_s"]
+    return min(eager(rid) for rid in bound), bound
 
 
 # The widths `fit` tries for estimate.GEMM_HALF_DIM (0: no width term), and the host

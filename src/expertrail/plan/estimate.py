@@ -59,13 +59,22 @@ ATTENTION_EFFICIENCY = 0.45                      # fused attention, forward and 
 ATTENTION_HEAD_SPEED = {64: 0.67, 128: 1.0}
 ELEMENTWISE_PASSES = 6                           # HBM passes over a layer's activations, forward + backward
 # The host's time to launch one layer's forward + backward of one micro-batch (kernels, the
-# dispatcher's host synchronisations), without / with CUDA graphs; a micro-batch runs no faster.
-# x86 hosts of 8-GPU nodes: the fastest layer of the fit split's launch-bound runs
-# (`calibration.launch_floor`: 8.8 ms, Qwen3-30B-A3B on one B200 node at micro-batch 1); with
-# graphs, in the same proportion as on Grace. Grace hosts (GB200 / GB300): no published run
+# dispatcher's host synchronisations) eagerly; a micro-batch runs no faster. x86 hosts of 8-GPU
+# nodes: the fastest layer of the fit split's launch-bound runs (`calibration.launch_floor`: 8.8 ms,
+# Qwen3-30B-A3B on one B200 node at micro-batch 1). Grace hosts (GB200 / GB300): no published run
 # pins it (their fastest layers take 7.5 ms), so the assumption stands.
 GRACE_HOSTED = ("gb200-nvl72", "gb300-nvl72", "gb200-nvl36")
-HOST_S_PER_LAYER = {"x86": {False: 8.8e-3, True: 8.8e-3 * 40 / 150}, "grace": {False: 150e-6, True: 40e-6}}
+HOST_S_PER_LAYER = {"x86": 8.8e-3, "grace": 150e-6}
+# A part of a layer launched as a CUDA graph costs the host this share of its eager launches
+# (assumption: 40 of 150 us per layer on Grace).
+GRAPHED_LAUNCH_SHARE = 40 / 150
+# The parts of a layer's eager launches that cuda_graph_scope's parts capture (assumption, from the
+# kernels Megatron's Transformer Engine layer launches: attention's norms, projections, RoPE, fused
+# attention and residual; on a MoE layer's MLP side the fused router, the preprocess, then, after
+# the host synchronisation, the dispatch, permutation, expert GEMMs, activation and combine). The
+# fit runs that pin the x86 floor captured the router and the preprocess, and runs without graphs
+# on x86 hosts lay no slower per layer, so those two parts carry no share apart from the rest.
+LAUNCH_SHARES = {"moe": {"attn": 0.4, "moe": 0.6}, "dense": {"attn": 0.5, "mlp": 0.5}}
 TP_OVERLAP_HIDES = 0.6                           # share of TP collectives tp_comm_overlap hides
 DP_EXPOSED = {True: 0.1, False: 1.0}             # share of gradient / parameter traffic left after the last backward
 # A DeepEP or Hybrid-EP dispatch or combine as a framework calls it (layout pass, host
@@ -331,6 +340,15 @@ def cpu_offload_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout
     return total
 
 
+def launch_share(layout: TrainingLayout, moe: bool) -> float:
+    """The share of a layer's eager launch time the host spends under ``layout``'s CUDA graphs:
+    each captured part (`LAUNCH_SHARES`; a MoE layer's MLP side only with the ``moe`` scope) at
+    `GRAPHED_LAUNCH_SHARE` of its eager launches."""
+    shares = LAUNCH_SHARES["moe" if moe else "dense"]
+    captured = sum(share for part, share in shares.items() if part in layout.graph_scopes)
+    return 1.0 - captured * (1.0 - GRAPHED_LAUNCH_SHARE)
+
+
 def moe_syncs(layout: TrainingLayout) -> int:
     """Host synchronisations of one MoE layer and micro-batch: its forward's, and its recomputed
     forward's under full recompute or the ``moe`` module recomputed; none with full-iteration
@@ -405,7 +423,8 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     dense_layer = layer_seconds(arch, hw, layout, False, 0.0)
     t = layout.tokens_per_gpu
     output_s = _gemm_seconds(3 * t * 2 * arch.embedding_params() / 1, hw, "bf16", width=width_factor(arch))
-    host_per_layer = HOST_S_PER_LAYER["grace" if hw.name in GRACE_HOSTED else "x86"][layout.cuda_graphs]
+    host_layer = HOST_S_PER_LAYER["grace" if hw.name in GRACE_HOSTED else "x86"]
+    host_moe, host_dense = host_layer * launch_share(layout, True), host_layer * launch_share(layout, False)
     pp_link = "nic" if layout.gpus // layout.pp >= hw.domain_size and layout.gpus > hw.domain_size else "nvlink"
     pp_send = 2 * t * arch.hidden * 2 / link_bandwidth(hw, pp_link, None) * layout.vpp if layout.pp > 1 else 0.0
     per_rank = []
@@ -423,7 +442,7 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
                                                                                 layers - dense_n, moe_layer, dense_layer)
         parts["pipeline"] = pp_send
         gpu = sum(parts.values())
-        host = host_per_layer * (layers + mtp)
+        host = host_moe * moe_n + host_dense * dense_n
         per_rank.append({"rank": rank, "gpu_s": gpu, "host_s": host, "micro_batch_s": max(gpu, host), "parts": parts,
                          "layers": layers + mtp, "moe_syncs": moe_n * moe_syncs(layout)})
     slowest = max(per_rank, key=lambda r: r["micro_batch_s"])

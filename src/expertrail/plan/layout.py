@@ -20,7 +20,7 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 PIPELINE_STAGE_MARKS = {"E": "embedding", "t": "layer", "m": "mtp", "L": "loss"}
 # Fields that change a run's memory or time which the estimate does not model: named in its
 # output when a configuration sets them, never silently ignored.
-NOT_MODELLED = ("cpu_offloading_weights", "cpu_offloading_double_buffering", "moe_router_dtype", "cuda_graph_scope",
+NOT_MODELLED = ("cpu_offloading_weights", "cpu_offloading_double_buffering", "moe_router_dtype",
                 "fp8_param_gather", "fp8_param", "fp4_param", "fp4_param_gather", "fp8_dot_product_attention",
                 "fp8_wgrad", "moe_shared_expert_overlap", "moe_expert_capacity_factor",
                 "moe_pad_expert_input_to_capacity", "moe_token_dropping", "moe_router_topk_limited_devices",
@@ -47,6 +47,39 @@ NOT_MODELLED_DEFAULTS = {"num_distributed_optimizer_instances": 1, "main_params_
 FSDP_SHARDS = {"no_shard": (), "optim": ("optimizer",), "optim_grads": ("optimizer", "gradients"),
                "optim_grads_params": ("optimizer", "gradients", "weights")}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# The parts of a layer Megatron's CUDA graphs capture (cuda_graph_scope): a layer's attention
+# (``attn``); a dense layer's MLP (``mlp``); a MoE layer's whole MLP side (``moe``, drop-and-pad
+# only), or its router with the shared experts when they are not overlapped (``moe_router``) and the
+# dispatcher's preprocess before the token counts reach the host (``moe_preprocess``).
+GRAPH_SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess")
+WHOLE_LAYER = ("attn", "mlp", "moe")
+# Megatron's other cuda_graph_scope values: Mamba layers (none in the models costed here) and the
+# whole-iteration graphs (sync-free); "full" is the older spelling of a whole layer.
+OTHER_GRAPH_SCOPES = ("mamba", "full_iteration", "full_iteration_inference", "full")
+
+
+def graph_scopes(impl, scope, enabled: bool = False) -> tuple:
+    """(the parts of each layer captured in CUDA graphs, whether the whole iteration is: no host
+    synchronisation) for Megatron's ``cuda_graph_impl`` and ``cuda_graph_scope`` (a list, or a
+    string of names split by spaces or commas); ``enabled``: the deprecated ``enable_cuda_graph``
+    / ``external_cuda_graph`` switches. No scope (or ``full``) captures whole layers, as Megatron
+    does; ``full_iteration`` (a scope of ``cuda_graph_impl=local``, or Bridge's older
+    ``cuda_graph_impl=full_iteration``) captures everything."""
+    if impl in (None, "none") and not enabled:
+        return (), False
+    names = scope.replace(",", " ").split() if isinstance(scope, str) else [str(v) for v in scope or ()]
+    unknown = [n for n in names if n not in GRAPH_SCOPES + OTHER_GRAPH_SCOPES]
+    if unknown:
+        raise ConfigError(f"cuda_graph_scope={unknown[0]!r}: choose among {', '.join(GRAPH_SCOPES + OTHER_GRAPH_SCOPES)}"
+                          " (or leave it out: whole layers)")
+    if impl == "full_iteration" or any(n.startswith("full_iteration") for n in names):
+        return WHOLE_LAYER, True
+    captured = [n for n in names if n in GRAPH_SCOPES]
+    if not names or "full" in names:
+        captured = list(WHOLE_LAYER)
+    return tuple(n for n in GRAPH_SCOPES if n in captured), False
+
+
 # Flex backends costed as DeepEP's kernels: NCCL EP has no published figures.
 DEEPEP_LIKE = ("deepep", "ncclep")
 
@@ -144,8 +177,8 @@ class TrainingLayout:
     loss_in_split: bool = False             # account_for_loss_in_pipeline_split: the loss takes a layer's slot
     layers_per_virtual_stage: int | None = None   # num_layers_per_virtual_pipeline_stage (sets VPP)
     layout_string: str | None = None
-    cuda_graphs: bool = False
-    sync_free: bool = False                 # cuda_graph_impl=full_iteration: MoE layers without a host synchronisation
+    graph_scopes: tuple = ()                # the parts of each layer in CUDA graphs (GRAPH_SCOPES)
+    sync_free: bool = False                 # whole-iteration CUDA graphs: MoE layers without a host synchronisation
     fsdp: str | None = None                 # Megatron-FSDP's data_parallel_sharding_strategy (None: not FSDP)
     offload_modules: tuple = ()             # fine-grained activation offloading's modules
     # cpu_offloading (layer-level activation offloading, PP 1 only): cpu_offloading_num_layers, the
@@ -285,8 +318,8 @@ class TrainingLayout:
             sizes = {**DTYPE_BYTES, "fp8": 1}
             state = sizes.get(get("exp_avg_dtype", "fp32"), 4) + sizes.get(get("exp_avg_sq_dtype", "fp32"), 4)
             grads = sizes.get(get("main_grads_dtype", "fp32"), 4)
-        graph_impl = get("cuda_graph_impl", None)
-        graphs = graph_impl not in (None, "none") or bool(get("enable_cuda_graph", False))
+        scopes, sync_free = graph_scopes(get("cuda_graph_impl", None), get("cuda_graph_scope", None),
+                                         bool(get("enable_cuda_graph", False) or get("external_cuda_graph", False)))
         fsdp = None
         grad_comm = 2 if get("grad_reduce_in_bf16", False) else None
         if get("use_megatron_fsdp", False) or get("use_custom_fsdp", False):
@@ -349,8 +382,8 @@ class TrainingLayout:
             first_stage_layers=stage_override(v, "first"), last_stage_layers=stage_override(v, "last"),
             embedding_in_split=bool(get("account_for_embedding_in_pipeline_split", False)),
             loss_in_split=bool(get("account_for_loss_in_pipeline_split", False)),
-            layout_string=v.get("pipeline_model_parallel_layout"), cuda_graphs=graphs,
-            sync_free=graph_impl == "full_iteration", fsdp=fsdp,
+            layout_string=v.get("pipeline_model_parallel_layout"), graph_scopes=scopes,
+            sync_free=sync_free, fsdp=fsdp,
             offload_modules=tuple(offload), cpu_offload_layers=cpu_offload_layers, optimizer_offload=optimizer_offload,
             optimizer_offload_overlap=bool(get("overlap_cpu_optimizer_d2h_h2d", False)),
             rank_capacity=get("moe_expert_rank_capacity_factor", None) if backend in ("hybridep", "ncclep") else None,
