@@ -91,6 +91,22 @@ def test_ep_overlap_gain_near_the_modelzoo_pair():
     assert gain == pytest.approx(276 / 245, rel=0.10)
 
 
+def test_the_modelzoo_launch_lines_ep_overlap_is_read():
+    """The Megatron-MoE-ModelZoo's launch lines of May 2025 spell EP overlap as the dev branch's
+    combined 1F1B (--combined-1f1b --combined-1f1b-recipe ep_a2a), which ran the experts' weight
+    gradients after the dispatch's backward: read as EP overlap with delayed weight gradients,
+    and known to validate (no unknown-field warning)."""
+    flags = ["--expert-model-parallel-size", "32", "--moe-token-dispatcher-type", "flex", "--moe-enable-deepep",
+             "--combined-1f1b", "--combined-1f1b-recipe", "ep_a2a"]
+    config = load_config(None, flags)
+    layout = TrainingLayout.from_fields(config, 256)
+    assert layout.ep_overlap and layout.delay_wgrad
+    from expertrail.plan.validate import unknown_fields
+    assert unknown_fields(config) == []
+    golden = TrainingLayout.from_fields(load_config(None, flags[:-1] + ["golden"]), 256)
+    assert not golden.ep_overlap
+
+
 def test_ep_overlap_leaves_the_unpaired_warm_up_and_cool_down_exposed():
     """Combined 1F1B pairs micro-batches only in the steady phase: one forward and one backward
     run alone without pipelining, 2 (PP - 1) + (VPP - 1) PP of each with interleaving."""

@@ -318,6 +318,9 @@ class TrainingLayout:
             sizes = {**DTYPE_BYTES, "fp8": 1}
             state = sizes.get(get("exp_avg_dtype", "fp32"), 4) + sizes.get(get("exp_avg_sq_dtype", "fp32"), 4)
             grads = sizes.get(get("main_grads_dtype", "fp32"), 4)
+        # EP overlap as Megatron's 2025 dev branch spelled it (combined 1F1B, recipe ep_a2a), in the
+        # ModelZoo's launch lines of that time.
+        combined = bool(get("combined_1f1b", False)) and get("combined_1f1b_recipe", "ep_a2a") == "ep_a2a"
         scopes, sync_free = graph_scopes(get("cuda_graph_impl", None), get("cuda_graph_scope", None),
                                          bool(get("enable_cuda_graph", False) or get("external_cuda_graph", False)))
         fsdp = None
@@ -371,8 +374,9 @@ class TrainingLayout:
             recompute_layers=int(get("recompute_num_layers", 1) or 1),
             dispatcher=dispatcher, flex_backend=backend, dispatcher_sms=sms,
             natural_routing=ep > 1 and not get("moe_router_force_load_balancing", False),
-            ep_overlap=bool(get("overlap_moe_expert_parallel_comm", False)),
-            delay_wgrad=bool(get("delay_wgrad_compute", False)),
+            ep_overlap=bool(get("overlap_moe_expert_parallel_comm", False)) or combined,
+            # the prototype ran the experts' weight gradients after the dispatch's backward
+            delay_wgrad=bool(get("delay_wgrad_compute", False)) or combined,
             tp_comm_overlap=bool(get("tp_comm_overlap", False)),
             distributed_optimizer=bool(get("use_distributed_optimizer", True)),
             overlap_grad_reduce=bool(get("overlap_grad_reduce", True)),

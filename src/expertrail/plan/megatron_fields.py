@@ -15,10 +15,12 @@ StragglerDetectionConfig), BlendedMegatronDatasetConfig / GPTDatasetConfig, and 
 declared in megatron/training/arguments.py; from its dev branch (commit d48bd6be0a), the
 optimizer-state offload fields recipes already use (``chunked_optimizer_state_offload``, its
 alias ``offload_optimizer_states``, ``optimizer_state_offload_chunk_size_mb``,
-``optimizer_state_offload_fraction``); and Megatron-Bridge's GPTModelProvider and
-MLAModelProvider fields beyond those (commit 067f987d: ``share_embeddings_and_output_weights``,
-the YaRN and rope-scaling fields, ``hf_model_id``, ...). Names only, no code. ``ANY`` holds fields whose type the
-validator does not check (unions, enums, callables).
+``optimizer_state_offload_fraction``) and the EP overlap of its 2025 prototype,
+``combined_1f1b`` with ``combined_1f1b_recipe`` (Megatron-MoE-ModelZoo's launch lines of May
+2025); and Megatron-Bridge's GPTModelProvider and MLAModelProvider fields beyond those (commit
+067f987d: ``share_embeddings_and_output_weights``, the YaRN and rope-scaling fields,
+``hf_model_id``, ...). Names only, no code. ``ANY`` holds fields whose type the validator does
+not check (unions, enums, callables).
 
 BOOL, INT, FLOAT, STR, LIST, ANY, TRUE_BY_DEFAULT: frozensets of field names; CHOICES /
 LIST_CHOICES: field -> allowed values (tuple); FLAG_ALIASES: flag -> (field, value it sets, or
