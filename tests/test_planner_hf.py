@@ -82,3 +82,61 @@ def test_each_family_estimates(family):
     result = estimate(arch, HARDWARE["h100"], TrainingLayout(gpus=64, pp=4, ep=ep, global_batch=256,
                                                              dispatcher="flex", flex_backend="deepep", **split))
     assert result["step_time_s"] > 0 and result["peak_memory_GB"] > 0
+
+
+def _megatron_qwen3_next_flops(layers: int = 48, freq: int = 4, seq: int = 4096) -> float:
+    """Megatron-Core's num_floating_point_operations for Qwen3-Next without MTP, per token,
+    transcribed term by term (megatron/training/training.py): Gated DeltaNet in every layer but
+    each freq-th, gated grouped-query attention there, SwiGLU experts and shared expert, logits."""
+    h, heads, groups, kv_ch = 2048, 16, 2, 256
+    qk, v, qk_heads, v_heads, conv = 16 * 128, 32 * 128, 16, 32, 4
+    linear = sum(1 for i in range(layers) if (i + 1) % freq)
+    standard = layers - linear
+    q = kv_ch * heads
+    std_term = 3 * 2 * (h * (q + kv_ch * groups * 2 + q) + q * h)
+    core_term = 3 * 2 * q / 2 * 2
+    lin_term = 3 * 2 * (h * (2 * qk + 2 * v + 2 * v_heads) + conv * (2 * qk + v) + v_heads * 128 ** 2 * 4 + h * v)
+    mlp = 3 * 2 * h * (512 * 10 * 3 + 512 * 3) * layers
+    router = 0                                # Megatron leaves the router's GEMM out
+    logits = 3 * 2 * h * 151936
+    return mlp + router + lin_term * linear + std_term * standard + logits + seq * core_term * standard
+
+
+def test_qwen3_next_counts_gated_deltanet_as_megatron_does():
+    """Qwen3-Next's config.json (layer_types or full_attention_interval) gives 36 Gated DeltaNet
+    layers of 48 and gated full attention in the rest; its FLOPs per token are Megatron-Core's
+    count (within the router's GEMM, which Megatron leaves out and expertrail counts), 3% above
+    counting every layer as full attention, and its parameters 80B."""
+    from dataclasses import replace
+    cfg = FAMILIES["qwen3_next"][0]
+    by_interval = from_hf_config(cfg)
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)]
+    by_types = from_hf_config({**{k: v for k, v in cfg.items() if k != "full_attention_interval"}, "layer_types": types})
+    assert by_interval.linear_layers == by_types.linear_layers == 36 and by_interval.attention_gate
+    arch = ARCHITECTURES["qwen3-next-80b-a3b"]
+    router = 3 * 2 * arch.hidden * arch.experts * arch.layers
+    assert arch.flops_per_token(4096) == pytest.approx(_megatron_qwen3_next_flops() + router, rel=1e-9)
+    full = replace(arch, linear_layers=0, attention_gate=False)
+    assert 1.02 < arch.flops_per_token(4096) / full.flops_per_token(4096) < 1.04
+    assert 79e9 < arch.total_params() < 81e9
+
+
+def test_linear_attention_from_megatron_fields():
+    """Megatron's experimental_attention_variant (or the 2025 linear_attention_type) with
+    linear_attention_freq sets the linear layers, Megatron's head defaults where the fields leave
+    them out; a variant without its frequency is refused by name; DeepSeek's sparse attention is
+    named as not modelled."""
+    from expertrail.errors import ConfigError
+    from expertrail.plan.architecture import from_fields
+    from expertrail.plan.validate import load_config
+    base = ARCHITECTURES["qwen3-30b-a3b"]
+    every_fourth = from_fields(base, {"experimental_attention_variant": "gated_delta_net", "linear_attention_freq": 4})
+    assert every_fourth.linear_layers == 36 and every_fourth.linear_v_heads == 32 and every_fourth.linear_qk_dim == 128
+    listed = from_fields(base, {"linear_attention_type": "gated_delta_net", "linear_attention_freq": [1, 0] * 24})
+    assert listed.linear_layers == 24
+    gdn2 = from_fields(base, {"experimental_attention_variant": "gdn2", "linear_attention_freq": 4})
+    assert gdn2.linear_attention_params() > every_fourth.linear_attention_params()
+    with pytest.raises(ConfigError, match="linear_attention_freq"):
+        from_fields(base, {"experimental_attention_variant": "gdn"})
+    flags = ["--expert-model-parallel-size", "8", "--experimental-attention-variant", "dsa"]
+    assert "experimental_attention_variant" in TrainingLayout.from_fields(load_config(None, flags), 8).not_modelled

@@ -51,6 +51,20 @@ class Architecture:
     # The output layer shares the embedding's weights (share_embeddings_and_output_weights; a
     # rank holding both holds them once). Every catalog model keeps them apart.
     tied_embeddings: bool = False
+    # A sigmoid gate on the attention's output, as wide as its queries (attention_output_gate:
+    # Qwen3-Next's full-attention layers).
+    attention_gate: bool = False
+    # Gated DeltaNet linear attention (Qwen3-Next; Megatron's experimental_attention_variant
+    # gated_delta_net): this many layers attend linearly, the others (every linear_attention_freq-th)
+    # with standard attention; their key and value heads and head widths, and the depthwise
+    # convolution's kernel.
+    linear_layers: int = 0
+    linear_qk_heads: int = 0
+    linear_v_heads: int = 0
+    linear_qk_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv: int = 4
+    linear_gdn2: bool = False        # GDN2's input projection (queries, keys, values, output and three gates)
 
     @property
     def moe_layers(self) -> int:
@@ -67,14 +81,44 @@ class Architecture:
                         group_topk=self.group_topk)
 
     # Parameters --------------------------------------------------------------------------
-    def attention_params(self) -> int:
+    @property
+    def linear_share(self) -> float:
+        """The share of the layers with linear (Gated DeltaNet) attention."""
+        return self.linear_layers / self.layers if self.layers else 0.0
+
+    def standard_attention_params(self) -> int:
+        """One standard attention layer's parameters (multi-latent or grouped-query, with its gate)."""
         h = self.hidden
         if self.mla:
             qk = self.qk_nope + self.qk_rope
             q = h * self.q_lora + self.q_lora * self.heads * qk if self.q_lora else h * self.heads * qk
             kv = h * (self.kv_lora + self.qk_rope) + self.kv_lora * self.heads * (self.qk_nope + self.v_head)
             return q + kv + self.heads * self.v_head * h + self.q_lora + self.kv_lora
-        return h * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        gate = self.heads if self.attention_gate else 0
+        return h * self.head_dim * (2 * self.heads + 2 * self.kv_heads + gate)
+
+    def linear_widths(self) -> tuple:
+        """(all key heads' width, all value heads' width, the input projection's outputs, the
+        convolution's channels) of a Gated DeltaNet layer: its input projection writes queries,
+        keys, values, the output gate and two gates per value head; the convolution runs over the
+        queries, keys and values (GDN2: queries, keys, values, the output gate and three more)."""
+        qk, v = self.linear_qk_heads * self.linear_qk_dim, self.linear_v_heads * self.linear_v_dim
+        in_proj = 4 * qk + 3 * v if self.linear_gdn2 else 2 * qk + 2 * v + 2 * self.linear_v_heads
+        return qk, v, in_proj, 2 * qk + v
+
+    def linear_attention_params(self) -> int:
+        """One Gated DeltaNet layer's parameters: input and output projections, the depthwise
+        convolution, each value head's decay and step bias, the gated norm."""
+        if not self.linear_layers:
+            return 0
+        qk, v, in_proj, conv = self.linear_widths()
+        return self.hidden * in_proj + self.linear_conv * conv + v * self.hidden + 2 * self.linear_v_heads \
+            + self.linear_v_dim
+
+    def attention_params(self) -> float:
+        """A layer's attention parameters, averaged over the layers (linear ones and standard ones)."""
+        return (1 - self.linear_share) * self.standard_attention_params() \
+            + self.linear_share * self.linear_attention_params()
 
     def expert_params(self) -> int:
         """One routed expert (SwiGLU: gate, up, down)."""
@@ -99,10 +143,20 @@ class Architecture:
 
     # FLOPs -------------------------------------------------------------------------------
     def attention_flops(self, seq: int) -> tuple:
-        """(projection GEMM FLOPs, core attention FLOPs) of one token in one layer, forward only."""
+        """(projection GEMM FLOPs, core attention FLOPs) of one token in one layer, forward only,
+        averaged over the layers: a standard layer's core attends over the causal half of the
+        sequence; a Gated DeltaNet layer's is linear in it, counted with its projections as
+        Megatron counts it (its convolution, and four products of a value head's state)."""
         core_dims = (self.qk_nope + self.qk_rope + self.v_head) if self.mla else 2 * self.head_dim
         core = 2 * self.heads * core_dims * seq / 2          # QK^T and AV over the causal half
-        return 2 * self.attention_params(), core
+        proj = 2 * self.standard_attention_params()
+        if not self.linear_layers:
+            return proj, core
+        qk, v, in_proj, conv = self.linear_widths()
+        linear = 2 * (self.hidden * in_proj + self.linear_conv * conv + 4 * self.linear_v_heads * self.linear_v_dim ** 2
+                      + v * self.hidden)
+        share = self.linear_share
+        return (1 - share) * proj + share * linear, (1 - share) * core
 
     def layer_flops(self, seq: int, moe: bool) -> dict:
         """Forward FLOPs of one token in one layer, by kind (x3 for a training step)."""
@@ -145,8 +199,11 @@ ARCHITECTURES = {a.name: a for a in [
                  q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128),
     Architecture("qwen3-235b-a22b", 94, 0, 4096, 12288, 1536, 128, 8, 0, 64, 4, 128, 151936),
     Architecture("qwen3-30b-a3b", 48, 0, 2048, 6144, 768, 128, 8, 0, 32, 4, 128, 151936),
-    # Its linear-attention layers are counted as full attention here (an upper bound).
-    Architecture("qwen3-next-80b-a3b", 48, 0, 2048, 5120, 512, 512, 10, 512, 16, 2, 256, 151936),
+    # Qwen3-Next (Qwen/Qwen3-Next-80B-A3B-Instruct config.json): three of every four layers attend
+    # with Gated DeltaNet, the fourth with gated full attention.
+    Architecture("qwen3-next-80b-a3b", 48, 0, 2048, 5120, 512, 512, 10, 512, 16, 2, 256, 151936,
+                 attention_gate=True, linear_layers=36, linear_qk_heads=16, linear_v_heads=32, linear_qk_dim=128,
+                 linear_v_dim=128, linear_conv=4),
     # GPT-OSS (openai/gpt-oss-120b and -20b config.json): every other layer attends over a
     # 128-token window; counted as full causal attention, as Megatron counts it.
     Architecture("gpt-oss-120b", 36, 0, 2880, 2880, 2880, 128, 4, 0, 64, 8, 64, 201088, swiglu_count=False),
@@ -165,7 +222,32 @@ FIELDS = {"num_layers": "layers", "hidden_size": "hidden", "ffn_hidden_size": "f
           "num_query_groups": "kv_heads", "kv_channels": "head_dim", "padded_vocab_size": "vocab",
           "vocab_size": "vocab", "mtp_num_layers": "mtp_layers", "q_lora_rank": "q_lora", "kv_lora_rank": "kv_lora",
           "qk_head_dim": "qk_nope", "qk_pos_emb_head_dim": "qk_rope", "v_head_dim": "v_head",
-          "moe_router_num_groups": "num_groups", "moe_router_group_topk": "group_topk"}
+          "moe_router_num_groups": "num_groups", "moe_router_group_topk": "group_topk",
+          "attention_output_gate": "attention_gate", "linear_num_key_heads": "linear_qk_heads",
+          "linear_num_value_heads": "linear_v_heads", "linear_key_head_dim": "linear_qk_dim",
+          "linear_value_head_dim": "linear_v_dim", "linear_conv_kernel_dim": "linear_conv"}
+# Megatron's experimental_attention_variant values of Gated DeltaNet (linear attention), and its
+# TransformerConfig defaults of the layer's heads and widths.
+GATED_DELTA_NET = ("gated_delta_net", "gdn", "gdn2")
+LINEAR_DEFAULTS = {"linear_qk_heads": 16, "linear_v_heads": 32, "linear_qk_dim": 128, "linear_v_dim": 128}
+
+
+def linear_layers_of(fields: dict, layers: int) -> int | None:
+    """Layers with linear attention under Megatron's ``experimental_attention_variant`` (a Gated
+    DeltaNet one; ``linear_attention_type`` in its 2025 dev branch) and ``linear_attention_freq``: every freq-th layer keeps standard attention,
+    or a list of 1 (linear) and 0 per layer; None where the configuration sets no variant."""
+    variant = fields.get("experimental_attention_variant") or fields.get("linear_attention_type")
+    if variant not in GATED_DELTA_NET:
+        return None
+    freq = fields.get("linear_attention_freq")
+    if isinstance(freq, str):
+        freq = _expand_pattern(freq) if "[" in freq else int(freq)
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
+        return sum(1 for i in range(layers) if (i + 1) % freq)
+    if isinstance(freq, list) and len(freq) == layers:
+        return sum(1 for v in freq if v)
+    raise ConfigError(f"linear_attention_freq={freq!r}: experimental_attention_variant={variant} needs it: a whole "
+                      f"number (every k-th layer keeps standard attention) or a list of {layers} 1s (linear) and 0s")
 
 
 def dense_layers_of(freq) -> int | None:
@@ -238,6 +320,12 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
     dense = dense_layers_of(fields.get("moe_layer_freq"))
     if dense is not None:
         given["dense_layers"] = dense
+    linear = linear_layers_of(fields, given.get("layers", base.layers))
+    if linear is not None:
+        given["linear_layers"] = linear
+        for name, default in LINEAR_DEFAULTS.items():            # Megatron's defaults where neither sets them
+            given.setdefault(name, getattr(base, name) or default)
+        given["linear_gdn2"] = (fields.get("experimental_attention_variant") or fields.get("linear_attention_type")) == "gdn2"
     arch = replace(base, **given)
     if not fields.get("group_query_attention") and "num_query_groups" not in fields and "num_attention_heads" in fields \
             and not arch.mla and base.name == "config":
@@ -265,6 +353,7 @@ def from_hf_config(cfg: dict, name: str = "hf-model") -> Architecture:
         shared = moe.moe_ffn                            # Llama 4: one shared expert beside the routed ones
     # The dense MLP's width: Llama 4's intermediate_size_mlp (its intermediate_size is an expert's).
     ffn = cfg.get("intermediate_size_mlp") or cfg.get("intermediate_size") or moe.moe_ffn
+    linear = hf_linear_attention(cfg)
     return Architecture(
         name=cfg.get("model_type", name), layers=cfg["num_hidden_layers"], dense_layers=dense, hidden=hidden,
         ffn=ffn, moe_ffn=moe.moe_ffn, experts=moe.num_experts, topk=moe.topk,
@@ -274,7 +363,27 @@ def from_hf_config(cfg: dict, name: str = "hf-model") -> Architecture:
         kv_lora=cfg.get("kv_lora_rank") or 0, qk_nope=cfg.get("qk_nope_head_dim") or 0,
         qk_rope=cfg.get("qk_rope_head_dim") or 0, v_head=cfg.get("v_head_dim") or 0,
         num_groups=moe.num_groups, group_topk=moe.group_topk,
-        swiglu_count=cfg.get("model_type") != "gpt_oss", tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        swiglu_count=cfg.get("model_type") != "gpt_oss", tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        **linear)
+
+
+def hf_linear_attention(cfg: dict) -> dict:
+    """Architecture fields of a config.json's Gated DeltaNet layers (Qwen3-Next): which layers
+    attend linearly (``layer_types``, else every layer but each ``full_attention_interval``-th),
+    their heads and widths; its full-attention layers carry an output gate. Empty for models
+    without linear attention."""
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and "linear_attention" in types:
+        linear = types.count("linear_attention")
+    elif cfg.get("full_attention_interval") and cfg.get("linear_num_value_heads"):
+        interval = cfg["full_attention_interval"]
+        linear = sum(1 for i in range(cfg["num_hidden_layers"]) if (i + 1) % interval)
+    else:
+        return {}
+    return dict(linear_layers=linear, attention_gate=True, linear_qk_heads=cfg.get("linear_num_key_heads") or 16,
+                linear_v_heads=cfg.get("linear_num_value_heads") or 32,
+                linear_qk_dim=cfg.get("linear_key_head_dim") or 128, linear_v_dim=cfg.get("linear_value_head_dim") or 128,
+                linear_conv=cfg.get("linear_conv_kernel_dim") or 4)
 
 
 def load_architecture(name: str | None) -> Architecture | None:

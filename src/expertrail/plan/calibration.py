@@ -172,6 +172,13 @@ FITTED_ON = {
 FITTED_SYSTEMS = ("gb300-nvl72", "b200", "b300", "h100")
 
 
+def architecture_of(run: dict):
+    """The `Architecture` a published run trained: its catalog model with the Megatron fields
+    the row's ``model_fields`` set (Qwen3-Next's MTP layer in the ModelZoo's model file)."""
+    from .architecture import ARCHITECTURES, from_fields
+    return from_fields(ARCHITECTURES[run["model"]], run.get("model_fields", {}))
+
+
 def layout_of(run: dict):
     """The `TrainingLayout` of a published run (unless the row says otherwise, Megatron's flex
     dispatcher, HybridEP on NVL72, DeepEP on 8-GPU nodes)."""
@@ -202,7 +209,6 @@ def _estimate(run_id: str, consts: dict | None = None) -> dict:
     """`estimate`'s result for the published run ``run_id``, with ``consts`` (`constants()`'s
     shape) in place of estimate.py's fitted constants while it runs."""
     from . import estimate as est
-    from .architecture import ARCHITECTURES
     from .catalog import HARDWARE
     run = TRAINING_RUNS[run_id]
     saved = {key: getattr(est, name) for key, name in FITTED_NAMES.items()}
@@ -210,7 +216,7 @@ def _estimate(run_id: str, consts: dict | None = None) -> dict:
         for key, name in FITTED_NAMES.items():
             setattr(est, name, consts[key])
     try:
-        return est.estimate(ARCHITECTURES[run["model"]], HARDWARE[run["system"]], layout_of(run))
+        return est.estimate(architecture_of(run), HARDWARE[run["system"]], layout_of(run))
     finally:
         for key, name in FITTED_NAMES.items():
             setattr(est, name, saved[key])
@@ -238,12 +244,11 @@ def _decompose(run_id: str, consts: dict) -> tuple:
     synchronisations of the step, F the rest (memory-bound work, exposed communication,
     bubble's share of those, optimizer); exact while the same rank stays the slowest and the
     GPU, not the host, sets the pace."""
-    from .architecture import ARCHITECTURES
     run = TRAINING_RUNS[run_id]
     r = _estimate(run_id, consts)
     st, parts = r["step"], r["step"]["micro_batch_parts_s"]
     precision = run["layout"]["precision"]
-    arch = ARCHITECTURES[run["model"]]
+    arch = architecture_of(run)
     width = arch.hidden
     eff = consts["gemm"][precision] * width / (width + consts["half_dim"])
     speed = consts["speed"].get(run["system"], 1.0)
@@ -511,7 +516,7 @@ def table() -> str:
     """docs/cost-model.md's table of the published runs against the estimate (Markdown)."""
     names = {"gb200-nvl72": "GB200", "gb300-nvl72": "GB300", "h100": "H100", "b200": "B200", "b300": "B300"}
     models = {"deepseek-v3": "DeepSeek-V3", "qwen3-235b-a22b": "Qwen3-235B", "qwen3-30b-a3b": "Qwen3-30B",
-              "kimi-k2": "Kimi-K2", "gpt-oss-120b": "GPT-OSS-120B"}
+              "kimi-k2": "Kimi-K2", "gpt-oss-120b": "GPT-OSS-120B", "qwen3-next-80b-a3b": "Qwen3-Next"}
     lines = ["| container | split | system | model | precision | layout (GPUs, GBS, MBS, TP/PP/VP/EP; CP and sequence "
              "where not 1 and 4096) | published TFLOPS "
              "| published tokens/s | predicted tokens/s | fits (GB / usable) |",

@@ -21,6 +21,7 @@ PIPELINE_STAGE_MARKS = {"E": "embedding", "t": "layer", "m": "mtp", "L": "loss"}
 # Fields that change a run's memory or time which the estimate does not model: named in its
 # output when a configuration sets them, never silently ignored.
 NOT_MODELLED = ("cpu_offloading_weights", "cpu_offloading_double_buffering", "moe_router_dtype",
+                "experimental_attention_variant",
                 "fp8_param_gather", "fp8_param", "fp4_param", "fp4_param_gather", "fp8_dot_product_attention",
                 "fp8_wgrad", "moe_shared_expert_overlap", "moe_expert_capacity_factor",
                 "moe_pad_expert_input_to_capacity", "moe_token_dropping", "moe_router_topk_limited_devices",
@@ -84,8 +85,15 @@ def graph_scopes(impl, scope, enabled: bool = False) -> tuple:
 DEEPEP_LIKE = ("deepep", "ncclep")
 
 
+# Values of those fields the estimate does cost: Gated DeltaNet's linear attention
+# (`architecture.linear_layers_of`; DeepSeek's sparse attention, dsa, is not).
+MODELLED_VALUES = {"experimental_attention_variant": ("gated_delta_net", "gdn", "gdn2")}
+
+
 def _set_away_from_default(name: str, value) -> bool:
     """Whether a NOT_MODELLED field's value changes the run from what the estimate costs."""
+    if name in MODELLED_VALUES and value in MODELLED_VALUES[name]:
+        return False
     if name in NOT_MODELLED_DEFAULTS:
         return value is not None and value != NOT_MODELLED_DEFAULTS[name]
     return value not in UNSET

@@ -64,7 +64,14 @@ def layer_activation_bytes(arch: Architecture, layout: TrainingLayout, moe: bool
             + arch.heads * (arch.v_head * gemm_in + 4) * t
     else:
         qkv = (arch.heads + 2 * arch.kv_heads) * arch.head_dim * 2
-        parts["attention"] = (qkv + arch.heads * (arch.head_dim * gemm_in + 4)) * t
+        gate = arch.heads * arch.head_dim * 2 if arch.attention_gate else 0       # the output gate's input
+        parts["attention"] = (qkv + gate + arch.heads * (arch.head_dim * gemm_in + 4)) * t
+    if arch.linear_layers:
+        # Gated DeltaNet, averaged in by its share of the layers: the input projection's outputs,
+        # the convolution's, the gated norm's input and gate, the output projection's input.
+        qk, v, in_proj, conv = arch.linear_widths()
+        linear = ((in_proj + conv + 2 * v) * 2 + v * gemm_in) * t
+        parts["attention"] = (1 - arch.linear_share) * parts["attention"] + arch.linear_share * linear
     if moe:
         if "moe" not in drop:
             rows = arch.topk * t
