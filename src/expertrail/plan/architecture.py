@@ -1,7 +1,8 @@
 """The whole transformer of an MoE model, and its training FLOPs counted as Megatron-Core counts them.
 
 `MoEModel` (catalog.py) holds what dispatch needs; `Architecture` adds what memory and step
-time need: attention (grouped-query or multi-latent), dense layers, vocabulary, MTP layers.
+time need: attention (grouped-query or multi-latent, and Gated DeltaNet linear attention in a
+share of the layers, averaged in per layer), dense layers, vocabulary, MTP layers.
 Shapes of the catalog models are from their published configurations (Hugging Face
 config.json); Megatron field names in a training configuration override them
 (`from_fields`).
