@@ -154,8 +154,8 @@ class Architecture:
         if not self.linear_layers:
             return proj, core
         qk, v, in_proj, conv = self.linear_widths()
-        linear = 2 * (self.hidden * in_proj + self.linear_conv * conv + 4 * self.linear_v_heads * self.linear_v_dim ** 2
-                      + v * self.hidden)
+        state = 4 * self.linear_v_heads * self.linear_v_dim ** 2        # four products of each value head's state
+        linear = 2 * (self.hidden * in_proj + self.linear_conv * conv + state + v * self.hidden)
         share = self.linear_share
         return (1 - share) * proj + share * linear, (1 - share) * core
 
@@ -233,11 +233,17 @@ GATED_DELTA_NET = ("gated_delta_net", "gdn", "gdn2")
 LINEAR_DEFAULTS = {"linear_qk_heads": 16, "linear_v_heads": 32, "linear_qk_dim": 128, "linear_v_dim": 128}
 
 
+def linear_variant(fields: dict):
+    """The configuration's attention variant: Megatron's field, or its 2025 dev branch's name."""
+    return fields.get("experimental_attention_variant") or fields.get("linear_attention_type")
+
+
 def linear_layers_of(fields: dict, layers: int) -> int | None:
     """Layers with linear attention under Megatron's ``experimental_attention_variant`` (a Gated
-    DeltaNet one; ``linear_attention_type`` in its 2025 dev branch) and ``linear_attention_freq``: every freq-th layer keeps standard attention,
-    or a list of 1 (linear) and 0 per layer; None where the configuration sets no variant."""
-    variant = fields.get("experimental_attention_variant") or fields.get("linear_attention_type")
+    DeltaNet one; ``linear_attention_type`` in its 2025 dev branch) and ``linear_attention_freq``:
+    every freq-th layer keeps standard attention, or a list of 1 (linear) and 0 per layer; None
+    where the configuration sets no variant."""
+    variant = linear_variant(fields)
     if variant not in GATED_DELTA_NET:
         return None
     freq = fields.get("linear_attention_freq")
@@ -326,7 +332,7 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
         given["linear_layers"] = linear
         for name, default in LINEAR_DEFAULTS.items():            # Megatron's defaults where neither sets them
             given.setdefault(name, getattr(base, name) or default)
-        given["linear_gdn2"] = (fields.get("experimental_attention_variant") or fields.get("linear_attention_type")) == "gdn2"
+        given["linear_gdn2"] = linear_variant(fields) == "gdn2"
     arch = replace(base, **given)
     if not fields.get("group_query_attention") and "num_query_groups" not in fields and "num_attention_heads" in fields \
             and not arch.mla and base.name == "config":
@@ -381,9 +387,11 @@ def hf_linear_attention(cfg: dict) -> dict:
         linear = sum(1 for i in range(cfg["num_hidden_layers"]) if (i + 1) % interval)
     else:
         return {}
-    return dict(linear_layers=linear, attention_gate=True, linear_qk_heads=cfg.get("linear_num_key_heads") or 16,
-                linear_v_heads=cfg.get("linear_num_value_heads") or 32,
-                linear_qk_dim=cfg.get("linear_key_head_dim") or 128, linear_v_dim=cfg.get("linear_value_head_dim") or 128,
+    return dict(linear_layers=linear, attention_gate=True,
+                linear_qk_heads=cfg.get("linear_num_key_heads") or LINEAR_DEFAULTS["linear_qk_heads"],
+                linear_v_heads=cfg.get("linear_num_value_heads") or LINEAR_DEFAULTS["linear_v_heads"],
+                linear_qk_dim=cfg.get("linear_key_head_dim") or LINEAR_DEFAULTS["linear_qk_dim"],
+                linear_v_dim=cfg.get("linear_value_head_dim") or LINEAR_DEFAULTS["linear_v_dim"],
                 linear_conv=cfg.get("linear_conv_kernel_dim") or 4)
 
 

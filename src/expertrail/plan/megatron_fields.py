@@ -17,9 +17,9 @@ optimizer-state offload fields recipes already use (``chunked_optimizer_state_of
 alias ``offload_optimizer_states``, ``optimizer_state_offload_chunk_size_mb``,
 ``optimizer_state_offload_fraction``), the EP overlap of its 2025 prototype, ``combined_1f1b``
 with ``combined_1f1b_recipe``, and its 2025 name of the linear attention variant,
-``linear_attention_type`` (Megatron-MoE-ModelZoo's launch lines and model files of 2025); and Megatron-Bridge's GPTModelProvider and MLAModelProvider fields beyond those (commit
-067f987d: ``share_embeddings_and_output_weights``, the YaRN and rope-scaling fields,
-``hf_model_id``, ...). Names only, no code. ``ANY`` holds fields whose type the validator does
+``linear_attention_type`` (Megatron-MoE-ModelZoo's launch lines and model files of 2025); and
+Megatron-Bridge's GPTModelProvider and MLAModelProvider fields beyond those (commit 067f987d:
+``share_embeddings_and_output_weights``, the YaRN and rope-scaling fields, ``hf_model_id``, ...). Names only, no code. ``ANY`` holds fields whose type the validator does
 not check (unions, enums, callables).
 
 BOOL, INT, FLOAT, STR, LIST, ANY, TRUE_BY_DEFAULT: frozensets of field names; CHOICES /
