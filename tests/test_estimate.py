@@ -548,6 +548,9 @@ def test_the_host_launches_a_layer_as_its_cuda_graph_scope_says():
     assert whole["step"]["host_s"] == pytest.approx(eager["step"]["host_s"] * GRAPHED_LAUNCH_SHARE)
     assert eager["tokens_per_s_per_gpu"] == recipe["tokens_per_s_per_gpu"] < attn["tokens_per_s_per_gpu"] \
         < whole["tokens_per_s_per_gpu"]
+    # The wall's advice follows the scope: graphs where there are none, more of the layer where some.
+    assert eager["wall_reason"].endswith("CUDA graphs or larger micro-batches")
+    assert "more of each layer in CUDA graphs (now attn, moe_router, moe_preprocess)" in attn["wall_reason"]
 
 
 def test_a_natural_router_waits_for_its_busiest_ep_rank():

@@ -495,6 +495,7 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
                    "precision": layout.precision, "recompute": layout.recompute,
                    "recompute_modules": list(layout.recompute_modules), "dispatcher": layout.dispatcher,
                    "flex_backend": layout.flex_backend, "algorithm": algorithm, "ep_overlap": layout.ep_overlap,
+                   "graph_scopes": list(layout.graph_scopes),
                    "routing_imbalance": routing_imbalance(arch, layout)},
         "assumed": list(layout.assumed) + routing_assumption(arch, layout) + recipe_assumption(hw, layout),
         "not_modelled": list(layout.not_modelled),
@@ -578,8 +579,12 @@ def wall(result: dict, busiest, usable: float) -> tuple:
     comm = sum(parts.get(k, 0.0) for k in EXPOSED_PARTS) + step["dp_exposed_s"] / max(
         1, result["layout"]["micro_batches"])
     if step["host_s"] >= step["gpu_s"]:
+        scopes = result["layout"]["graph_scopes"]
+        fix = "CUDA graphs or larger micro-batches" if not scopes else \
+            "larger micro-batches" if set(layout_fields.WHOLE_LAYER) <= set(scopes) else \
+            f"more of each layer in CUDA graphs (now {', '.join(scopes)}) or larger micro-batches"
         return "host", (f"kernel launches take {step['host_s'] * 1e3:.1f} ms per micro-batch against "
-                        f"{step['gpu_s'] * 1e3:.1f} ms of GPU work: CUDA graphs or larger micro-batches")
+                        f"{step['gpu_s'] * 1e3:.1f} ms of GPU work: {fix}")
     if comm > 0.25 * step["gpu_s"]:
         biggest = max(EXPOSED_PARTS, key=lambda k: parts.get(k, 0.0))
         return "communication", (f"{comm / step['gpu_s']:.0%} of a micro-batch is exposed communication, most of it "
