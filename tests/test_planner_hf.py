@@ -138,5 +138,10 @@ def test_linear_attention_from_megatron_fields():
     assert gdn2.linear_attention_params() > every_fourth.linear_attention_params()
     with pytest.raises(ConfigError, match="linear_attention_freq"):
         from_fields(base, {"experimental_attention_variant": "gdn"})
+    assert from_fields(base, {"experimental_attention_variant": "gdn", "linear_attention_freq": "[1,1,1,0]*12"}) \
+        .linear_layers == 36
+    for text in ("four", "[1,x]*24"):                  # refused by its own name, not a traceback
+        with pytest.raises(ConfigError, match=r"linear_attention_freq .*\[1,1,1,0\]\*12"):
+            from_fields(base, {"experimental_attention_variant": "gdn", "linear_attention_freq": text})
     flags = ["--expert-model-parallel-size", "8", "--experimental-attention-variant", "dsa"]
     assert "experimental_attention_variant" in TrainingLayout.from_fields(load_config(None, flags), 8).not_modelled

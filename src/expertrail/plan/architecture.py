@@ -248,7 +248,8 @@ def linear_layers_of(fields: dict, layers: int) -> int | None:
         return None
     freq = fields.get("linear_attention_freq")
     if isinstance(freq, str):
-        freq = _expand_pattern(freq) if "[" in freq else int(freq)
+        freq = int(freq) if freq.strip().isdigit() else \
+            _expand_pattern(freq, "linear_attention_freq", "write a whole number or a pattern such as [1,1,1,0]*12")
     if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
         return sum(1 for i in range(layers) if (i + 1) % freq)
     if isinstance(freq, list) and len(freq) == layers:
@@ -270,8 +271,10 @@ def dense_layers_of(freq) -> int | None:
     return ones[0] if ones else len(freq)
 
 
-def _expand_pattern(text: str) -> list:
-    """``([0]*3+[1]*58)`` or ``[0,1,1]`` -> the list of 0s and 1s it spells."""
+def _expand_pattern(text: str, name: str = "moe_layer_freq",
+                    hint: str = "write 1 or a pattern such as ([0]*3+[1]*58)") -> list:
+    """``([0]*3+[1]*58)`` or ``[0,1,1]`` -> the list of 0s and 1s it spells; a text that spells
+    none is refused by the field's ``name``, with ``hint``."""
     out = []
     for term in text.strip().strip("()").replace(" ", "").split("+"):
         body, _, times = term.partition("*")
@@ -279,7 +282,7 @@ def _expand_pattern(text: str) -> list:
             values = [int(v) for v in body.strip("[]").split(",") if v]
             out += values * (int(times) if times else 1)
         except ValueError:
-            raise ConfigError(f"moe_layer_freq {text!r}: write 1 or a pattern such as ([0]*3+[1]*58)") from None
+            raise ConfigError(f"{name} {text!r}: {hint}") from None
     return out
 
 
