@@ -55,6 +55,10 @@ def test_splits_megatron_refuses_are_refused_by_validate_and_estimate_alike(caps
             "--decoder-last-pipeline-num-layers", "16"],
         "places 60 decoder layers (t)": ["--pipeline-model-parallel-size", "16",
                                          "--pipeline-model-parallel-layout", "Et*4|(t*4|)*14mL"],
+        # validate read VPP as 21 // 5 = 4 here and passed it; estimate refuses it as Megatron does
+        "num_layers_per_virtual_pipeline_stage=5 does not divide the 21 layers": [
+            "--pipeline-model-parallel-size", "3", "--account-for-embedding-in-pipeline-split",
+            "--account-for-loss-in-pipeline-split", "--num-layers-per-virtual-pipeline-stage", "5"],
     }
     for reason, flags in [*((r, f) for r, (f, _) in unsplit.items()), *refused.items()]:
         assert main(["validate", "--num-layers", "61", *base, *flags]) == 1

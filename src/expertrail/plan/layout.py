@@ -418,16 +418,8 @@ class TrainingLayout:
         from dataclasses import replace
         layout = self
         if self.layers_per_virtual_stage is not None and self.vpp == 1:
-            slots = layers + self.embedding_in_split + self.loss_in_split
-            per_rank = slots // self.pp
-            if slots % self.pp:
-                raise ConfigError(f"num_layers_per_virtual_pipeline_stage needs the {slots} layers to split evenly "
-                                  f"over PP {self.pp} (as Megatron requires); give virtual_pipeline_model_parallel_size "
-                                  "instead")
-            if per_rank % self.layers_per_virtual_stage:
-                raise ConfigError(f"num_layers_per_virtual_pipeline_stage={self.layers_per_virtual_stage} does not "
-                                  f"divide the {per_rank} layers of each of the PP {self.pp} ranks: choose a divisor")
-            layout = replace(self, vpp=per_rank // self.layers_per_virtual_stage)
+            layout = replace(self, vpp=vpp_of_stage_layers(layers, self.pp, self.layers_per_virtual_stage,
+                                                           self.embedding_in_split, self.loss_in_split))
         given = (layout.layout_string or layout.first_stage_layers is not None or layout.last_stage_layers is not None
                  or layout.embedding_in_split or layout.loss_in_split)
         if layout.pp > 1 and not given and pipeline_split_problems(layers, layout.pp, layout.vpp):
@@ -440,6 +432,20 @@ class TrainingLayout:
                         "Megatron-LM refuses the configuration as given)")
                 layout = replace(layout, **split, assumed=(*layout.assumed, note))
         return layout
+
+
+def vpp_of_stage_layers(layers: int, pp: int, per_stage: int, embedding: bool = False, loss: bool = False) -> int:
+    """VPP as Megatron derives it from ``num_layers_per_virtual_pipeline_stage``: a pipeline rank's
+    layers (the embedding and loss counted where the account_for_* flags say) over ``per_stage``;
+    refused by name where they do not divide."""
+    slots = layers + embedding + loss
+    if slots % pp:
+        raise ConfigError(f"num_layers_per_virtual_pipeline_stage needs the {slots} layers to split evenly "
+                          f"over PP {pp} (as Megatron requires); give virtual_pipeline_model_parallel_size instead")
+    if (slots // pp) % per_stage:
+        raise ConfigError(f"num_layers_per_virtual_pipeline_stage={per_stage} does not divide the {slots // pp} "
+                          f"layers of each of the PP {pp} ranks: choose a divisor")
+    return slots // pp // per_stage
 
 
 def stage_layers(layout: TrainingLayout, layers: int, mtp_layers: int, dense_layers: int = 0) -> list:

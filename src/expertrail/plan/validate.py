@@ -26,7 +26,7 @@ from typing import Callable
 from ..errors import ConfigError
 from . import megatron_fields as mf
 from .catalog import HARDWARE, load_hardware, read_mapping
-from .layout import expand_layout, layout_text, pipeline_split_problems, stage_override
+from .layout import expand_layout, layout_text, pipeline_split_problems, stage_override, vpp_of_stage_layers
 from .simulate import domain_for
 
 FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
@@ -445,10 +445,9 @@ def _split_problems(c) -> list:
     embedding, loss = bool(c["account_for_embedding_in_pipeline_split"]), bool(c["account_for_loss_in_pipeline_split"])
     layout = c["pipeline_model_parallel_layout"] if _layout_stages(c) else None
     vpp = int(c["virtual_pipeline_model_parallel_size"] or c["num_virtual_stages_per_pipeline_rank"] or 1)
-    if c.given("num_layers_per_virtual_pipeline_stage") and not layout:
-        per_rank = (layers + embedding + loss) // pp
-        vpp = max(1, per_rank // int(c["num_layers_per_virtual_pipeline_stage"]))
     try:
+        if c.given("num_layers_per_virtual_pipeline_stage") and not layout:
+            vpp = vpp_of_stage_layers(layers, pp, int(c["num_layers_per_virtual_pipeline_stage"]), embedding, loss)
         first, last = stage_override(c.values, "first"), stage_override(c.values, "last")
     except ConfigError as err:
         return [str(err)]
@@ -644,7 +643,8 @@ RULES = [
          lambda c: (stages := _layout_stages(c)) is not None and stages % int(c["pipeline_model_parallel_size"]) == 0),
     Rule("pipeline-split", "the decoder layers must split over the pipeline stages as Megatron-Core builds them",
          ("num_layers", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-          "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
+          "num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage",
+          "decoder_first_pipeline_num_layers",
           "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
           "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout"),
          lambda c: "; ".join(_split_problems(c)),
