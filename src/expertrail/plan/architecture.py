@@ -233,6 +233,11 @@ GATED_DELTA_NET = ("gated_delta_net", "gdn", "gdn2")
 LINEAR_DEFAULTS = {"linear_qk_heads": 16, "linear_v_heads": 32, "linear_qk_dim": 128, "linear_v_dim": 128}
 
 
+def linear_layers_every(layers: int, freq: int) -> int:
+    """Linear-attention layers of ``layers`` when every ``freq``-th keeps standard attention."""
+    return layers - layers // freq
+
+
 def linear_variant(fields: dict):
     """The configuration's attention variant: Megatron's field, or its 2025 dev branch's name."""
     return fields.get("experimental_attention_variant") or fields.get("linear_attention_type")
@@ -251,7 +256,7 @@ def linear_layers_of(fields: dict, layers: int) -> int | None:
         freq = int(freq) if freq.strip().isdigit() else \
             _expand_pattern(freq, "linear_attention_freq", "write a whole number or a pattern such as [1,1,1,0]*12")
     if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
-        return sum(1 for i in range(layers) if (i + 1) % freq)
+        return linear_layers_every(layers, freq)
     if isinstance(freq, list) and len(freq) == layers:
         return sum(1 for v in freq if v)
     raise ConfigError(f"linear_attention_freq={freq!r}: experimental_attention_variant={variant} needs it: a whole "
@@ -386,8 +391,7 @@ def hf_linear_attention(cfg: dict) -> dict:
     if isinstance(types, list) and "linear_attention" in types:
         linear = types.count("linear_attention")
     elif cfg.get("full_attention_interval") and cfg.get("linear_num_value_heads"):
-        interval = cfg["full_attention_interval"]
-        linear = sum(1 for i in range(cfg["num_hidden_layers"]) if (i + 1) % interval)
+        linear = linear_layers_every(cfg["num_hidden_layers"], cfg["full_attention_interval"])
     else:
         return {}
     return dict(linear_layers=linear, attention_gate=True,
