@@ -26,6 +26,28 @@ def test_gemm_efficiency_script_checks_every_timed_kernel():
 
 
 @pytest.mark.docs
+def test_overlap_sms_script_checks_every_timed_gemm():
+    out = run("gpu_overlap_sms.py", "--rows", "16,32", "--local-experts", "2", "--tokens", "32", "--iters", "1")
+    checks = [line for line in out.splitlines() if line.startswith("check ")]
+    assert len(checks) == 2 * 3 and all(line.endswith(": ok") for line in checks), out
+
+
+def test_overlap_sms_model_column_is_the_estimators_pair():
+    """The script's 'model' column is `estimate.ep_overlap_exposed` for one chunk pair."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import gpu_overlap_sms as script
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    from expertrail.plan import estimate as est
+    gemm, hold, k, sms = 3.0, 1.5, 20, 132
+    # four exchanges of ``hold``: two beside MLP chunks of at least ``gemm``, two beside no attention
+    exposed = (est.ep_overlap_exposed(4 * hold, 0.0, 3 * gemm, True, k / sms) - 2 * hold) / 2
+    assert script.modelled_pair(gemm, hold, sms, k) == pytest.approx(gemm + exposed)
+    assert script.modelled_pair(gemm, 2 * gemm, sms, k) > 2 * gemm     # a hold longer than the GEMM shows
+
+
+@pytest.mark.docs
 def test_host_syncs_script_checks_every_backend_against_alltoall():
     out = run("gpu_host_syncs.py", "--tokens", "64", "--experts", "8", "--topk", "2", "--hidden", "128",
               "--ffn", "64", "--iters", "1")
