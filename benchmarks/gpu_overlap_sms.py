@@ -35,7 +35,7 @@ from expertrail.plan import estimate as est
 from expertrail.plan.architecture import ARCHITECTURES
 from gpu_kernels import timer          # benchmarks/ is on the path when a script there runs
 
-# One block per SM for `hold_us` microseconds of the GPU's global timer, sleeping between reads;
+# Each block holds its SM for ``ns`` nanoseconds of the GPU's global timer, sleeping between reads;
 # its dynamic shared memory (set at launch) keeps a GEMM's tile off the SM while it waits.
 HOLD_SOURCE = r"""
 extern "C" __global__ void hold(unsigned long long ns) {
@@ -91,6 +91,7 @@ class Holder:
 
 
 def carved(k: int):
+    """Tell cuBLASLt to leave ``k`` SMs free from here on (0: none)."""
     torch._C._set_sm_carveout_experimental(k if k else None)
 
 
