@@ -31,19 +31,23 @@ def test_fit_uses_only_fit_rows_and_no_outlier():
 
 
 def test_outliers_are_read_from_the_published_figures_only():
-    """OUTLIER_SHARE compares published figures with each other; predictions play no part."""
+    """OUTLIER_SHARE compares published figures with each other, full-iteration CUDA graph runs
+    only with each other; predictions play no part. Both ways: every outlier is below the share
+    of its best peer, every other run at or above it."""
     assert calibration.OUTLIERS == calibration._outliers()
-    for rid in calibration.OUTLIERS:
-        run = calibration.TRAINING_RUNS[rid]
-        same = [r["published_tokens_per_s"] for r in calibration.TRAINING_RUNS.values()
-                if (r["model"], r["system"], r["layout"]["precision"], r["layout"]["seq"]) ==
-                (run["model"], run["system"], run["layout"]["precision"], run["layout"]["seq"])]
-        assert run["published_tokens_per_s"] < calibration.OUTLIER_SHARE * max(same)
+
+    def key(r):
+        lay = r["layout"]
+        return r["model"], r["system"], lay["precision"], lay["seq"], bool(lay.get("sync_free"))
+    for rid, run in calibration.TRAINING_RUNS.items():
+        best = max(r["published_tokens_per_s"] for r in calibration.TRAINING_RUNS.values() if key(r) == key(run))
+        below = run["published_tokens_per_s"] < calibration.OUTLIER_SHARE * best
+        assert below == (rid in calibration.OUTLIERS), rid
 
 
 # What docs/cost-model.md states (the summary lines of its calibration record).
 DOCUMENTED = {"fit": {"within_25": 0.89, "median_abs_pct": 3.2},
-              "held_out": {"within_25": 0.94, "median_abs_pct": 9.4}}
+              "held_out": {"within_25": 0.95, "median_abs_pct": 7.9}}
 
 
 @pytest.mark.parametrize("split", ["fit", "held_out"])
