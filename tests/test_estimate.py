@@ -261,6 +261,25 @@ def test_plan_fit_lists_fitting_layouts_that_validate(capsys):
     assert "no layout of deepseek-v3 fits 8 x h100" in capsys.readouterr().out
 
 
+def test_validate_with_model_and_gpus_checks_what_estimate_checks(capsys):
+    """`validate --model --gpus` reads the model's layers, experts and top-k as `estimate` does:
+    the same arguments give both the same violations (a 61-layer DeepSeek-V3 over PP 8 x VP 3
+    among them), and neither option is an unknown field."""
+    flags = ["--hardware", "gb200-nvl72", "--pipeline-model-parallel-size", "8",
+             "--virtual-pipeline-model-parallel-size", "3", "--expert-model-parallel-size", "8",
+             "--overlap-moe-expert-parallel-comm"]
+    assert main(["estimate", "--model", "deepseek-v3", "--gpus", "64", *flags]) == 0
+    from_estimate = sorted(line.split("]")[0] for line in capsys.readouterr().err.splitlines()
+                           if line.startswith("validate: ["))
+    assert main(["validate", *flags, "--model", "deepseek-v3", "--gpus", "64"]) == 1
+    out = capsys.readouterr().out
+    from_validate = sorted("validate: " + line.split("]")[0] for line in out.splitlines() if line.startswith("["))
+    assert from_validate == from_estimate and "validate: [pipeline-split" in from_validate
+    assert "unknown field" not in out
+    assert main(["validate", *flags]) == 1                        # without the model: no layers to split
+    assert "[pipeline-split]" not in capsys.readouterr().out
+
+
 def test_plan_fit_writes_the_pipeline_split_megatron_builds(capsys):
     """A 61-layer DeepSeek-V3 (with its MTP layer) and a 94-layer Qwen3-235B split evenly over
     no PP > 1: `plan --fit` gives each layout a split Megatron builds (the embedding and loss

@@ -53,12 +53,20 @@ def _estimate_inputs(args, config: list) -> tuple:
         raise ExpertrailError("\n".join(v.format() for v in wrong))
     hw = load_hardware(args.hardware)
     arch = from_fields(load_architecture(args.model), values)
-    values.setdefault("num_moe_experts", arch.experts)
-    values.setdefault("moe_router_topk", arch.topk)
-    values.setdefault("num_layers", arch.layers)         # validate checks the pipeline split against it
+    with_model_fields(values, arch)
     checked = dict(values, hardware=hw.name if not args.hardware.endswith((".yaml", ".yml", ".json")) else args.hardware,
                    world_size=args.gpus)
     return arch, hw, values, validate(checked)
+
+
+def with_model_fields(values: dict, arch) -> dict:
+    """``values`` with the model's experts, top-k and layers where the configuration leaves them
+    out: validate's rules (the pipeline split, the EP size against the experts) read them, so
+    `estimate` and `validate --model` check the same configuration."""
+    values.setdefault("num_moe_experts", arch.experts)
+    values.setdefault("moe_router_topk", arch.topk)
+    values.setdefault("num_layers", arch.layers)
+    return values
 
 
 def run(args) -> int:

@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 
 from ...errors import ExpertrailError
-from ..arguments import ConfigArguments
+from ..arguments import ConfigArguments, positive_int
 
 
 def add_parser(sub) -> None:
     from ...names import NAMES_HELP
     p = sub.add_parser(
         "validate", help="check a Megatron-Core / Megatron-Bridge MoE config before launch",
-        usage="%(prog)s [-h] [--json] [--strict] [CONFIG.yaml] [key=value | --megatron-flag [VALUE]] ...",
+        usage="%(prog)s [-h] [--json] [--strict] [--model NAME] [--gpus N] [CONFIG.yaml] "
+              "[key=value | --megatron-flag [VALUE]] ...",
         description="Checks a YAML/JSON config (Megatron-Core or Megatron-Bridge field names), key=value overrides "
                     "and Megatron command-line arguments against the EP-overlap and MoE rules and the fields' "
                     "types and choices; prints each violation with its fields and fix, and warns about unknown "
@@ -34,6 +35,11 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON (default: text)")
     p.add_argument("--strict", action="store_true",
                    help="fail (exit 1) on unknown fields too (default: warn about them)")
+    p.add_argument("--model", metavar="NAME|DIR", default=None,
+                   help="a catalog model or a Hugging Face config.json (as for estimate): its layers, experts and "
+                        "top-k where the configuration leaves them out, so the pipeline split and the EP size are "
+                        "checked as `estimate` checks them")
+    p.add_argument("--gpus", type=positive_int(256), default=None, help="GPUs of the run (= world_size)")
     p.set_defaults(config=[])
 
 
@@ -44,6 +50,12 @@ def run(args) -> int:
         raise ExpertrailError("nothing to validate: give a YAML/JSON file, key=value overrides or Megatron flags, "
                               "e.g. expertrail validate --expert-model-parallel-size 8 --num-experts 64")
     values = config_values(args.config)
+    if args.gpus is not None:
+        values.setdefault("world_size", args.gpus)
+    if args.model is not None and not [v for v in validate(values) if v.rule == "field-value"]:
+        from ...plan.architecture import from_fields, load_architecture
+        from .estimate import with_model_fields
+        with_model_fields(values, from_fields(load_architecture(args.model), values))
     violations = validate(values)
     warnings = unknown_fields(values)
     failed = bool(violations) or (args.strict and bool(warnings))
