@@ -38,8 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--model", metavar="NAME|DIR", default=None,
                    help="a catalog model or a Hugging Face config.json (as for estimate): its layers, experts and "
                         "top-k where the configuration leaves them out, so the pipeline split and the EP size are "
-                        "checked as `estimate` checks them")
-    p.add_argument("--gpus", type=positive_int(256), default=None, help="GPUs of the run (= world_size)")
+                        "checked as `estimate` checks them (default: the configuration's fields only)")
+    p.add_argument("--gpus", type=positive_int(256), default=None,
+                   help="GPUs of the run (default: world_size, num_nodes x gpus_per_node, as the configuration gives them)")
     p.set_defaults(config=[])
 
 
