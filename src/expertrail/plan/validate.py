@@ -675,6 +675,16 @@ RULES = [
 ]
 
 
+def with_model_fields(values: dict, arch) -> dict:
+    """``values`` with the model's experts, top-k and layers (an `Architecture`) where the
+    configuration leaves them out: the rules read them (the pipeline split, the EP size against
+    the experts), so `estimate` and `validate --model` check one configuration alike."""
+    values.setdefault("num_moe_experts", arch.experts)
+    values.setdefault("moe_router_topk", arch.topk)
+    values.setdefault("num_layers", arch.layers)
+    return values
+
+
 def validate(values: dict) -> list:
     """Violations by a flat config dict (see `load_config`): ``field-value`` for values that do not
     fit their field, then every rule of `RULES` that reads no such field."""

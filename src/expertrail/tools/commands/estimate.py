@@ -44,7 +44,7 @@ def _estimate_inputs(args, config: list) -> tuple:
     """(architecture, hardware, layout fields, validate violations) from --model and config entries."""
     from ...plan.architecture import from_fields, load_architecture
     from ...plan.catalog import load_hardware
-    from ...plan.validate import config_values, validate
+    from ...plan.validate import config_values, validate, with_model_fields
     values = config_values(config)
     # A value of the wrong kind (moe_ffn_hidden_size=2k) is refused as validate refuses it,
     # before the estimator would compute with it.
@@ -57,16 +57,6 @@ def _estimate_inputs(args, config: list) -> tuple:
     checked = dict(values, hardware=hw.name if not args.hardware.endswith((".yaml", ".yml", ".json")) else args.hardware,
                    world_size=args.gpus)
     return arch, hw, values, validate(checked)
-
-
-def with_model_fields(values: dict, arch) -> dict:
-    """``values`` with the model's experts, top-k and layers where the configuration leaves them
-    out: validate's rules (the pipeline split, the EP size against the experts) read them, so
-    `estimate` and `validate --model` check the same configuration."""
-    values.setdefault("num_moe_experts", arch.experts)
-    values.setdefault("moe_router_topk", arch.topk)
-    values.setdefault("num_layers", arch.layers)
-    return values
 
 
 def run(args) -> int:

@@ -55,7 +55,7 @@ def run(args) -> int:
         values.setdefault("world_size", args.gpus)
     if args.model is not None and not [v for v in validate(values) if v.rule == "field-value"]:
         from ...plan.architecture import from_fields, load_architecture
-        from .estimate import with_model_fields
+        from ...plan.validate import with_model_fields
         with_model_fields(values, from_fields(load_architecture(args.model), values))
     violations = validate(values)
     warnings = unknown_fields(values)
