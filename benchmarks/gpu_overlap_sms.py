@@ -119,8 +119,7 @@ def sm_kept(k: int, sms: int) -> float:
 
 def modelled_pair(gemm_s, hold_s, sms, k):
     """The estimator's time for a hold of ``hold_s`` beside a GEMM of ``gemm_s`` (one chunk pair)."""
-    covered = min(hold_s, gemm_s)
-    return gemm_s + max(0.0, hold_s - gemm_s) + covered * (1 - est.EP_OVERLAP_HIDES * sm_kept(k, sms))
+    return gemm_s + est.pair_exposed(hold_s, gemm_s, k / sms)
 
 
 def main():

@@ -381,12 +381,18 @@ def ep_overlap_exposed(ep_comm: float, attention: float, mlp: float, delay_wgrad
     and while they overlap the compute runs on the SMs the exchange leaves it (``sm_share`` of
     them held by the dispatcher's kernels)."""
     q = ep_comm / 4
-    pairs = ((q, mlp / 3 if delay_wgrad else 2 * mlp / 3), (q, attention / 3),
-             (q, 2 * mlp / 3 if delay_wgrad else mlp / 3), (q, 2 * attention / 3))
-    exposed = sum(max(0.0, c - w) for c, w in pairs)
-    coverable = sum(min(c, w) for c, w in pairs)
-    hidden = EP_OVERLAP_HIDES * coverable
-    return exposed + (coverable - hidden) + hidden * sm_share / (1 - sm_share)
+    chunks = (mlp / 3 if delay_wgrad else 2 * mlp / 3, attention / 3,
+              2 * mlp / 3 if delay_wgrad else mlp / 3, 2 * attention / 3)
+    return sum(pair_exposed(q, chunk, sm_share) for chunk in chunks)
+
+
+def pair_exposed(comm: float, chunk: float, sm_share: float) -> float:
+    """What overlap leaves of one exchange (``comm`` seconds) beside one compute chunk: the part
+    the chunk cannot cover, the part of the rest overlap does not hide (1 - `EP_OVERLAP_HIDES`),
+    and the compute slowed on the SMs the exchange leaves it (``sm_share`` held) while they overlap."""
+    covered = min(comm, chunk)
+    hidden = EP_OVERLAP_HIDES * covered
+    return max(0.0, comm - chunk) + covered - hidden + hidden * sm_share / (1 - sm_share)
 
 
 def fsdp_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe: bool) -> float:
