@@ -606,6 +606,51 @@ def test_a_natural_router_waits_for_its_busiest_ep_rank():
     assert "busiest of 8 EP ranks" in said and "moe_router_force_load_balancing" in said
 
 
+def test_a_capacity_factor_caps_the_busiest_rank_and_padding_sets_every_experts_rows():
+    """moe_expert_capacity_factor c: each expert keeps at most c times its even share of the rows
+    (the rest dropped), so the busiest EP rank's excess stays under c; padded to capacity
+    (moe_pad_expert_input_to_capacity) every expert takes exactly c times its share, routed or
+    forced, and keeps those rows' activations."""
+    from expertrail.plan.estimate import routing_imbalance
+    flags = ["--expert-model-parallel-size", "8", "--moe-token-dispatcher-type", "alltoall"]
+
+    def layout(*extra):
+        return TrainingLayout.from_fields(load_config(None, flags + list(extra)), 64)
+    natural = routing_imbalance(QWEN, layout())
+    capped = [routing_imbalance(QWEN, layout("--moe-expert-capacity-factor", c)) for c in ("1.0", "1.25", "2.0")]
+    assert capped == sorted(capped) and capped[-1] <= natural and all(x < float(c) for x, c in zip(capped, ("1.0", "1.25", "2.0")))
+    assert routing_imbalance(QWEN, layout("--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity")) == 1.5
+    forced = layout("--moe-router-force-load-balancing", "--moe-expert-capacity-factor", "1.5",
+                    "--moe-pad-expert-input-to-capacity")
+    assert routing_imbalance(QWEN, forced) == 1.5
+    assert routing_imbalance(QWEN, replace(forced, pad_to_capacity=False)) == 1.0
+    assert not {"moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity"} & set(forced.not_modelled)
+    plain, padded = (estimate(QWEN, HARDWARE["h100"], replace(forced, pad_to_capacity=p)) for p in (False, True))
+    assert padded["terms_s"]["gemm"] > plain["terms_s"]["gemm"] and padded["terms_s"]["ep"] > plain["terms_s"]["ep"]
+    assert padded["memory"]["activation_per_layer_GB"]["experts"] == \
+        pytest.approx(1.5 * plain["memory"]["activation_per_layer_GB"]["experts"], rel=0.01)
+    said = " ".join(estimate(QWEN, HARDWARE["h100"], layout("--moe-expert-capacity-factor", "1.0"))["assumed"])
+    assert "at most 1x its even share" in said
+
+
+def test_nvfp4_is_costed_as_fp8_and_says_so(capsys):
+    """fp4 (--fp4-format, Bridge's bf16_with_nvfp4_mixed) runs the GEMMs in NVFP4: no published
+    MoE run calibrates it, so they are costed at the FP8 efficiency and the assumed line says so;
+    validate refuses it beside fp8 or on Hopper, and estimate prints that violation."""
+    flags = ["--expert-model-parallel-size", "8", "--moe-router-force-load-balancing"]
+    bf16, fp4 = (TrainingLayout.from_fields(load_config(None, flags + extra), 8)
+                 for extra in ([], ["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"]))
+    assert fp4.precision == "fp8" and fp4.fp8_recipe == "nvfp4"
+    slow, fast = (estimate(ARCHITECTURES["qwen3-30b-a3b"], HARDWARE["b200"], l) for l in (bf16, fp4))
+    assert fast["terms_s"]["gemm"] < slow["terms_s"]["gemm"]
+    assert any("fp4 (NVFP4 GEMMs) costed at the FP8 efficiency" in a for a in fast["assumed"])
+    assert main(["estimate", "--hardware", "h100", "--gpus", "8", "--model", "qwen3-30b-a3b", *flags,
+                 "--fp4-format", "e2m1"]) == 0
+    assert "[nvfp4-needs-blackwell]" in capsys.readouterr().err
+    bridge = TrainingLayout.from_fields(load_config(None, ["mixed_precision=bf16_with_nvfp4_mixed", *flags]), 8)
+    assert bridge.fp8_recipe == "nvfp4"
+
+
 def test_estimate_takes_a_routers_loads_from_routing(tmp_path, capsys):
     """--routing gives the natural router's loads: a recording of your run's topk_idx (every rank's
     tokens counted), LoadRecorder's token counts, or a Zipf skew. A recording whose tokens all go to rank 0's experts makes

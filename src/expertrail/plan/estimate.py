@@ -176,23 +176,40 @@ def routing_imbalance(arch: Architecture, layout: TrainingLayout) -> float:
     every rank waits for: 1 where each rank gets its even share (moe_router_force_load_balancing,
     or EP 1); under a natural router, the expected largest of the EP ranks' loads over their mean,
     a rank's load the sum of its experts' and an expert's a lognormal share of the rows with
-    `NATURAL_EXPERT_LOAD_CV` (more ranks, fewer experts each: a larger excess)."""
+    `NATURAL_EXPERT_LOAD_CV` (more ranks, fewer experts each: a larger excess). A capacity factor
+    c (moe_expert_capacity_factor) caps each expert at c times its even share, the rest dropped;
+    padded to capacity (moe_pad_expert_input_to_capacity) every expert takes exactly that."""
+    cap = layout.capacity_factor
+    if layout.pad_to_capacity:
+        return float(cap)
     if not layout.natural_routing or layout.ep <= 1:
-        return 1.0
+        return 1.0 if cap is None else min(1.0, cap)
     if layout.expert_loads:
-        return _recorded_busiest(layout.expert_loads, layout.ep)
+        return _recorded_busiest(layout.expert_loads, layout.ep, cap)
     if layout.routing:
-        return _routed_busiest(arch, layout.ep, layout.routing, layout.tokens_per_gpu * layout.ep)
-    return _expected_busiest(arch.experts, layout.ep, NATURAL_EXPERT_LOAD_CV)
+        return _routed_busiest(arch, layout.ep, layout.routing, layout.tokens_per_gpu * layout.ep, cap)
+    return _expected_busiest(arch.experts, layout.ep, NATURAL_EXPERT_LOAD_CV, cap)
 
 
-def _recorded_busiest(loads: tuple, ep: int) -> float:
+def _busiest_share(loads, cap: float | None) -> float:
+    """The busiest rank's rows over the ranks' mean, averaged over the leading axis, from loads
+    [..., ranks, experts a rank]; ``cap``: each expert keeps at most that times the experts' mean
+    (a capacity factor; the rest dropped), the mean staying the routed rows before dropping."""
+    import numpy as np
+    loads = np.asarray(loads, dtype=float)
+    mean = loads.mean(axis=(-2, -1), keepdims=True)
+    if cap is not None:
+        loads = np.minimum(loads, cap * mean)
+    ranks, mean = loads.sum(axis=-1), mean[..., 0, 0] * loads.shape[-1]
+    keep = mean > 0
+    return float((ranks.max(axis=-1)[keep] / mean[keep]).mean()) if keep.any() else 1.0
+
+
+def _recorded_busiest(loads: tuple, ep: int, cap: float | None = None) -> float:
     """The busiest of ``ep`` ranks' rows over the mean, from recorded token counts
     [layers][experts] (each rank holding its experts in order), averaged over the layers."""
     import numpy as np
-    counts = np.asarray(loads, dtype=float).reshape(len(loads), ep, -1).sum(axis=2)
-    counts = counts[counts.sum(axis=1) > 0]
-    return float((counts.max(axis=1) / counts.mean(axis=1)).mean()) if len(counts) else 1.0
+    return _busiest_share(np.asarray(loads, dtype=float).reshape(len(loads), ep, -1), cap)
 
 
 # Tokens a `--routing` spec is sampled at for the busiest rank's share: enough that a uniform
@@ -201,7 +218,7 @@ ROUTED_SAMPLE = 65536
 
 
 @lru_cache(maxsize=64)
-def _routed_busiest(arch: Architecture, ep: int, spec: str, tokens: int) -> float:
+def _routed_busiest(arch: Architecture, ep: int, spec: str, tokens: int, cap: float | None = None) -> float:
     """The busiest of ``ep`` ranks' routed rows over the mean under ``spec`` (cost.Routing's forms;
     a recorded .npy counts every rank's tokens in it), each rank holding ``experts / ep``
     consecutive experts as Megatron places them."""
@@ -209,20 +226,19 @@ def _routed_busiest(arch: Architecture, ep: int, spec: str, tokens: int) -> floa
     routing = Routing(spec)
     idx = routing.recorded(arch.moe_model(), every_rank=True) if spec.endswith(".npy") else \
         routing.sample(arch.moe_model(), min(tokens, ROUTED_SAMPLE))
-    rows = np.bincount(idx[idx >= 0].ravel(), minlength=arch.experts).reshape(ep, -1).sum(axis=1)
-    return float(rows.max() / rows.mean()) if rows.sum() else 1.0
+    rows = np.bincount(idx[idx >= 0].ravel(), minlength=arch.experts).reshape(ep, -1)
+    return _busiest_share(rows, cap)
 
 
 @lru_cache(maxsize=256)
-def _expected_busiest(experts: int, ep: int, cv: float) -> float:
+def _expected_busiest(experts: int, ep: int, cv: float, cap: float | None = None) -> float:
     """E[max over ``ep`` ranks of a rank's load / the ranks' mean], ``experts / ep`` experts a
     rank, each expert's load lognormal with mean 1 and coefficient of variation ``cv`` (a fixed
-    seed: the same answer every call)."""
+    seed: the same answer every call); ``cap`` as `_busiest_share`'s."""
     import numpy as np
     sigma2 = float(np.log1p(cv * cv))
     rng = np.random.default_rng(0)
-    loads = rng.lognormal(-sigma2 / 2, sigma2 ** 0.5, size=(IMBALANCE_SAMPLES, ep, experts // ep)).sum(axis=2)
-    return float((loads.max(axis=1) / loads.mean(axis=1)).mean())
+    return _busiest_share(rng.lognormal(-sigma2 / 2, sigma2 ** 0.5, size=(IMBALANCE_SAMPLES, ep, experts // ep)), cap)
 
 
 def _speed(hw: Hardware) -> float:
@@ -526,8 +542,9 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
 
 
 def routing_assumption(arch: Architecture, layout: TrainingLayout) -> list:
-    """The assumed line's note on a natural router: the busiest EP rank's share it is costed at."""
-    if not layout.natural_routing or layout.ep <= 1:
+    """The assumed line's note on a natural router: the busiest EP rank's share it is costed at
+    (none when every expert is padded to its capacity: the rows are set, not routed)."""
+    if not layout.natural_routing or layout.ep <= 1 or layout.pad_to_capacity:
         return []
     if layout.expert_loads:
         source = "the recorded loads"
@@ -539,7 +556,9 @@ def routing_assumption(arch: Architecture, layout: TrainingLayout) -> list:
         if per_rank < NATURAL_CALIBRATED_EXPERTS_PER_RANK:
             source = (f"calibrated at {NATURAL_CALIBRATED_EXPERTS_PER_RANK} experts a rank, so at {per_rank} the "
                       f"load model's extrapolation; {source}")
-    return [f"a natural router's loads: the busiest of {layout.ep} EP ranks takes "
+    capped = (f", at most {layout.capacity_factor:g}x its even share an expert (moe_expert_capacity_factor; the "
+              "rest dropped)") if layout.capacity_factor is not None else ""
+    return [f"a natural router's loads{capped}: the busiest of {layout.ep} EP ranks takes "
             f"{routing_imbalance(arch, layout):.2f}x the mean rows in each MoE layer ({source}; "
             "moe_router_force_load_balancing=true gives every rank its even share)"]
 
@@ -551,9 +570,12 @@ FITTED_FP8_RECIPES = {"hopper": "tensorwise", "blackwell": "mxfp8"}
 def recipe_assumption(hw: Hardware, layout: TrainingLayout) -> list:
     """The assumed line's note when an FP8 run uses a recipe the fit rows did not run on its
     GPU generation (FP8 current scaling on Hopper, MXFP8 on Blackwell): its GEMMs are costed at
-    the fitted recipe's efficiency. Megatron's default recipe is delayed scaling."""
+    the fitted recipe's efficiency (NVFP4 too: ``fp4``). Megatron's default recipe is delayed scaling."""
     if layout.precision != "fp8" or hw.arch not in FITTED_FP8_RECIPES:
         return []
+    if layout.fp8_recipe == "nvfp4":
+        return [f"fp4 (NVFP4 GEMMs) costed at the FP8 efficiency fitted on {FITTED_FP8_RECIPES[hw.arch]} runs: no "
+                "published NVFP4 run of a MoE model calibrates its speed"]
     recipe, fitted = layout.fp8_recipe or "delayed", FITTED_FP8_RECIPES[hw.arch]
     if recipe == fitted:
         return []

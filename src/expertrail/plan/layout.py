@@ -23,8 +23,7 @@ PIPELINE_STAGE_MARKS = {"E": "embedding", "t": "layer", "m": "mtp", "L": "loss"}
 NOT_MODELLED = ("cpu_offloading_weights", "cpu_offloading_double_buffering", "moe_router_dtype",
                 "experimental_attention_variant",
                 "fp8_param_gather", "fp8_param", "fp4_param", "fp4_param_gather", "fp8_dot_product_attention",
-                "fp8_wgrad", "moe_shared_expert_overlap", "moe_expert_capacity_factor",
-                "moe_pad_expert_input_to_capacity", "moe_token_dropping", "moe_router_topk_limited_devices",
+                "fp8_wgrad", "moe_shared_expert_overlap", "moe_token_dropping", "moe_router_topk_limited_devices",
                 "moe_latent_size", "use_torch_fsdp2", "hybrid_context_parallel",
                 "overlap_dispatch_backward_with_experts_wgrad", "activation_offload_fraction",
                 "num_distributed_optimizer_instances", "main_params_dtype", "distribute_saved_activations",
@@ -149,8 +148,8 @@ class TrainingLayout:
     micro_batch: int = 1
     global_batch: int | None = None
     seq: int = 4096
-    precision: str = "bf16"                 # bf16 | fp8
-    fp8_recipe: str | None = None
+    precision: str = "bf16"                 # bf16 | fp8 (NVFP4 costed as FP8)
+    fp8_recipe: str | None = None           # Megatron's fp8_recipe, or "nvfp4" for fp4
     recompute: str | None = None            # None | "selective" | "full"
     recompute_modules: tuple = ()
     recompute_method: str | None = None     # full: "uniform" | "block"
@@ -161,6 +160,10 @@ class TrainingLayout:
     # moe_expert_rank_capacity_factor (HybridEP, NCCL EP): each EP rank's receive budget, in expected
     # rows; None: unbounded (HybridEP then sizes its buffer for the worst case).
     rank_capacity: float | None = None
+    # moe_expert_capacity_factor: each expert takes at most this times its even share of the rows
+    # (the rest dropped); moe_pad_expert_input_to_capacity pads every expert up to exactly that.
+    capacity_factor: float | None = None
+    pad_to_capacity: bool = False
     fp8_wire: bool | None = None            # NCCL EP's moe_dispatch_fwd_dtype=mxfp8 (None: the backend's own rule)
     # A natural router's loads (Megatron's default); False: every EP rank its even share, as
     # moe_router_force_load_balancing gives (the published benchmark runs).
@@ -284,7 +287,11 @@ class TrainingLayout:
         if tp > 1:
             get("sequence_parallel", True)  # MoE with TP needs it (validate's moe-tp-needs-sp): costed with it
         fp8 = v.get("fp8")
-        precision = "fp8" if fp8 not in (None, False, "none") else "bf16"
+        # NVFP4 (Megatron's fp4 / --fp4-format): no published MoE run calibrates its GEMMs, so they
+        # are costed as FP8's (recipe "nvfp4", named in the estimate's assumed line).
+        fp4 = v.get("fp4") not in (None, False, "none")
+        precision = "fp8" if fp4 or fp8 not in (None, False, "none") else "bf16"
+        recipe = "nvfp4" if fp4 else get("fp8_recipe", None) if fp8 else None
         granularity = get("recompute_granularity", None)
         modules = get("recompute_modules", None)
         if isinstance(modules, str):
@@ -376,7 +383,7 @@ class TrainingLayout:
             cp=size("context_parallel_size"), ep=ep,
             etp=size("expert_tensor_parallel_size", tp) if v.get("expert_tensor_parallel_size") else tp,
             micro_batch=size("micro_batch_size"), global_batch=v.get("global_batch_size"),
-            seq=size("seq_length", 4096), precision=precision, fp8_recipe=get("fp8_recipe", None) if fp8 else None,
+            seq=size("seq_length", 4096), precision=precision, fp8_recipe=recipe,
             recompute=granularity, recompute_modules=tuple(modules or ()),
             recompute_method=get("recompute_method", "uniform" if granularity == "full" else None),
             recompute_layers=int(get("recompute_num_layers", 1) or 1),
@@ -399,6 +406,9 @@ class TrainingLayout:
             offload_modules=tuple(offload), cpu_offload_layers=cpu_offload_layers, optimizer_offload=optimizer_offload,
             optimizer_offload_overlap=bool(get("overlap_cpu_optimizer_d2h_h2d", False)),
             rank_capacity=get("moe_expert_rank_capacity_factor", None) if backend in ("hybridep", "ncclep") else None,
+            capacity_factor=get("moe_expert_capacity_factor", None),
+            pad_to_capacity=bool(get("moe_pad_expert_input_to_capacity", False))
+            and get("moe_expert_capacity_factor", None) is not None,
             fp8_wire=(get("moe_dispatch_fwd_dtype", "bf16") == "mxfp8") if backend == "ncclep" else None,
             optimizer_state_offload=state_offload,
             optimizer_state_chunk_MB=int(get("optimizer_state_offload_chunk_size_mb", 0) or 0), assumed=tuple(assumed),

@@ -74,7 +74,7 @@ def layer_activation_bytes(arch: Architecture, layout: TrainingLayout, moe: bool
         parts["attention"] = (1 - arch.linear_share) * parts["attention"] + arch.linear_share * linear
     if moe:
         if "moe" not in drop:
-            rows = arch.topk * t
+            rows = arch.topk * t * (layout.capacity_factor if layout.pad_to_capacity else 1)
             ffn = 2 * arch.moe_ffn * 2 + (0 if "moe_act" in drop else arch.moe_ffn * gemm_in)
             # Each of the ETP ranks of an expert keeps the whole input row and 1/ETP of its FFN.
             parts["experts"] = rows * (layout.etp * h * gemm_in + ffn + 4) + arch.experts * 4 * t

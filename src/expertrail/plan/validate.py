@@ -48,6 +48,7 @@ _MXFP8 = {"fp8": "e4m3", "fp8_recipe": "mxfp8", "fp8_param_gather": True, "reuse
 _CURRENT = {"fp8": "hybrid", "fp8_recipe": "tensorwise", "first_last_layers_bf16": True,
             "num_layers_at_start_in_bf16": 1, "num_layers_at_end_in_bf16": 1, "fp8_param_gather": True}
 _SUBCHANNEL = {"fp8": "hybrid", "fp8_recipe": "blockwise", "fp8_param_gather": False}
+_NVFP4 = {"fp4": "e2m1", "fp4_recipe": "nvfp4", "fp4_param_gather": True}
 PRECISION_RECIPES = {
     "bf16_mixed": _BF16, "fp16_mixed": _FP16,
     "bf16_with_fp8_delayed_scaling_mixed": {**_BF16, **_DELAYED}, "fp16_with_fp8_delayed_scaling_mixed": {**_FP16, **_DELAYED},
@@ -56,6 +57,7 @@ PRECISION_RECIPES = {
     "fp16_with_fp8_current_scaling_mixed": {**_FP16, **_CURRENT},
     "bf16_with_fp8_subchannel_scaling_mixed": {**_BF16, **_SUBCHANNEL},
     "fp16_with_fp8_subchannel_scaling_mixed": {**_FP16, **_SUBCHANNEL},
+    "bf16_with_nvfp4_mixed": {**_BF16, **_NVFP4},
 }
 
 # Fields the rules read that are expertrail's, not Megatron's.
@@ -593,6 +595,13 @@ RULES = [
     Rule("mxfp8-needs-blackwell", "the MXFP8 recipe needs Blackwell GPUs", ("fp8", "fp8_recipe", "hardware"),
          "use fp8_recipe=blockwise (Hopper) or run on Blackwell",
          lambda c: c.given("fp8") and c["fp8_recipe"] == "mxfp8" and c.given("hardware"),
+         lambda c: c.hardware.arch == "blackwell"),
+    Rule("fp4-or-fp8", "FP4 and FP8 training cannot both be on (Megatron-LM raises)", ("fp4", "fp8"),
+         "keep one of fp4 (--fp4-format) / fp8 (--fp8-format)",
+         lambda c: c.given("fp4") and c["fp4"] not in (False, "none"), lambda c: c["fp8"] in (None, False, "none")),
+    Rule("nvfp4-needs-blackwell", "NVFP4 (fp4) GEMMs need Blackwell GPUs", ("fp4", "hardware"),
+         "drop fp4 (use fp8_recipe=blockwise on Hopper) or run on Blackwell",
+         lambda c: c.given("fp4") and c["fp4"] not in (False, "none") and c.given("hardware"),
          lambda c: c.hardware.arch == "blackwell"),
     # Parallel layout
     Rule("experts-divide-ep", "the experts must split evenly over the EP ranks", ("num_moe_experts",
