@@ -261,6 +261,35 @@ def test_plan_fit_lists_fitting_layouts_that_validate(capsys):
     assert "no layout of deepseek-v3 fits 8 x h100" in capsys.readouterr().out
 
 
+def test_plan_fit_searches_the_micro_batch(capsys):
+    """The micro-batch size is searched (1, 2, 4, 8 up to 32k tokens): Qwen3-30B on one B200 node
+    is launch-bound at micro-batch 1 (as its published runs were, 9.3-9.7k tokens/s against
+    26.9k at 4), so a larger one leads; each size starts from the recompute its smaller one
+    needed, and --micro-batch fixes it."""
+    from expertrail.plan.search import _recompute_choices, micro_batches, search
+    assert micro_batches(4096) == [1, 2, 4, 8] and micro_batches(16384) == [1, 2] and micro_batches(65536) == [1]
+    qwen30 = ARCHITECTURES["qwen3-30b-a3b"]
+    found = search(qwen30, HARDWARE["b200"], 8, global_batch=512, precision="fp8", top=1000)
+    sizes = {layout.micro_batch for _, layout in found}
+    assert found[0][1].micro_batch > 1 and {1, 2, 4} <= sizes
+    fixed = search(qwen30, HARDWARE["b200"], 8, global_batch=512, micro_batch=1, precision="fp8", top=100)
+    assert {layout.micro_batch for _, layout in fixed} == {1}
+    assert found[0][0]["step_time_s"] < fixed[0][0]["step_time_s"]
+    # The same layout at a larger micro-batch never takes a lighter recompute than at a smaller one.
+    order = {(g, m): i for i, (g, m) in enumerate(_recompute_choices(qwen30))}
+    by_layout = {}
+    for _, lay in found:
+        key = (lay.tp, lay.cp, lay.pp, lay.ep, lay.etp, lay.ep_overlap)
+        by_layout.setdefault(key, []).append((lay.micro_batch, order[(lay.recompute, lay.recompute_modules)]))
+    for runs in by_layout.values():
+        heaviness = [i for _, i in sorted(runs)]
+        assert heaviness == sorted(heaviness)
+    assert main(["plan", "--fit", "--gpus", "8", "--hardware", "b200", "--model", "qwen3-30b-a3b", "--global-batch",
+                 "512", "--micro-batch", "2", "--top", "2"]) == 0
+    rows = [line.split("|")[1].split() for line in capsys.readouterr().out.splitlines() if line.count("|") == 1]
+    assert [row[3] for row in rows[1:]] == ["2", "2"]            # the MBS column, under its header
+
+
 def test_validate_with_model_and_gpus_checks_what_estimate_checks(capsys):
     """`validate --model --gpus` reads the model's layers, experts and top-k as `estimate` does:
     the same arguments give both the same violations (a 61-layer DeepSeek-V3 over PP 8 x VP 3
@@ -303,7 +332,7 @@ def test_plan_fit_tries_ep_overlap_where_megatron_allows_it(capsys):
     where the estimate puts it ahead it leads, every overlapped layout keeps validate's rules (VPP
     with PP, no full recompute), and the emitted configuration turns it on and validates."""
     from expertrail.plan.search import layout_fields, search
-    found = search(DSV3, HARDWARE["gb200-nvl72"], 256, global_batch=4096, precision="fp8", top=40)
+    found = search(DSV3, HARDWARE["gb200-nvl72"], 256, global_batch=4096, micro_batch=1, precision="fp8", top=40)
     overlapped = [layout for _, layout in found if layout.ep_overlap]
     assert overlapped and found[0][1].ep_overlap
     for layout in overlapped:

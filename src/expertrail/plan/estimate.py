@@ -157,11 +157,10 @@ def dispatch_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout) -
     # The dispatch's rows travel in FP8 under an FP8 recipe with DeepEP and HybridEP; NCCL EP as
     # moe_dispatch_fwd_dtype says.
     fp8_rows = layout.fp8_wire if layout.fp8_wire is not None else layout.precision == "fp8" and layout.flex_backend
-    p = predict(hw, arch.moe_model(), EPLayout(layout.ep, domain), algorithm, _routing(arch, sample), sms,
-                "fp8" if fp8_rows else "bf16")
-    dispatch, combine = p.dispatch_s, p.combine_s
+    dispatch, combine, bandwidth = _exchange_seconds(arch, hw, layout.ep, domain, algorithm, sample, sms,
+                                                     "fp8" if fp8_rows else "bf16")
     if layout.flex_backend in DEEPEP_LIKE and domain > DEEPEP_NVLINK_PEERS:   # an EP group beyond 8 in one rack
-        logical_GB = p.algo_bandwidth_GBps * p.dispatch_s          # the rows' bytes, as algorithm bandwidth counts them
+        logical_GB = bandwidth * dispatch                          # the rows' bytes, as algorithm bandwidth counts them
         dispatch = max(dispatch, logical_GB / DEEPEP_RACK_GBPS["dispatch"])
         combine = max(combine, logical_GB / DEEPEP_RACK_GBPS["combine"])
     framework = FRAMEWORK_CALL_FACTOR if domain < layout.ep and algorithm not in NCCL_ALGORITHMS else 1.0
@@ -169,6 +168,15 @@ def dispatch_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout) -
     # rows; an all-gather moves every token to every rank whatever the routing.
     load = routing_imbalance(arch, layout) if algorithm != "allgather" else 1.0
     return 2 * (dispatch + combine) * framework * load * tokens / sample, algorithm
+
+
+@lru_cache(maxsize=512)
+def _exchange_seconds(arch: Architecture, hw: Hardware, ep: int, domain: int, algorithm: str, tokens: int,
+                      sms: int, dtype: str) -> tuple:
+    """(dispatch s, combine s, algorithm bandwidth GB/s) of ``tokens`` tokens a rank, routed as
+    `_routing` routes them (cached: `plan --fit` costs the same exchange for many layouts)."""
+    p = predict(hw, arch.moe_model(), EPLayout(ep, domain), algorithm, _routing(arch, tokens), sms, dtype)
+    return p.dispatch_s, p.combine_s, p.algo_bandwidth_GBps
 
 
 def routing_imbalance(arch: Architecture, layout: TrainingLayout) -> float:

@@ -10,6 +10,7 @@ with TP, gradient-reduce / parameter-gather overlap), which the estimate says it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from ..errors import ConfigError
 from .megatron_fields import flex_backend
@@ -660,6 +661,13 @@ def pipeline_split_problems(layers: int, pp: int, vpp: int = 1, first: int | Non
 
 
 def megatron_split(layers: int, mtp_layers: int, pp: int, vpp: int, head: float = 1.0) -> dict | None:
+    """A copy of `_megatron_split`'s answer (cached: `plan --fit` asks the same split of many layouts)."""
+    split = _megatron_split(layers, mtp_layers, pp, vpp, head)
+    return None if split is None else dict(split)
+
+
+@lru_cache(maxsize=1024)
+def _megatron_split(layers: int, mtp_layers: int, pp: int, vpp: int, head: float = 1.0) -> dict | None:
     """The plainest `TrainingLayout` split fields with which Megatron-Core builds ``layers``
     decoder layers on PP x VPP stages: none when they split evenly; the two account_for_* flags
     when the embedding and loss slots make them split; else a pipeline_model_parallel_layout

@@ -2,7 +2,9 @@
 
 Parallel folding: attention layers take TP x CP x DP x PP and MoE layers ETP x EP x EDP x PP of
 the same GPUs, so TP / CP and EP / ETP are searched independently (within one pipeline
-stage's GPUs). For each layout the search also tries the recompute choices of `RECOMPUTE`
+stage's GPUs), and so are the micro-batch sizes of `MICRO_BATCHES` (a larger micro-batch
+fills the GEMMs and spreads each layer's launches over more tokens, at the cost of memory and
+of the pipeline's fill). For each layout the search also tries the recompute choices of `RECOMPUTE`
 (lightest first) and VPP, each with the plainest pipeline split Megatron builds
 (`layout.megatron_split`: even, the embedding and loss counted as layers, or a
 pipeline_model_parallel_layout), and with EP it tries Megatron's EP overlap (with delayed weight
@@ -30,6 +32,10 @@ RECOMPUTE = [(None, ()), ("selective", ("mla_up_proj", "moe_act", "layernorm")),
              ("selective", ("mla_up_proj", "moe_act", "layernorm", "mlp", "shared_experts")),
              ("selective", ("moe",)), ("full", ())]
 PP_SIZES = (1, 2, 4, 8, 16)
+# Micro-batch sizes searched, up to MAX_MICRO_BATCH_TOKENS tokens a micro-batch (the published
+# recipes run 1 to 8 sequences of 4096).
+MICRO_BATCHES = (1, 2, 4, 8)
+MAX_MICRO_BATCH_TOKENS = 32768
 
 
 def _divisors(n: int, limit: int) -> list:
@@ -73,12 +79,21 @@ def fitting_pp(arch: Architecture, hw: Hardware, ep: int, precision: str, gpus: 
     return None, last
 
 
+def micro_batches(seq: int) -> list:
+    """The micro-batch sizes `search` tries at sequence length ``seq``."""
+    return [m for m in MICRO_BATCHES if m == 1 or m * seq <= MAX_MICRO_BATCH_TOKENS]
+
+
 def search(arch: Architecture, hw: Hardware, gpus: int, seq: int = 4096, global_batch: int | None = None,
-           micro_batch: int = 1, precision: str = "bf16", top: int = 5) -> list:
-    """Fitting layouts, fastest first: [(estimate, layout)]."""
+           micro_batch: int | None = None, precision: str = "bf16", top: int = 5) -> list:
+    """Fitting layouts, fastest first: [(estimate, layout)]; ``micro_batch`` fixes the
+    micro-batch size (default: each of `micro_batches`, smallest first: a micro-batch that does not
+    fit at any recompute ends the layout's larger ones, and each starts from the recompute its
+    smaller one needed, as activations only grow with the micro-batch)."""
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: give the number of GPUs, e.g. --gpus 256")
     backend = "hybridep" if hw.domain_size > 8 else "deepep"
+    sizes = [micro_batch] if micro_batch else micro_batches(seq)
     found = []
     for pp in PP_SIZES:
         if gpus % pp or pp > arch.layers:
@@ -89,30 +104,35 @@ def search(arch: Architecture, hw: Hardware, gpus: int, seq: int = 4096, global_
                 if stage % (tp * cp):
                     continue
                 dp = stage // (tp * cp)
-                batch = global_batch or max(dp * micro_batch, 1024 if seq <= 8192 else 256)
-                if batch % (dp * micro_batch):
-                    continue
                 for ep in [e for e in _divisors(arch.experts, stage) if e > 1]:
                     for etp in (1, tp) if tp > 1 else (1,):
                         if stage % (ep * etp):
                             continue
                         for overlap in (False, True):
-                            base = TrainingLayout(gpus=gpus, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, seq=seq,
-                                                  micro_batch=micro_batch, global_batch=batch, precision=precision,
-                                                  dispatcher="flex", flex_backend=backend,
-                                                  ep_overlap=overlap, delay_wgrad=overlap)
-                            best = _best_fit(arch, hw, base)
-                            if best:
-                                found.append(best)
+                            lightest = 0
+                            for mbs in sizes:
+                                batch = global_batch or max(dp * mbs, 1024 if seq <= 8192 else 256)
+                                if batch % (dp * mbs):
+                                    continue
+                                base = TrainingLayout(gpus=gpus, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, seq=seq,
+                                                      micro_batch=mbs, global_batch=batch, precision=precision,
+                                                      dispatcher="flex", flex_backend=backend,
+                                                      ep_overlap=overlap, delay_wgrad=overlap)
+                                best = _best_fit(arch, hw, base, lightest)
+                                if best is None:
+                                    break
+                                found.append(best[:2])
+                                lightest = best[2]
     found.sort(key=lambda pair: pair[0]["step_time_s"] / pair[0]["layout"]["global_batch"])
     return found[:top]
 
 
-def _best_fit(arch: Architecture, hw: Hardware, base: TrainingLayout):
-    """(estimate, layout) of the lightest recompute and fastest VPP that fit and validate, or None."""
+def _best_fit(arch: Architecture, hw: Hardware, base: TrainingLayout, lightest: int = 0):
+    """(estimate, layout, its recompute's index) of the lightest recompute from
+    ``_recompute_choices(arch)[lightest]`` on and the fastest VPP that fit and validate, or None."""
     vpps = [v for v in (1, 2, 4) if base.pp > 1 or v == 1]
     best = None
-    for granularity, modules in _recompute_choices(arch):
+    for index, (granularity, modules) in enumerate(_recompute_choices(arch)[lightest:], lightest):
         for vpp in vpps:
             split = megatron_split(arch.layers, arch.mtp_layers, base.pp, vpp, arch.output_layers_worth(base.seq))
             if split is None:
@@ -123,7 +143,7 @@ def _best_fit(arch: Architecture, hw: Hardware, base: TrainingLayout):
                 continue
             r = estimate(arch, hw, layout)
             if r["fits"] and (best is None or r["step_time_s"] < best[0]["step_time_s"]):
-                best = (r, layout)
+                best = (r, layout, index)
         if best:
             return best                 # lighter recompute fits: heavier ones only cost time
     return None
@@ -189,18 +209,19 @@ def emit_layout(arch: Architecture, hw: Hardware, layout: TrainingLayout, style:
 
 def format_search(found: list, arch: Architecture, hw: Hardware, gpus: int) -> str:
     if not found:
-        return (f"plan --fit: no layout of {arch.name} fits {gpus} x {hw.name} (every PP, TP, CP, EP, ETP, VPP and "
-                "recompute choice tried): more GPUs, or GPUs with more memory")
+        return (f"plan --fit: no layout of {arch.name} fits {gpus} x {hw.name} (every PP, TP, CP, EP, ETP, VPP, "
+                "micro-batch and recompute choice tried): more GPUs, or GPUs with more memory")
     lines = [f"plan --fit: {arch.name} on {gpus} x {hw.name}, fastest first (predicted; docs/planner.md)", "",
              f"  {'#':>2} {'TP':>3} {'CP':>3} {'PP':>3} {'VPP':>3} {'DP':>4} | {'EP':>4} {'ETP':>3} {'EDP':>4} "
-             f"{'overlap':>7}  {'recompute':<28} {'step s':>7} {'TFLOPS':>7} {'peak GB':>8}  wall"]
+             f"{'MBS':>3} {'overlap':>7}  {'recompute':<28} {'step s':>7} {'TFLOPS':>7} {'peak GB':>8}  wall"]
     for i, (r, layout) in enumerate(found, 1):
         lay = r["layout"]
         rec = layout.recompute or "none"
         if layout.recompute == "selective":
             rec = ",".join(layout.recompute_modules)
         lines.append(f"  {i:>2} {lay['tp']:>3} {lay['cp']:>3} {lay['pp']:>3} {lay['vpp']:>3} {lay['dp']:>4} | "
-                     f"{lay['ep']:>4} {lay['etp']:>3} {lay['edp']:>4} {'EP' if lay['ep_overlap'] else '-':>7}  "
+                     f"{lay['ep']:>4} {lay['etp']:>3} {lay['edp']:>4} {layout.micro_batch:>3} "
+                     f"{'EP' if lay['ep_overlap'] else '-':>7}  "
                      f"{rec:<28} {r['step_time_s']:>7.2f} "
                      f"{r['tflops_per_gpu']:>7.0f} {r['peak_memory_GB']:>8.1f}  {r['wall']}")
     r = found[0][0]

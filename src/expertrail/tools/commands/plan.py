@@ -30,7 +30,8 @@ def add_parser(sub) -> None:
                         "(default: the plan)")
     f = p.add_argument_group("layout search (--fit; docs/planner.md)")
     f.add_argument("--fit", action="store_true",
-                   help="search the layouts (TP, CP, PP, VPP, EP, ETP, recompute) that fit --gpus GPUs, fastest first "
+                   help="search the layouts (TP, CP, PP, VPP, EP, ETP, micro-batch, recompute) that fit --gpus GPUs, "
+                        "fastest first "
                         "(default: plan the dispatcher)")
     f.add_argument("--gpus", type=positive_int(256), default=None,
                    help="GPUs of the run (needed by --fit; default without --fit: 256, for the memory check of the EP "
@@ -38,6 +39,8 @@ def add_parser(sub) -> None:
     f.add_argument("--seq", type=positive_int(4096), default=4096, help="sequence length (default %(default)s)")
     f.add_argument("--global-batch", type=positive_int(1024), default=None,
                    help="sequences per step (default: 1024, or DP x micro-batch when more)")
+    f.add_argument("--micro-batch", type=positive_int(1), default=None,
+                   help="sequences per micro-batch (default: search 1, 2, 4 and 8, up to 32768 tokens)")
     f.add_argument("--top", type=positive_int(5), default=5, help="layouts to print (default %(default)s)")
 
 
@@ -50,7 +53,8 @@ def _run_fit(args) -> int:
     if not args.gpus:
         raise ExpertrailError("--fit needs --gpus N, the GPUs of the run, e.g. --gpus 256")
     hw, arch = load_hardware(args.hardware), load_architecture(args.model)
-    found = search(arch, hw, args.gpus, args.seq, args.global_batch, precision=args.precision, top=args.top)
+    found = search(arch, hw, args.gpus, args.seq, args.global_batch, micro_batch=args.micro_batch,
+                   precision=args.precision, top=args.top)
     if args.emit:
         if not found:
             raise ExpertrailError(format_search(found, arch, hw, args.gpus))
