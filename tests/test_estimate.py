@@ -662,6 +662,23 @@ def test_a_capacity_factor_caps_the_busiest_rank_and_padding_sets_every_experts_
     assert "at most 1x its even share" in said
 
 
+def test_shared_expert_overlap_hides_the_exchange_behind_the_shared_experts():
+    """moe_shared_expert_overlap runs a model's shared experts beside the dispatch and combine:
+    each of the four exchanges is left what `pair_exposed` leaves beside its chunk of the shared
+    experts' time, so less than without it, more than a chunk larger than every exchange leaves;
+    a model without shared experts (Qwen3) is unchanged."""
+    from expertrail.plan.estimate import pair_exposed, shared_overlap_exposed
+    base = dict(pp=8, vpp=4, ep=32, global_batch=4096, **MLA_UP)
+    plain, shared = (run("h100", DSV3, shared_expert_overlap=o, **base) for o in (False, True))
+    assert shared["terms_s"]["ep"] < plain["terms_s"]["ep"]
+    assert shared["terms_s"]["gemm"] == pytest.approx(plain["terms_s"]["gemm"])
+    assert shared_overlap_exposed(4.0, 1e9, 0.0) == pytest.approx(4 * pair_exposed(1.0, 1e9, 0.0))
+    assert shared_overlap_exposed(4.0, 0.0, 0.1) == pytest.approx(4.0)          # nothing beside it: all exposed
+    assert 0 < shared_overlap_exposed(4.0, 6.0, 0.1) < 4.0
+    qwen = [run("h100", QWEN, ep=8, pp=8, global_batch=1024, shared_expert_overlap=o) for o in (False, True)]
+    assert qwen[0]["step_time_s"] == pytest.approx(qwen[1]["step_time_s"])
+
+
 def test_nvfp4_is_costed_as_fp8_and_says_so(capsys):
     """fp4 (--fp4-format, Bridge's bf16_with_nvfp4_mixed) runs the GEMMs in NVFP4: no published
     MoE run calibrates it, so they are costed at the FP8 efficiency and the assumed line says so;
@@ -792,15 +809,16 @@ def test_moe_enable_deepep_selects_deepep_as_megatron_does(capsys):
 
 
 def test_fields_the_estimate_leaves_out_are_named_and_sequence_parallel_is_required_with_tp(capsys):
-    """FP8 weights and shared-expert overlap change memory or time but are not modelled: the
-    estimate names them. An MoE model with TP > 1 needs sequence parallelism in Megatron-Core:
+    """FP8 weights change memory but are not modelled: the estimate names them (shared-expert
+    overlap is read). An MoE model with TP > 1 needs sequence parallelism in Megatron-Core:
     estimate assumes it (and says so), validate refuses an explicit false."""
     flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "8", "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
              "--expert-model-parallel-size", "32", "--global-batch-size", "1024", "--fp8-format", "e4m3",
              "--fp8-recipe", "blockwise"]
     layout = TrainingLayout.from_fields(load_config(None, flags + ["--fp8-param-gather", "--moe-shared-expert-overlap"]),
                                         512)
-    assert {"fp8_param_gather", "moe_shared_expert_overlap"} <= set(layout.not_modelled)
+    assert "fp8_param_gather" in layout.not_modelled and "moe_shared_expert_overlap" not in layout.not_modelled
+    assert layout.shared_expert_overlap
     assert "sequence_parallel=true" in layout.assumed
     assert main(["estimate", "--hardware", "h100", "--gpus", "512", "--model", "qwen3-235b-a22b", *flags,
                  "--no-sequence-parallel"]) == 0

@@ -328,6 +328,9 @@ def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe:
                                         comm_sms(layout) / hw.sms)
             alone = unpaired_share(layout)
             comm["ep"] = alone * ep_comm + (1 - alone) * paired
+        elif layout.shared_expert_overlap and arch.shared_ffn:
+            shared = _gemm_seconds(3 * t * 6 * arch.hidden * arch.shared_ffn, hw, layout.precision, width=w)
+            comm["ep"] = shared_overlap_exposed(ep_comm, shared, comm_sms(layout) / hw.sms)
         else:
             comm["ep"] = ep_comm
     if layout.fsdp:
@@ -408,6 +411,16 @@ def ep_overlap_exposed(ep_comm: float, attention: float, mlp: float, delay_wgrad
     chunks = (mlp / 3 if delay_wgrad else 2 * mlp / 3, attention / 3,
               2 * mlp / 3 if delay_wgrad else mlp / 3, 2 * attention / 3)
     return sum(pair_exposed(q, chunk, sm_share) for chunk in chunks)
+
+
+def shared_overlap_exposed(ep_comm: float, shared: float, sm_share: float) -> float:
+    """What moe_shared_expert_overlap leaves of a layer's dispatch + combine (forward and
+    backward, ``ep_comm``): Megatron runs the shared experts (``shared`` seconds, forward +
+    backward) on a side stream, their first projection beside the dispatch and their second
+    beside the combine, in the forward (a third of their time) and again in the backward (two
+    thirds); each of the four exchanges beside one such chunk, as `pair_exposed` costs it."""
+    q = ep_comm / 4
+    return sum(pair_exposed(q, chunk, sm_share) for chunk in (shared / 6, shared / 6, shared / 3, shared / 3))
 
 
 def pair_exposed(comm: float, chunk: float, sm_share: float) -> float:

@@ -24,7 +24,7 @@ PIPELINE_STAGE_MARKS = {"E": "embedding", "t": "layer", "m": "mtp", "L": "loss"}
 NOT_MODELLED = ("cpu_offloading_weights", "cpu_offloading_double_buffering", "moe_router_dtype",
                 "experimental_attention_variant",
                 "fp8_param_gather", "fp8_param", "fp4_param", "fp4_param_gather", "fp8_dot_product_attention",
-                "fp8_wgrad", "moe_shared_expert_overlap", "moe_token_dropping", "moe_router_topk_limited_devices",
+                "fp8_wgrad", "moe_token_dropping", "moe_router_topk_limited_devices",
                 "moe_latent_size", "use_torch_fsdp2", "hybrid_context_parallel",
                 "overlap_dispatch_backward_with_experts_wgrad", "activation_offload_fraction",
                 "num_distributed_optimizer_instances", "main_params_dtype", "distribute_saved_activations",
@@ -165,6 +165,8 @@ class TrainingLayout:
     # (the rest dropped); moe_pad_expert_input_to_capacity pads every expert up to exactly that.
     capacity_factor: float | None = None
     pad_to_capacity: bool = False
+    # moe_shared_expert_overlap: the shared experts run on a side stream beside the dispatch and combine
+    shared_expert_overlap: bool = False
     fp8_wire: bool | None = None            # NCCL EP's moe_dispatch_fwd_dtype=mxfp8 (None: the backend's own rule)
     # A natural router's loads (Megatron's default); False: every EP rank its even share, as
     # moe_router_force_load_balancing gives (the published benchmark runs).
@@ -410,6 +412,7 @@ class TrainingLayout:
             capacity_factor=get("moe_expert_capacity_factor", None),
             pad_to_capacity=bool(get("moe_pad_expert_input_to_capacity", False))
             and get("moe_expert_capacity_factor", None) is not None,
+            shared_expert_overlap=bool(get("moe_shared_expert_overlap", False)),
             fp8_wire=(get("moe_dispatch_fwd_dtype", "bf16") == "mxfp8") if backend == "ncclep" else None,
             optimizer_state_offload=state_offload,
             optimizer_state_chunk_MB=int(get("optimizer_state_offload_chunk_size_mb", 0) or 0), assumed=tuple(assumed),
