@@ -290,6 +290,20 @@ def test_plan_fit_searches_the_micro_batch(capsys):
     assert [row[3] for row in rows[1:]] == ["2", "2"]            # the MBS column, under its header
 
 
+def test_plan_fit_searches_gpu_counts_whose_dp_is_not_a_power_of_two(capsys):
+    """72 GPUs (an NVL72 rack): without --global-batch each layout takes the first multiple of its
+    DP x micro-batch from 1024 sequences, so layouts are found; a --global-batch no layout's DP x
+    micro-batch divides is refused naming the multiples that would work, not called a memory wall."""
+    from expertrail.plan.search import default_global_batch, search
+    assert default_global_batch(72, 4096) == 1080 and default_global_batch(64, 4096) == 1024
+    assert default_global_batch(3, 16384) == 258
+    qwen30 = ARCHITECTURES["qwen3-30b-a3b"]
+    found = search(qwen30, HARDWARE["gb200-nvl72"], 72, top=3)
+    assert found and all(r["layout"]["global_batch"] % (lay.dp * lay.micro_batch) == 0 for r, lay in found)
+    with pytest.raises(ConfigError, match="--global-batch 1000 is not a multiple of DP x micro-batch"):
+        search(qwen30, HARDWARE["gb200-nvl72"], 72, global_batch=1000)
+
+
 def test_validate_with_model_and_gpus_checks_what_estimate_checks(capsys):
     """`validate --model --gpus` reads the model's layers, experts and top-k as `estimate` does:
     the same arguments give both the same violations (a 61-layer DeepSeek-V3 over PP 8 x VP 3

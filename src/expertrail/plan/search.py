@@ -84,6 +84,15 @@ def micro_batches(seq: int) -> list:
     return [m for m in MICRO_BATCHES if m == 1 or m * seq <= MAX_MICRO_BATCH_TOKENS]
 
 
+def default_global_batch(sequences: int, seq: int) -> int:
+    """The global batch a layout is searched at when none is given: the first multiple of the
+    ``sequences`` one step of micro-batches takes (DP x micro-batch) from 1024 sequences (256
+    beyond 8k tokens), so a layout whose DP is not a power of two (72 GPUs of an NVL72 rack) is
+    searched too."""
+    least = 1024 if seq <= 8192 else 256
+    return -(-least // sequences) * sequences
+
+
 def search(arch: Architecture, hw: Hardware, gpus: int, seq: int = 4096, global_batch: int | None = None,
            micro_batch: int | None = None, precision: str = "bf16", top: int = 5) -> list:
     """Fitting layouts, fastest first: [(estimate, layout)]; ``micro_batch`` fixes the
@@ -94,7 +103,7 @@ def search(arch: Architecture, hw: Hardware, gpus: int, seq: int = 4096, global_
         raise ConfigError(f"--gpus {gpus}: give the number of GPUs, e.g. --gpus 256")
     backend = "hybridep" if hw.domain_size > 8 else "deepep"
     sizes = [micro_batch] if micro_batch else micro_batches(seq)
-    found = []
+    found, steps = [], set()                 # steps: the sequences one round of micro-batches takes, DP x MBS
     for pp in PP_SIZES:
         if gpus % pp or pp > arch.layers:
             continue
@@ -111,7 +120,8 @@ def search(arch: Architecture, hw: Hardware, gpus: int, seq: int = 4096, global_
                         for overlap in (False, True):
                             lightest = 0
                             for mbs in sizes:
-                                batch = global_batch or max(dp * mbs, 1024 if seq <= 8192 else 256)
+                                batch = global_batch or default_global_batch(dp * mbs, seq)
+                                steps.add(dp * mbs)
                                 if batch % (dp * mbs):
                                     continue
                                 base = TrainingLayout(gpus=gpus, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, seq=seq,
@@ -123,6 +133,10 @@ def search(arch: Architecture, hw: Hardware, gpus: int, seq: int = 4096, global_
                                     break
                                 found.append(best[:2])
                                 lightest = best[2]
+    if global_batch and steps and not any(global_batch % step == 0 for step in steps):
+        raise ConfigError(f"--global-batch {global_batch} is not a multiple of DP x micro-batch of any layout of "
+                          f"{gpus} GPUs (the smallest: {', '.join(map(str, sorted(steps)[:4]))}): choose a multiple "
+                          "of one, or leave it out")
     found.sort(key=lambda pair: pair[0]["step_time_s"] / pair[0]["layout"]["global_batch"])
     return found[:top]
 

@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
                         "sizes)")
     f.add_argument("--seq", type=positive_int(4096), default=4096, help="sequence length (default %(default)s)")
     f.add_argument("--global-batch", type=positive_int(1024), default=None,
-                   help="sequences per step (default: 1024, or DP x micro-batch when more)")
+                   help="sequences per step (default: 1024, or the next multiple of DP x micro-batch)")
     f.add_argument("--micro-batch", type=positive_int(1), default=None,
                    help="sequences per micro-batch (default: search 1, 2, 4 and 8, up to 32768 tokens)")
     f.add_argument("--top", type=positive_int(5), default=5, help="layouts to print (default %(default)s)")
