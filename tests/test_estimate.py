@@ -693,6 +693,21 @@ def test_shared_expert_overlap_hides_the_exchange_behind_the_shared_experts():
     assert qwen[0]["step_time_s"] == pytest.approx(qwen[1]["step_time_s"])
 
 
+def test_device_limited_routing_is_group_limited_routing_over_the_ep_ranks():
+    """moe_router_topk_limited_devices M (DeepSeek-V2's device-limited routing, deprecated) is read
+    as Megatron-Core reads it: groups of one EP rank's experts, M of them per token; a token then
+    reaches at most M ranks, so the exchange costs less than with free choices."""
+    flags = ["--expert-model-parallel-size", "8", "--moe-router-force-load-balancing", "--moe-token-dispatcher-type",
+             "flex"]
+    free, limited = (from_fields(QWEN, load_config(None, flags + extra))
+                     for extra in ([], ["--moe-router-topk-limited-devices", "2"]))
+    assert (limited.num_groups, limited.group_topk) == (8, 2) and not free.group_topk
+    layout = TrainingLayout.from_fields(load_config(None, flags + ["--moe-router-topk-limited-devices", "2"]), 64)
+    assert "moe_router_topk_limited_devices" not in layout.not_modelled
+    costs = [estimate(a, HARDWARE["h100"], layout)["step"]["ep_comm_per_layer_s"] for a in (free, limited)]
+    assert costs[1] < costs[0]
+
+
 def test_nvfp4_is_costed_as_fp8_and_says_so(capsys):
     """fp4 (--fp4-format, Bridge's bf16_with_nvfp4_mixed) runs the GEMMs in NVFP4: no published
     MoE run calibrates it, so they are costed at the FP8 efficiency and the assumed line says so;

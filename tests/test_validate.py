@@ -81,6 +81,8 @@ CASES = {   # rule -> (breaking config, satisfying config)
                               {"fp8": "e4m3", "fp8_recipe": "mxfp8", "hardware": "b200"}),
     "fp4-or-fp8": ({"fp4": "e2m1", "fp8": "hybrid"}, {"fp4": "e2m1"}),
     "nvfp4-needs-blackwell": ({"fp4": "e2m1", "hardware": "h100"}, {"fp4": "e2m1", "hardware": "gb200-nvl72"}),
+    "limited-devices-or-groups": ({"moe_router_topk_limited_devices": 3, "moe_router_group_topk": 3,
+                                   "moe_router_num_groups": 8}, {"moe_router_topk_limited_devices": 3}),
     "top1-pre-softmax": ({"moe_router_topk": 1}, {"moe_router_topk": 1, "moe_router_pre_softmax": True}),
     "bias-needs-sigmoid": ({"moe_router_enable_expert_bias": True},
                            {"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"}),

@@ -323,6 +323,10 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
     tied = tied_embeddings_of(fields)
     if tied is not None:
         given["tied_embeddings"] = tied
+    limited = fields.get("moe_router_topk_limited_devices")
+    if limited and not fields.get("moe_router_group_topk"):
+        # Megatron-Core's reading of the deprecated device-limited routing: groups of one EP rank's experts
+        given.update(group_topk=limited, num_groups=fields.get("expert_model_parallel_size") or 1)
     if base is None:
         needed = ["num_layers", "hidden_size", "num_attention_heads", "num_moe_experts", "moe_ffn_hidden_size"]
         missing = [k for k in needed if FIELDS[k] not in given]

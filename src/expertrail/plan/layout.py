@@ -24,7 +24,7 @@ PIPELINE_STAGE_MARKS = {"E": "embedding", "t": "layer", "m": "mtp", "L": "loss"}
 NOT_MODELLED = ("cpu_offloading_weights", "cpu_offloading_double_buffering", "moe_router_dtype",
                 "experimental_attention_variant",
                 "fp8_param_gather", "fp8_param", "fp4_param", "fp4_param_gather", "fp8_dot_product_attention",
-                "fp8_wgrad", "moe_token_dropping", "moe_router_topk_limited_devices",
+                "fp8_wgrad", "moe_token_dropping",
                 "moe_latent_size", "use_torch_fsdp2", "hybrid_context_parallel",
                 "overlap_dispatch_backward_with_experts_wgrad", "activation_offload_fraction",
                 "num_distributed_optimizer_instances", "main_params_dtype", "distribute_saved_activations",

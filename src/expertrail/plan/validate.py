@@ -582,6 +582,11 @@ RULES = [
          lambda c: c.given("moe_router_num_groups") and c.given("num_moe_experts"),
          lambda c: c.given("moe_router_group_topk") and 1 <= c["moe_router_group_topk"] <= c["moe_router_num_groups"]
          and c["moe_router_group_topk"] * (c["num_moe_experts"] // c["moe_router_num_groups"]) >= c["moe_router_topk"]),
+    Rule("limited-devices-or-groups", "moe_router_topk_limited_devices (deprecated) and moe_router_group_topk "
+         "name the same limit (Megatron-Core raises with both)", ("moe_router_topk_limited_devices",
+                                                                  "moe_router_group_topk"),
+         "keep moe_router_group_topk with moe_router_num_groups (num_groups = EP size reads as the device limit)",
+         lambda c: c.given("moe_router_topk_limited_devices"), lambda c: not c.given("moe_router_group_topk")),
     Rule("top1-pre-softmax", "top-1 softmax routing needs the softmax before top-k",
          ("moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax"), "set moe_router_pre_softmax=true",
          lambda c: int(c["moe_router_topk"]) == 1 and c["moe_router_score_function"] == "softmax"
