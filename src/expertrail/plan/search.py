@@ -79,6 +79,23 @@ def fitting_pp(arch: Architecture, hw: Hardware, ep: int, precision: str, gpus: 
     return None, last
 
 
+def _shapes(arch: Architecture, hw: Hardware, gpus: int):
+    """Each (PP, TP, CP, DP, EP, ETP) of ``gpus`` GPUs: TP within the NVLink domain (at most 8),
+    CP 1 or 2, EP > 1 dividing the experts, EP x ETP and TP x CP each dividing a stage's GPUs."""
+    for pp in PP_SIZES:
+        if gpus % pp or pp > arch.layers:
+            continue
+        stage = gpus // pp
+        for tp in _divisors(stage, min(8, hw.domain_size)):
+            for cp in (1, 2):
+                if stage % (tp * cp):
+                    continue
+                for ep in [e for e in _divisors(arch.experts, stage) if e > 1]:
+                    for etp in (1, tp) if tp > 1 else (1,):
+                        if stage % (ep * etp) == 0:
+                            yield pp, tp, cp, stage // (tp * cp), ep, etp
+
+
 def micro_batches(seq: int) -> list:
     """The micro-batch sizes `search` tries at sequence length ``seq``."""
     return [m for m in MICRO_BATCHES if m == 1 or m * seq <= MAX_MICRO_BATCH_TOKENS]
@@ -104,35 +121,21 @@ def search(arch: Architecture, hw: Hardware, gpus: int, seq: int = 4096, global_
     backend = "hybridep" if hw.domain_size > 8 else "deepep"
     sizes = [micro_batch] if micro_batch else micro_batches(seq)
     found, steps = [], set()                 # steps: the sequences one round of micro-batches takes, DP x MBS
-    for pp in PP_SIZES:
-        if gpus % pp or pp > arch.layers:
-            continue
-        stage = gpus // pp
-        for tp in _divisors(stage, min(8, hw.domain_size)):
-            for cp in (1, 2):
-                if stage % (tp * cp):
-                    continue
-                dp = stage // (tp * cp)
-                for ep in [e for e in _divisors(arch.experts, stage) if e > 1]:
-                    for etp in (1, tp) if tp > 1 else (1,):
-                        if stage % (ep * etp):
-                            continue
-                        for overlap in (False, True):
-                            lightest = 0
-                            for mbs in sizes:
-                                batch = global_batch or default_global_batch(dp * mbs, seq)
-                                steps.add(dp * mbs)
-                                if batch % (dp * mbs):
-                                    continue
-                                base = TrainingLayout(gpus=gpus, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, seq=seq,
-                                                      micro_batch=mbs, global_batch=batch, precision=precision,
-                                                      dispatcher="flex", flex_backend=backend,
-                                                      ep_overlap=overlap, delay_wgrad=overlap)
-                                best = _best_fit(arch, hw, base, lightest)
-                                if best is None:
-                                    break
-                                found.append(best[:2])
-                                lightest = best[2]
+    for (pp, tp, cp, dp, ep, etp), overlap in ((shape, o) for shape in _shapes(arch, hw, gpus) for o in (False, True)):
+        lightest = 0
+        for mbs in sizes:
+            batch = global_batch or default_global_batch(dp * mbs, seq)
+            steps.add(dp * mbs)
+            if batch % (dp * mbs):
+                continue
+            base = TrainingLayout(gpus=gpus, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, seq=seq, micro_batch=mbs,
+                                  global_batch=batch, precision=precision, dispatcher="flex", flex_backend=backend,
+                                  ep_overlap=overlap, delay_wgrad=overlap)
+            best = _best_fit(arch, hw, base, lightest)
+            if best is None:
+                break
+            found.append(best[:2])
+            lightest = best[2]
     if global_batch and steps and not any(global_batch % step == 0 for step in steps):
         raise ConfigError(f"--global-batch {global_batch} is not a multiple of DP x micro-batch of any layout of "
                           f"{gpus} GPUs (the smallest: {', '.join(map(str, sorted(steps)[:4]))}): choose a multiple "
