@@ -304,6 +304,25 @@ def test_plan_fit_searches_gpu_counts_whose_dp_is_not_a_power_of_two(capsys):
         search(qwen30, HARDWARE["gb200-nvl72"], 72, global_batch=1000)
 
 
+def test_tp_and_etp_must_split_the_models_heads_and_widths(capsys):
+    """Megatron-Core refuses a TP that does not split the attention heads, or whose query groups
+    are neither a multiple nor a divisor of it, and a TP / ETP that does not split the MLP widths:
+    `estimate` refuses them by name, `validate --model` reports the same rules, and `plan --fit`
+    never proposes them (72 GPUs offer TP 3 and 6)."""
+    from expertrail.plan.search import _shapes
+    assert QWEN.split_problems(8, 1) == [] and QWEN.split_problems(4, 4) == []    # 4 query groups, replicated at TP 8
+    assert any("num_attention_heads 64" in p for p in QWEN.split_problems(3, 1))
+    assert any("moe_ffn_hidden_size 2048 does not split over ETP 6" in p for p in DSV3.split_problems(2, 6))
+    with pytest.raises(ConfigError, match="num_query_groups 4 is neither"):
+        run("h100", QWEN, tp=3, pp=1, ep=8, etp=1, global_batch=1024)
+    flags = ["--tensor-model-parallel-size", "6", "--expert-model-parallel-size", "4"]
+    assert main(["validate", *flags, "--model", "deepseek-v3", "--gpus", "48", "hardware=h100"]) == 1
+    out = capsys.readouterr().out
+    assert all(f"[{rule}]" in out for rule in ("tp-splits-heads", "etp-splits-expert", "tp-splits-shared-expert"))
+    for arch in (DSV3, QWEN, ARCHITECTURES["qwen3-next-80b-a3b"]):
+        assert all(not arch.split_problems(tp, etp) for _, tp, _, _, _, etp in _shapes(arch, HARDWARE["gb200-nvl72"], 72))
+
+
 def test_validate_with_model_and_gpus_checks_what_estimate_checks(capsys):
     """`validate --model --gpus` reads the model's layers, experts and top-k as `estimate` does:
     the same arguments give both the same violations (a 61-layer DeepSeek-V3 over PP 8 x VP 3

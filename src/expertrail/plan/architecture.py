@@ -71,6 +71,27 @@ class Architecture:
     def moe_layers(self) -> int:
         return self.layers - self.dense_layers
 
+    def split_problems(self, tp: int, etp: int) -> list:
+        """Why Megatron-Core cannot split this model over TP ``tp`` and expert-TP ``etp``, each with
+        its fix: the attention heads (and query groups, a multiple or divisor of TP; Gated
+        DeltaNet's heads) over TP, the dense and shared-expert MLPs' widths over TP, a routed
+        expert's width over ETP (Megatron-Core raises, or its parallel linear layers assert)."""
+        widths = [("num_attention_heads", self.heads, "TP", tp), ("moe_ffn_hidden_size", self.moe_ffn, "ETP", etp)]
+        if self.dense_layers:
+            widths.append(("ffn_hidden_size", self.ffn, "TP", tp))
+        if self.shared_ffn:
+            widths.append(("moe_shared_expert_intermediate_size", self.shared_ffn, "TP", tp))
+        if self.linear_layers:
+            widths += [("linear_num_key_heads", self.linear_qk_heads, "TP", tp),
+                       ("linear_num_value_heads", self.linear_v_heads, "TP", tp)]
+        out = [f"{name} {size} does not split over {label} {ways} (Megatron-Core asserts): choose a {label} dividing "
+               f"{size}" for name, size, label, ways in widths if size % ways]
+        groups = self.heads if self.mla else self.kv_heads
+        if groups % tp and tp % groups:
+            out.append(f"num_query_groups {groups} is neither a multiple nor a divisor of TP {tp} (Megatron-Core "
+                       "raises): choose a TP dividing or divided by it")
+        return out
+
     @property
     def mla(self) -> bool:
         return self.kv_lora > 0

@@ -454,7 +454,7 @@ def _no_recompute(layout: TrainingLayout) -> TrainingLayout:
 def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     """Everything `expertrail estimate` prints, as data."""
     layout = layout.for_model(arch.layers, arch.mtp_layers, arch.output_layers_worth(layout.seq))
-    problems = layout.problems(arch.experts, arch.layers)
+    problems = layout.problems(arch.experts, arch.layers) + arch.split_problems(layout.tp, layout.etp)
     if problems:
         raise ConfigError("; ".join(problems))
     domain = domain_for(hw, layout.ep) if layout.ep > 1 else 1

@@ -81,7 +81,8 @@ def fitting_pp(arch: Architecture, hw: Hardware, ep: int, precision: str, gpus: 
 
 def _shapes(arch: Architecture, hw: Hardware, gpus: int):
     """Each (PP, TP, CP, DP, EP, ETP) of ``gpus`` GPUs: TP within the NVLink domain (at most 8),
-    CP 1 or 2, EP > 1 dividing the experts, EP x ETP and TP x CP each dividing a stage's GPUs."""
+    CP 1 or 2, EP > 1 dividing the experts, EP x ETP and TP x CP each dividing a stage's GPUs,
+    and TP and ETP splitting the model's heads and widths (`Architecture.split_problems`)."""
     for pp in PP_SIZES:
         if gpus % pp or pp > arch.layers:
             continue
@@ -92,7 +93,7 @@ def _shapes(arch: Architecture, hw: Hardware, gpus: int):
                     continue
                 for ep in [e for e in _divisors(arch.experts, stage) if e > 1]:
                     for etp in (1, tp) if tp > 1 else (1,):
-                        if stage % (ep * etp) == 0:
+                        if stage % (ep * etp) == 0 and not arch.split_problems(tp, etp):
                             yield pp, tp, cp, stage // (tp * cp), ep, etp
 
 
@@ -224,10 +225,38 @@ def emit_layout(arch: Architecture, hw: Hardware, layout: TrainingLayout, style:
     raise ConfigError(f"--emit {style!r}; choose megatron or bridge")
 
 
-def format_search(found: list, arch: Architecture, hw: Hardware, gpus: int) -> str:
+def leanest(arch: Architecture, hw: Hardware, gpus: int, seq: int = 4096, precision: str = "bf16"):
+    """(estimate, layout) of the layout `search` tries that needs the least memory on its busiest
+    rank (each shape at micro-batch 1 with full recompute, the plainest split), or None when
+    ``gpus`` GPUs have no shape at all: what `format_search` shows when nothing fits."""
+    best = None
+    for pp, tp, cp, dp, ep, etp in _shapes(arch, hw, gpus):
+        split = megatron_split(arch.layers, arch.mtp_layers, pp, 1, arch.output_layers_worth(seq))
+        if split is None:
+            continue
+        layout = TrainingLayout(gpus=gpus, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, seq=seq, precision=precision,
+                                global_batch=default_global_batch(dp, seq), dispatcher="flex",
+                                flex_backend="hybridep" if hw.domain_size > 8 else "deepep", recompute="full",
+                                recompute_method="uniform", **split)
+        if layout.problems(arch.experts, arch.layers):
+            continue
+        r = estimate(arch, hw, layout)
+        if best is None or r["peak_memory_GB"] < best[0]["peak_memory_GB"]:
+            best = (r, layout)
+    return best
+
+
+def format_search(found: list, arch: Architecture, hw: Hardware, gpus: int, closest=None) -> str:
+    """`plan --fit`'s table of ``found`` layouts; when none fits, the message names ``closest``
+    (`leanest`'s answer) and what it needs."""
     if not found:
+        why = "no shape: EP must divide the experts and a pipeline stage's GPUs"
+        if closest:
+            r, lay = closest
+            why = (f"the leanest, TP {lay.tp} CP {lay.cp} PP {lay.pp} EP {lay.ep} ETP {lay.etp} at micro-batch 1 with "
+                   f"full recompute, needs {r['peak_memory_GB']:.0f} GB of {r['usable_memory_GB']:.0f} usable")
         return (f"plan --fit: no layout of {arch.name} fits {gpus} x {hw.name} (every PP, TP, CP, EP, ETP, VPP, "
-                "micro-batch and recompute choice tried): more GPUs, or GPUs with more memory")
+                f"micro-batch and recompute choice tried; {why}): more GPUs, or GPUs with more memory")
     lines = [f"plan --fit: {arch.name} on {gpus} x {hw.name}, fastest first (predicted; docs/planner.md)", "",
              f"  {'#':>2} {'TP':>3} {'CP':>3} {'PP':>3} {'VPP':>3} {'DP':>4} | {'EP':>4} {'ETP':>3} {'EDP':>4} "
              f"{'MBS':>3} {'overlap':>7}  {'recompute':<28} {'step s':>7} {'TFLOPS':>7} {'peak GB':>8}  wall"]

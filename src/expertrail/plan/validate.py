@@ -678,6 +678,25 @@ RULES = [
          "pipeline_model_parallel_size", lambda c: c.world is not None,
          lambda c: (c.world // c["pipeline_model_parallel_size"])
          % (c.ep * (c["expert_tensor_parallel_size"] or c["tensor_model_parallel_size"])) == 0),
+    Rule("tp-splits-heads", "the attention heads must split evenly over TP (Megatron-Core raises)",
+         ("num_attention_heads", "tensor_model_parallel_size"), "choose a tensor_model_parallel_size dividing "
+         "num_attention_heads", lambda c: c.given("num_attention_heads"),
+         lambda c: c["num_attention_heads"] % c["tensor_model_parallel_size"] == 0),
+    Rule("tp-query-groups", "the query groups must be a multiple or a divisor of TP (Megatron-Core raises)",
+         ("num_query_groups", "tensor_model_parallel_size"), "choose a tensor_model_parallel_size dividing "
+         "num_query_groups or divided by it", lambda c: c.given("num_query_groups"),
+         lambda c: c["num_query_groups"] % c["tensor_model_parallel_size"] == 0
+         or c["tensor_model_parallel_size"] % c["num_query_groups"] == 0),
+    Rule("etp-splits-expert", "a routed expert's width must split evenly over expert-TP (its linear layers "
+         "assert)", ("moe_ffn_hidden_size", "expert_tensor_parallel_size", "tensor_model_parallel_size"),
+         "choose an expert_tensor_parallel_size (by default the TP size) dividing moe_ffn_hidden_size",
+         lambda c: c.given("moe_ffn_hidden_size"),
+         lambda c: c["moe_ffn_hidden_size"] % (c["expert_tensor_parallel_size"] or c["tensor_model_parallel_size"]) == 0),
+    Rule("tp-splits-shared-expert", "the shared experts' width must split evenly over TP (their linear layers "
+         "assert)", ("moe_shared_expert_intermediate_size", "tensor_model_parallel_size"),
+         "choose a tensor_model_parallel_size dividing moe_shared_expert_intermediate_size",
+         lambda c: bool(c["moe_shared_expert_intermediate_size"]),
+         lambda c: c["moe_shared_expert_intermediate_size"] % c["tensor_model_parallel_size"] == 0),
     Rule("domain-divides-ep", "the NVLink domain size must divide EP", (DOMAIN_FIELD, "expert_model_parallel_size"),
          "set NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN to a divisor of EP (the GPUs one NVLink domain joins)",
          lambda c: c.domain is not None, lambda c: c.ep % c.domain == 0),
@@ -690,12 +709,18 @@ RULES = [
 
 
 def with_model_fields(values: dict, arch) -> dict:
-    """``values`` with the model's experts, top-k and layers (an `Architecture`) where the
-    configuration leaves them out: the rules read them (the pipeline split, the EP size against
-    the experts), so `estimate` and `validate --model` check one configuration alike."""
+    """``values`` with the model's experts, top-k, layers, heads and widths (an `Architecture`)
+    where the configuration leaves them out: the rules read them (the pipeline split, the EP size
+    against the experts, TP and expert-TP against the heads and widths), so `estimate` and
+    `validate --model` check one configuration alike."""
     values.setdefault("num_moe_experts", arch.experts)
     values.setdefault("moe_router_topk", arch.topk)
     values.setdefault("num_layers", arch.layers)
+    values.setdefault("num_attention_heads", arch.heads)
+    values.setdefault("num_query_groups", arch.heads if arch.mla else arch.kv_heads)
+    values.setdefault("moe_ffn_hidden_size", arch.moe_ffn)
+    if arch.shared_ffn:
+        values.setdefault("moe_shared_expert_intermediate_size", arch.shared_ffn)
     return values
 
 

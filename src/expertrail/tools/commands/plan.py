@@ -49,20 +49,21 @@ def _run_fit(args) -> int:
     from ...plan.architecture import load_architecture
     from ...plan.catalog import load_hardware
     from ...plan.output import dumps
-    from ...plan.search import emit_layout, format_search, layout_fields, search
+    from ...plan.search import emit_layout, format_search, layout_fields, leanest, search
     if not args.gpus:
         raise ExpertrailError("--fit needs --gpus N, the GPUs of the run, e.g. --gpus 256")
     hw, arch = load_hardware(args.hardware), load_architecture(args.model)
     found = search(arch, hw, args.gpus, args.seq, args.global_batch, micro_batch=args.micro_batch,
                    precision=args.precision, top=args.top)
+    closest = None if found else leanest(arch, hw, args.gpus, args.seq, args.precision)
     if args.emit:
         if not found:
-            raise ExpertrailError(format_search(found, arch, hw, args.gpus))
+            raise ExpertrailError(format_search(found, arch, hw, args.gpus, closest))
         print(emit_layout(arch, hw, found[0][1], args.emit))
     elif args.json:
         print(dumps([dict(r, fields=layout_fields(arch, lay, hw)) for r, lay in found]))
     else:
-        print(format_search(found, arch, hw, args.gpus))
+        print(format_search(found, arch, hw, args.gpus, closest))
     return 0 if found else 1
 
 
