@@ -258,7 +258,14 @@ def test_plan_fit_lists_fitting_layouts_that_validate(capsys):
     flags = capsys.readouterr().out.replace("\\\n", " ").split()
     assert main(["validate", *flags, "hardware=h100", "world_size=64"]) == 0
     assert main(["plan", "--fit", "--gpus", "8", "--hardware", "h100", "--model", "deepseek-v3"]) == 1
-    assert "no layout of deepseek-v3 fits 8 x h100" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "no layout of deepseek-v3 fits 8 x h100" in out
+    # It names the layout that came closest, with the memory that one needs against what there is.
+    from expertrail.plan.search import leanest
+    r, lay = leanest(DSV3, HARDWARE["h100"], 8)
+    assert not r["fits"] and lay.recompute == "full" and lay.micro_batch == 1
+    assert f"needs {r['peak_memory_GB']:.0f} GB of {r['usable_memory_GB']:.0f} usable" in out
+    assert leanest(DSV3, HARDWARE["h100"], 3) is None
 
 
 def test_plan_fit_searches_the_micro_batch(capsys):
