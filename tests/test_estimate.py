@@ -322,6 +322,11 @@ def test_tp_and_etp_must_split_the_models_heads_and_widths(capsys):
     assert any("moe_ffn_hidden_size 2048 does not split over ETP 6" in p for p in DSV3.split_problems(2, 6))
     with pytest.raises(ConfigError, match="num_query_groups 4 is neither"):
         run("h100", QWEN, tp=3, pp=1, ep=8, etp=1, global_batch=1024)
+    # The sequence: 2 x CP chunks, and each CP rank's part over TP under sequence parallelism.
+    with pytest.raises(ConfigError, match="seq_length 4096 is not a multiple of 2 x CP 3"):
+        estimate(QWEN, HARDWARE["h100"], TrainingLayout(gpus=48, cp=3, ep=8))
+    with pytest.raises(ConfigError, match="does not split over TP 8"):
+        estimate(QWEN, HARDWARE["h100"], TrainingLayout(gpus=64, tp=8, etp=1, ep=8, seq=4100))
     flags = ["--tensor-model-parallel-size", "6", "--expert-model-parallel-size", "4"]
     assert main(["validate", *flags, "--model", "deepseek-v3", "--gpus", "48", "hardware=h100"]) == 1
     out = capsys.readouterr().out

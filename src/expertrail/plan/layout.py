@@ -258,6 +258,14 @@ class TrainingLayout:
                        "expert_model_parallel_size x expert_tensor_parallel_size dividing GPUs / PP")
         if experts % self.ep:
             out.append(f"EP {self.ep} does not divide the {experts} experts: choose a divisor")
+        # Megatron-LM splits a sequence into 2 x CP chunks (causal load balance), and sequence
+        # parallelism each CP rank's part over TP.
+        if self.cp > 1 and self.seq % (2 * self.cp):
+            out.append(f"seq_length {self.seq} is not a multiple of 2 x CP {self.cp} (Megatron-LM asserts): choose "
+                       f"a multiple of {2 * self.cp}")
+        elif self.tp > 1 and (self.seq // self.cp) % self.tp:
+            out.append(f"seq_length {self.seq} over CP {self.cp} does not split over TP {self.tp} (sequence "
+                       f"parallelism): choose a multiple of {self.cp * self.tp}")
         out += pipeline_split_problems(layers, self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers,
                                        self.embedding_in_split, self.loss_in_split, self.layout_string)
         if self.global_batch and self.dp and self.global_batch % (self.micro_batch * max(1, self.dp)):

@@ -678,6 +678,15 @@ RULES = [
          "pipeline_model_parallel_size", lambda c: c.world is not None,
          lambda c: (c.world // c["pipeline_model_parallel_size"])
          % (c.ep * (c["expert_tensor_parallel_size"] or c["tensor_model_parallel_size"])) == 0),
+    Rule("cp-splits-sequence", "with CP > 1 the sequence must split into 2 x CP chunks (Megatron-LM asserts)",
+         ("seq_length", "context_parallel_size"), "choose a seq_length that is a multiple of 2 x context_parallel_size",
+         lambda c: c.given("seq_length") and int(c["context_parallel_size"]) > 1,
+         lambda c: c["seq_length"] % (2 * c["context_parallel_size"]) == 0),
+    Rule("sp-splits-sequence", "sequence parallelism splits each CP rank's part of the sequence over TP",
+         ("seq_length", "context_parallel_size", "tensor_model_parallel_size", "sequence_parallel"),
+         "choose a seq_length that is a multiple of context_parallel_size x tensor_model_parallel_size",
+         lambda c: c.given("seq_length") and bool(c["sequence_parallel"]) and int(c["tensor_model_parallel_size"]) > 1,
+         lambda c: (c["seq_length"] // c["context_parallel_size"]) % c["tensor_model_parallel_size"] == 0),
     Rule("tp-splits-heads", "the attention heads must split evenly over TP (Megatron-Core raises)",
          ("num_attention_heads", "tensor_model_parallel_size"), "choose a tensor_model_parallel_size dividing "
          "num_attention_heads", lambda c: c.given("num_attention_heads"),
