@@ -206,6 +206,8 @@ def _flatten(data: dict, out: dict) -> dict:
             _flatten(v, out)
         else:
             key, forced = canonical(str(k))
+            if isinstance(v, str) and KINDS.get(key) in ("int", "float"):
+                v = parse_value(v)          # YAML 1.1 reads 1e-6 as text; Megatron's argparse, as a number
             out[key] = _switched(v, forced)
     return out
 
