@@ -334,6 +334,18 @@ def test_every_catalog_model_is_a_model_for_plan_and_estimate():
             (arch.hidden, arch.experts, arch.topk, arch.moe_ffn, arch.moe_layers), name
 
 
+def test_experts_without_their_own_width_take_ffn_hidden_size_as_megatron_does():
+    """A configuration that spells the model out with ffn_hidden_size and no
+    moe_ffn_hidden_size (the ModelZoo's Mixtral-8x22B.yaml) has experts as wide as the FFN, as
+    Megatron-LM and Megatron-Core default it; with a catalog --model, the model's width stays."""
+    from expertrail.plan.architecture import ARCHITECTURES, from_fields
+    spelled = {"num_layers": 56, "hidden_size": 6144, "ffn_hidden_size": 16384, "num_attention_heads": 48,
+               "num_moe_experts": 8, "moe_router_topk": 2}
+    arch = from_fields(None, spelled)
+    assert arch.moe_ffn == 16384 == ARCHITECTURES["mixtral-8x22b"].moe_ffn
+    assert from_fields(ARCHITECTURES["qwen3-30b-a3b"], {"ffn_hidden_size": 6144}).moe_ffn == 768
+
+
 def test_experts_split_by_tp_by_default_is_said_when_left_out():
     """Megatron takes ETP = TP when expert_tensor_parallel_size is left out; the estimate says so,
     since a run written for ETP 1 otherwise comes out with split experts (and another memory)."""

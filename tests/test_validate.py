@@ -180,12 +180,15 @@ def test_bridge_nested_yaml_and_overrides(tmp_path):
 def test_numbers_yaml_reads_as_text_are_numbers_as_megatron_reads_them(tmp_path):
     """The ModelZoo's YAML writes Megatron flags as keys (``--norm-epsilon: 1e-6``); YAML 1.1 reads
     1e-6 and 1e-3 as text, Megatron's argparse as numbers: so does validate. Text that is no
-    number (``2k``) is still refused."""
+    number (``2k``) is still refused, and a value quoted for the shell its launch line passes it
+    through is read without those quotes."""
     path = tmp_path / "model.yaml"
     path.write_text("MODEL_ARGS:\n  --norm-epsilon: 1e-6\n  --moe-router-bias-update-rate: 1e-3\n"
-                    "  --micro-batch-size: '2'\n  --moe-ffn-hidden-size: 2k\n")
+                    "  --micro-batch-size: '2'\n  --moe-ffn-hidden-size: 2k\n"
+                    "  --moe-layer-freq: \"'([0]*1+[1]*60)'\"\n")
     cfg = load_config(str(path))
     assert cfg["layernorm_epsilon"] == 1e-6 and cfg["moe_router_bias_update_rate"] == 1e-3
+    assert cfg["moe_layer_freq"] == "([0]*1+[1]*60)"           # quoted for the shell, as Kimi-K2.yaml writes it
     assert cfg["micro_batch_size"] == 2
     assert {f for v in validate(cfg) if v.rule == "field-value" for f in v.fields} == {"moe_ffn_hidden_size"}
 

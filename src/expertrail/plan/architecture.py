@@ -348,6 +348,8 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
     if limited and not fields.get("moe_router_group_topk"):
         # Megatron-Core's reading of the deprecated device-limited routing: groups of one EP rank's experts
         given.update(group_topk=limited, num_groups=fields.get("expert_model_parallel_size") or 1)
+    if base is None and "moe_ffn" not in given and "ffn" in given:
+        given["moe_ffn"] = given["ffn"]          # Megatron's default: the experts as wide as ffn_hidden_size
     if base is None:
         needed = ["num_layers", "hidden_size", "num_attention_heads", "num_moe_experts", "moe_ffn_hidden_size"]
         missing = [k for k in needed if FIELDS[k] not in given]

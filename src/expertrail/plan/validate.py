@@ -206,6 +206,8 @@ def _flatten(data: dict, out: dict) -> dict:
             _flatten(v, out)
         else:
             key, forced = canonical(str(k))
+            if isinstance(v, str) and len(v) > 1 and v[0] == v[-1] and v[0] in "'\"":
+                v = v[1:-1]                 # quoted for the shell a launch line passes it through
             if isinstance(v, str) and KINDS.get(key) in ("int", "float"):
                 v = parse_value(v)          # YAML 1.1 reads 1e-6 as text; Megatron's argparse, as a number
             out[key] = _switched(v, forced)
