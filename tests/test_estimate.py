@@ -268,6 +268,28 @@ def test_plan_fit_lists_fitting_layouts_that_validate(capsys):
     assert leanest(DSV3, HARDWARE["h100"], 3) is None
 
 
+def test_plan_fit_emits_bridge_overrides_in_their_sections_and_they_read_back(capsys):
+    """--emit bridge writes each field where Megatron-Bridge's ConfigContainer keeps it (batch
+    sizes in train, the distributed optimizer in ddp, EP overlap in comm_overlap, the precision as
+    a mixed-precision recipe, the dataset's sequence length beside the model's, lists as
+    [a,b]); validate accepts them and estimate reads back the layout the search costed."""
+    from expertrail.plan.search import emit_layout, search
+    r, layout = search(DSV3, HARDWARE["gb200-nvl72"], 256, global_batch=4096, precision="fp8", top=1)[0]
+    lines = shlex.split(emit_layout(DSV3, HARDWARE["gb200-nvl72"], layout, "bridge"))
+    assert "mixed_precision=bf16_with_mxfp8_mixed" in lines and "train.global_batch_size=4096" in lines
+    assert f"dataset.seq_length={layout.seq}" in lines and "ddp.use_distributed_optimizer=true" in lines
+    assert not any(line.startswith(("model.micro_batch_size", "model.fp8", "model.bf16")) for line in lines)
+    assert main(["validate", *lines, "hardware=gb200-nvl72", "world_size=256"]) == 0
+    capsys.readouterr()
+    # The search costs forced balance; the emitted configuration leaves Megatron's natural router.
+    assert main(["estimate", "--hardware", "gb200-nvl72", "--gpus", "256", "--model", "deepseek-v3", *lines,
+                 "model.moe_router_force_load_balancing=true"]) == 0
+    out = capsys.readouterr().out
+    assert f"{r['step_time_s']:.2f} s" in out.split("step: ")[1][:12]
+    from expertrail.plan.validate import parse_value
+    assert parse_value("[mla_up_proj,moe_act]") == parse_value("['mla_up_proj', 'moe_act']") == ["mla_up_proj", "moe_act"]
+
+
 def test_plan_fit_searches_the_micro_batch(capsys):
     """The micro-batch size is searched (1, 2, 4, 8 up to 32k tokens): Qwen3-30B on one B200 node
     is launch-bound at micro-batch 1 (as its published runs were, 9.3-9.7k tokens/s against

@@ -209,6 +209,15 @@ def _violations(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> lis
     return validate(dict(fields, hardware=hw.name, world_size=layout.gpus))
 
 
+# Megatron-Bridge's ConfigContainer section of each field a layout sets that is not the model's,
+# and its mixed-precision recipe for a layout's precision (the FP8 one `layout_fields` writes).
+BRIDGE_SECTIONS = {"micro_batch_size": "train", "global_batch_size": "train", "use_distributed_optimizer": "ddp",
+                   "overlap_moe_expert_parallel_comm": "comm_overlap", "delay_wgrad_compute": "comm_overlap"}
+BRIDGE_PRECISION = {"bf16": "bf16_mixed", "fp8 blackwell": "bf16_with_mxfp8_mixed",
+                    "fp8 hopper": "bf16_with_fp8_subchannel_scaling_mixed",
+                    "fp8 ampere": "bf16_with_fp8_subchannel_scaling_mixed"}
+
+
 def emit_layout(arch: Architecture, hw: Hardware, layout: TrainingLayout, style: str) -> str:
     """Megatron-Core flags or Megatron-Bridge overrides of a layout."""
     fields = layout_fields(arch, layout, hw)
@@ -220,8 +229,14 @@ def emit_layout(arch: Architecture, hw: Hardware, layout: TrainingLayout, style:
             out.append(flag if v is True else f"{flag} {value}")
         return " \\\n  ".join(out)
     if style == "bridge":
-        return "\n".join(shlex.quote(f"model.{k}={str(v).lower() if isinstance(v, bool) else v}")
-                         for k, v in fields.items())
+        def text(v):
+            return str(v).lower() if isinstance(v, bool) else f"[{','.join(v)}]" if isinstance(v, list) else str(v)
+        recipe = BRIDGE_PRECISION[layout.precision if layout.precision == "bf16" else f"fp8 {hw.arch}"]
+        lines = [f"mixed_precision={recipe}"]
+        lines += [f"{BRIDGE_SECTIONS.get(k, 'model')}.{k}={text(v)}" for k, v in fields.items()
+                  if k not in ("bf16", "fp8", "fp8_recipe")]
+        lines.append(f"dataset.seq_length={fields['seq_length']}")       # Bridge asserts it equals the model's
+        return "\n".join(map(shlex.quote, lines))
     raise ConfigError(f"--emit {style!r}; choose megatron or bridge")
 
 

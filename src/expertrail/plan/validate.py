@@ -96,6 +96,11 @@ NON_NEGATIVE = {"mtp_num_layers", "moe_shared_expert_intermediate_size"}
 
 
 def parse_value(text: str):
+    """A command-line value as Megatron-LM's argparse or a Megatron-Bridge (Hydra-style) override
+    reads it: true / false, none, a number, a list written ``[a,b]`` (or ``['a', 'b']``), else text."""
+    inner = text.strip()
+    if len(inner) > 1 and inner[0] == "[" and inner[-1] == "]":
+        return [parse_value(item) for item in inner[1:-1].split(",") if item.strip()]
     low = text.strip().lower()
     if low in ("true", "false"):
         return low == "true"
