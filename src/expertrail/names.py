@@ -32,13 +32,19 @@ FIELD_NAMES = {
 }
 
 
+def default_flex_backend(domain_size: int) -> str:
+    """Megatron's flex-dispatcher backend for hardware whose NVLink domain joins ``domain_size``
+    GPUs: HybridEP on NVL36 / NVL72 racks, DeepEP on 8-GPU nodes."""
+    return "hybridep" if domain_size > 8 else "deepep"
+
+
 def field_name(algorithm: str, domain_size: int = 8, ep: int | None = None) -> str:
     """The short field name of ``algorithm`` on hardware whose NVLink domain joins
     ``domain_size`` GPUs: what ``expertrail plan`` would configure in Megatron-Core. Given
     ``ep``, a one-level ``dedup`` that spans domains has no field counterpart (DeepEP switches to
     its two-level internode kernels there) and keeps its own name."""
     if algorithm == "hierarchical":
-        return "hybridep" if domain_size > 8 else "deepep"
+        return default_flex_backend(domain_size)
     if algorithm == "dedup" and ep is not None and ep > domain_size:
         return "dedup"
     return {"dedup": "deepep", "deepep-ll": "deepep low-latency"}.get(algorithm, algorithm)

@@ -71,6 +71,11 @@ class Architecture:
     def moe_layers(self) -> int:
         return self.layers - self.dense_layers
 
+    @property
+    def query_groups(self) -> int:
+        """Megatron's num_query_groups: the key-value heads, or every head with multi-latent attention."""
+        return self.heads if self.mla else self.kv_heads
+
     def split_problems(self, tp: int, etp: int) -> list:
         """Why Megatron-Core cannot split this model over TP ``tp`` and expert-TP ``etp``, each with
         its fix: the attention heads (and query groups, a multiple or divisor of TP; Gated
@@ -86,7 +91,7 @@ class Architecture:
                        ("linear_num_value_heads", self.linear_v_heads, "TP", tp)]
         out = [f"{name} {size} does not split over {label} {ways} (Megatron-Core asserts): choose a {label} dividing "
                f"{size}" for name, size, label, ways in widths if size % ways]
-        groups = self.heads if self.mla else self.kv_heads
+        groups = self.query_groups
         if groups % tp and tp % groups:
             out.append(f"num_query_groups {groups} is neither a multiple nor a divisor of TP {tp} (Megatron-Core "
                        "raises): choose a TP dividing or divided by it")

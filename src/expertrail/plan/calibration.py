@@ -185,6 +185,7 @@ def architecture_of(run: dict):
 def layout_of(run: dict):
     """The `TrainingLayout` of a published run (unless the row says otherwise, Megatron's flex
     dispatcher, HybridEP on NVL72, DeepEP on 8-GPU nodes)."""
+    from ..names import default_flex_backend
     from .catalog import HARDWARE
     from .layout import TrainingLayout
     fields = dict(run["layout"])
@@ -192,7 +193,7 @@ def layout_of(run: dict):
         fields[key] = tuple(fields.get(key, ()))
     fields.setdefault("dispatcher", "flex")
     if fields["dispatcher"] == "flex":
-        fields.setdefault("flex_backend", "hybridep" if HARDWARE[run["system"]].domain_size > 8 else "deepep")
+        fields.setdefault("flex_backend", default_flex_backend(HARDWARE[run["system"]].domain_size))
     return TrainingLayout(**fields)
 
 

@@ -21,6 +21,7 @@ import shlex
 from dataclasses import replace
 
 from ..errors import ConfigError
+from ..names import default_flex_backend
 from .architecture import ARCHITECTURES, Architecture
 from .catalog import Hardware, MoEModel
 from .estimate import estimate
@@ -70,7 +71,7 @@ def fitting_pp(arch: Architecture, hw: Hardware, ep: int, precision: str, gpus: 
             continue
         for granularity, modules in (light, ("full", ())):
             layout = TrainingLayout(gpus=gpus, pp=pp, ep=ep, seq=seq, precision=precision, dispatcher="flex",
-                                    flex_backend="hybridep" if hw.domain_size > 8 else "deepep",
+                                    flex_backend=default_flex_backend(hw.domain_size),
                                     global_batch=8 * gpus, recompute=granularity, recompute_modules=modules,
                                     recompute_method="uniform" if granularity == "full" else None, **split)
             last = estimate(arch, hw, layout)
@@ -119,7 +120,7 @@ def search(arch: Architecture, hw: Hardware, gpus: int, seq: int = 4096, global_
     smaller one needed, as activations only grow with the micro-batch)."""
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: give the number of GPUs, e.g. --gpus 256")
-    backend = "hybridep" if hw.domain_size > 8 else "deepep"
+    backend = default_flex_backend(hw.domain_size)
     sizes = [micro_batch] if micro_batch else micro_batches(seq)
     found, steps = [], set()                 # steps: the sequences one round of micro-batches takes, DP x MBS
     for (pp, tp, cp, dp, ep, etp), overlap in ((shape, o) for shape in _shapes(arch, hw, gpus) for o in (False, True)):
@@ -210,12 +211,11 @@ def _violations(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> lis
 
 
 # Megatron-Bridge's ConfigContainer section of each field a layout sets that is not the model's,
-# and its mixed-precision recipe for a layout's precision (the FP8 one `layout_fields` writes).
+# and its mixed-precision recipe for the fp8_recipe `layout_fields` writes (None: BF16).
 BRIDGE_SECTIONS = {"micro_batch_size": "train", "global_batch_size": "train", "use_distributed_optimizer": "ddp",
                    "overlap_moe_expert_parallel_comm": "comm_overlap", "delay_wgrad_compute": "comm_overlap"}
-BRIDGE_PRECISION = {"bf16": "bf16_mixed", "fp8 blackwell": "bf16_with_mxfp8_mixed",
-                    "fp8 hopper": "bf16_with_fp8_subchannel_scaling_mixed",
-                    "fp8 ampere": "bf16_with_fp8_subchannel_scaling_mixed"}
+BRIDGE_PRECISION = {None: "bf16_mixed", "mxfp8": "bf16_with_mxfp8_mixed",
+                    "blockwise": "bf16_with_fp8_subchannel_scaling_mixed"}
 
 
 def emit_layout(arch: Architecture, hw: Hardware, layout: TrainingLayout, style: str) -> str:
@@ -231,8 +231,7 @@ def emit_layout(arch: Architecture, hw: Hardware, layout: TrainingLayout, style:
     if style == "bridge":
         def text(v):
             return str(v).lower() if isinstance(v, bool) else f"[{','.join(v)}]" if isinstance(v, list) else str(v)
-        recipe = BRIDGE_PRECISION[layout.precision if layout.precision == "bf16" else f"fp8 {hw.arch}"]
-        lines = [f"mixed_precision={recipe}"]
+        lines = [f"mixed_precision={BRIDGE_PRECISION[fields.get('fp8_recipe')]}"]
         lines += [f"{BRIDGE_SECTIONS.get(k, 'model')}.{k}={text(v)}" for k, v in fields.items()
                   if k not in ("bf16", "fp8", "fp8_recipe")]
         lines.append(f"dataset.seq_length={fields['seq_length']}")       # Bridge asserts it equals the model's
@@ -251,7 +250,7 @@ def leanest(arch: Architecture, hw: Hardware, gpus: int, seq: int = 4096, precis
             continue
         layout = TrainingLayout(gpus=gpus, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, seq=seq, precision=precision,
                                 global_batch=default_global_batch(dp, seq), dispatcher="flex",
-                                flex_backend="hybridep" if hw.domain_size > 8 else "deepep", recompute="full",
+                                flex_backend=default_flex_backend(hw.domain_size), recompute="full",
                                 recompute_method="uniform", **split)
         if layout.problems(arch.experts, arch.layers):
             continue

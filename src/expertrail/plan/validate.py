@@ -735,7 +735,7 @@ def with_model_fields(values: dict, arch) -> dict:
     values.setdefault("moe_router_topk", arch.topk)
     values.setdefault("num_layers", arch.layers)
     values.setdefault("num_attention_heads", arch.heads)
-    values.setdefault("num_query_groups", arch.heads if arch.mla else arch.kv_heads)
+    values.setdefault("num_query_groups", arch.query_groups)
     values.setdefault("moe_ffn_hidden_size", arch.moe_ffn)
     if arch.shared_ffn:
         values.setdefault("moe_shared_expert_intermediate_size", arch.shared_ffn)

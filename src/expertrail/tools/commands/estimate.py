@@ -44,11 +44,11 @@ def _estimate_inputs(args, config: list) -> tuple:
     """(architecture, hardware, layout fields, validate violations) from --model and config entries."""
     from ...plan.architecture import from_fields, load_architecture
     from ...plan.catalog import load_hardware
-    from ...plan.validate import config_values, validate, with_model_fields
+    from ...plan.validate import config_values, validate, value_violations, with_model_fields
     values = config_values(config)
     # A value of the wrong kind (moe_ffn_hidden_size=2k) is refused as validate refuses it,
     # before the estimator would compute with it.
-    wrong = [v for v in validate(values) if v.rule == "field-value"]
+    wrong = value_violations(values)
     if wrong:
         raise ExpertrailError("\n".join(v.format() for v in wrong))
     hw = load_hardware(args.hardware)

@@ -36,9 +36,10 @@ def add_parser(sub) -> None:
     p.add_argument("--strict", action="store_true",
                    help="fail (exit 1) on unknown fields too (default: warn about them)")
     p.add_argument("--model", metavar="NAME|DIR", default=None,
-                   help="a catalog model or a Hugging Face config.json (as for estimate): its layers, experts and "
-                        "top-k where the configuration leaves them out, so the pipeline split and the EP size are "
-                        "checked as `estimate` checks them (default: the configuration's fields only)")
+                   help="a catalog model or a Hugging Face config.json (as for estimate): its layers, experts, top-k, "
+                        "heads and widths where the configuration leaves them out, so the pipeline split, the EP size "
+                        "and the TP / expert-TP splits are checked as `estimate` checks them (default: the "
+                        "configuration's fields only)")
     p.add_argument("--gpus", type=positive_int(256), default=None,
                    help="GPUs of the run (default: world_size, num_nodes x gpus_per_node, as the configuration gives them)")
     p.set_defaults(config=[])
@@ -46,14 +47,14 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ...plan.output import dumps
-    from ...plan.validate import RULES, config_values, unknown_fields, validate
+    from ...plan.validate import RULES, config_values, unknown_fields, validate, value_violations
     if not args.config:
         raise ExpertrailError("nothing to validate: give a YAML/JSON file, key=value overrides or Megatron flags, "
                               "e.g. expertrail validate --expert-model-parallel-size 8 --num-experts 64")
     values = config_values(args.config)
     if args.gpus is not None:
         values.setdefault("world_size", args.gpus)
-    if args.model is not None and not [v for v in validate(values) if v.rule == "field-value"]:
+    if args.model is not None and not value_violations(values):
         from ...plan.architecture import from_fields, load_architecture
         from ...plan.validate import with_model_fields
         with_model_fields(values, from_fields(load_architecture(args.model), values))
