@@ -261,10 +261,10 @@ def test_ctrl_c_on_cluster_run_prints_one_line_and_exits_130(named, tmp_path, ca
 def test_cli_up_status_run_down(capsys, no_leftovers):
     assert main(["cluster", "up", "--nodes", "2", "--inter-link", "1gbit"]) == 0
     prefix = capsys.readouterr().out.split(":")[0]
+    script = Path(os.environ.get("TMPDIR", "/tmp")) / f"{prefix}_hello.py"
     try:
         assert main(["cluster", "status"]) == 0
         assert f"{prefix}: 2 nodes" in capsys.readouterr().out
-        script = Path(os.environ.get("TMPDIR", "/tmp")) / f"{prefix}_hello.py"
         # one write per line: two nodes share the pipe, and unbuffered print writes piece by piece
         script.write_text("import os, sys\nsys.stdout.write(f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n\")\n")
         rc = subprocess.run([sys.executable, "-m", "expertrail", "cluster", "run", "--name", prefix,
@@ -274,6 +274,7 @@ def test_cli_up_status_run_down(capsys, no_leftovers):
         assert sorted(line for line in rc.stdout.splitlines() if line.startswith("rank")) == \
             ["rank 0 of 2", "rank 1 of 2"]
     finally:
+        script.unlink(missing_ok=True)
         assert main(["cluster", "down", prefix]) == 0
     assert "removed" in capsys.readouterr().out
     assert main(["cluster", "down"]) == 2

@@ -13,6 +13,9 @@ from expertrail.plan.validate import RULES, load_config, split_arguments, unknow
 OVERLAP = {"overlap_moe_expert_parallel_comm": True, "expert_model_parallel_size": 8, "num_moe_experts": 64,
            "moe_token_dispatcher_type": "alltoall", "bf16": True}
 
+TE_GRAPHS = {"cuda_graph_impl": "transformer_engine", "num_moe_experts": 64, "expert_model_parallel_size": 8}
+PADDED = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
+
 CASES = {   # rule -> (breaking config, satisfying config)
     "ep-overlap-ep": ({**OVERLAP, "expert_model_parallel_size": 1, "num_moe_experts": 8}, OVERLAP),
     "ep-overlap-experts": ({**OVERLAP, "num_moe_experts": 1}, OVERLAP),      # unset: the model's, not checked
@@ -93,6 +96,28 @@ CASES = {   # rule -> (breaking config, satisfying config)
                            "expert_tensor_parallel_size": 1}),
     "tp-splits-shared-expert": ({"moe_shared_expert_intermediate_size": 2048, "tensor_model_parallel_size": 3},
                                 {"moe_shared_expert_intermediate_size": 2048, "tensor_model_parallel_size": 2}),
+    "graph-scope-or-modules": ({**TE_GRAPHS, "cuda_graph_scope": ["attn"], "cuda_graph_modules": ["attn"]},
+                               {**TE_GRAPHS, "cuda_graph_scope": ["attn"]}),
+    "graph-moe-or-router": ({**TE_GRAPHS, **PADDED, "cuda_graph_modules": ["moe", "moe_router"]},
+                            {**TE_GRAPHS, **PADDED, "cuda_graph_modules": ["moe"]}),
+    "graph-preprocess-needs-router": ({**TE_GRAPHS, "cuda_graph_modules": ["moe_preprocess"]},
+                                      {"cuda_graph_impl": "local", "cuda_graph_modules": ["moe_preprocess"]}),
+    "graph-moe-needs-padding": ({**TE_GRAPHS, "cuda_graph_modules": ["moe"]},
+                                {**TE_GRAPHS, **PADDED, "cuda_graph_modules": ["moe"]}),
+    "graph-preprocess-sync": ({**TE_GRAPHS, "cuda_graph_modules": ["moe_router", "moe_preprocess"],
+                               "moe_token_dispatcher_type": "alltoall", "moe_expert_capacity_factor": 1.0},
+                              {**TE_GRAPHS, "cuda_graph_modules": ["moe_router", "moe_preprocess"],
+                               "moe_token_dispatcher_type": "alltoall", **PADDED}),
+    "graph-full-recompute": ({"enable_cuda_graph": True, "recompute_granularity": "full", "recompute_method": "uniform",
+                              "recompute_num_layers": 1},
+                             {"cuda_graph_impl": "full_iteration", "recompute_granularity": "full",
+                              "recompute_method": "uniform", "recompute_num_layers": 1}),
+    "graph-moe-recompute": ({**TE_GRAPHS, "cuda_graph_modules": ["moe_router"], "recompute_granularity": "selective",
+                             "recompute_modules": ["moe"]},
+                            {"cuda_graph_impl": "local", "cuda_graph_modules": ["moe_router"],
+                             "recompute_granularity": "selective", "recompute_modules": ["moe"]}),
+    "graph-full-iteration-modules": ({"cuda_graph_impl": "full_iteration", "cuda_graph_modules": ["attn"]},
+                                     {"cuda_graph_impl": "full_iteration", "cuda_graph_scope": ["full_iteration"]}),
     "limited-devices-or-groups": ({"moe_router_topk_limited_devices": 3, "moe_router_group_topk": 3,
                                    "moe_router_num_groups": 8}, {"moe_router_topk_limited_devices": 3}),
     "top1-pre-softmax": ({"moe_router_topk": 1}, {"moe_router_topk": 1, "moe_router_pre_softmax": True}),

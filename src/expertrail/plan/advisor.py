@@ -256,9 +256,10 @@ def plan(hw: Hardware, model: MoEModel, tokens: int = 4096, ep: int | None = Non
     overlap, reason = overlap_advice(stage, comm, compute)
     advice.append(Advice("EP overlap", overlap, "on" if overlap else "off", reason))
     advice.append(Advice("CUDA graphs", ["attn", "moe_router", "moe_preprocess"],
-                         "cuda_graph_scope attn moe_router moe_preprocess",
-                         "for dropless MoE, partial TE-scoped graphs keep the dynamic expert work outside the graph; "
-                         "full-iteration graphs only for drop-and-pad / static shapes; budget a few GB of memory"))
+                         "cuda_graph_modules attn moe_router moe_preprocess",
+                         "for dropless MoE, partial TE-scoped graphs keep the dynamic expert work outside the graph "
+                         "(cuda_graph_scope before Megatron-LM's May 2026 rename); whole MoE layers in graphs need "
+                         "drop-and-pad; budget a few GB of memory"))
     recipe = FP8_RECIPE.get(hw.arch, "tensorwise")
     if precision == "fp8":
         advice.append(Advice("FP8", {"format": "e4m3", "recipe": recipe, "router_dtype": "fp32"},

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -502,13 +503,28 @@ def ranking_groups(key=_ranking_key) -> dict:
     throughput} over the distinct layouts of one model at one sequence length on one system in
     one publication (two or more; a layout published in several containers counts once, at its
     mean throughput; OUTLIERS left out). ``key=_table_key`` groups by container instead (for
-    Bridge one release's table): (model, system, container, seq)."""
+    Bridge one release's table): (model, system, container, seq). NaN where the estimate puts
+    every layout of a group at one throughput (a tie: no order to compare, `predicted_ties`)."""
     out = {}
     for key, layouts in _layouts_by_group(key).items():
         if len(layouts) >= 2:
             published = [sum(TRAINING_RUNS[r]["published_tokens_per_s"] for r in ids) / len(ids) for ids in layouts.values()]
             out[key] = spearman([predicted(ids[0])["tokens_per_s_per_gpu"] for ids in layouts.values()], published)
     return out
+
+
+def predicted_ties(key=_ranking_key) -> dict:
+    """{group key: the published spread (max over min - 1)} of the groups whose layouts the
+    estimate predicts at one throughput (what tells them apart is not modelled, e.g. MXFP8
+    against FP8 current scaling), which `ranking_groups` gives as NaN."""
+    groups = _layouts_by_group(key)
+    return {k: (lambda pub: max(pub) / min(pub) - 1)([sum(TRAINING_RUNS[r]["published_tokens_per_s"] for r in ids)
+                                                      / len(ids) for ids in groups[k].values()])
+            for k, rho in ranking_groups(key).items() if math.isnan(rho)}
+
+
+def _rho_text(rho: float, spread: float | None) -> str:
+    return f"tie, published {spread:.1%} apart" if math.isnan(rho) else f"{rho:+.2f}"
 
 
 def _ranks_with_counts(key=_ranking_key) -> dict:
@@ -544,12 +560,11 @@ def table() -> str:
     memory, published = memory_errors(), published_peaks()
     lines.append(f"- peak memory, the {len(memory)} runs that publish it (the table's and calibration.MEMORY_FIGURES): "
                  + ", ".join(f"{rid} {published[rid]:.1f} GB, {err:+.0f}%" for rid, err in memory.items()))
-    ranks = _ranks_with_counts()
-    lines.append("- ranking, layouts of one model at one sequence length on one system in one publication "
-                 "(Spearman): " + ", ".join(
-                     f"{models[m]} {names[s]} ({src}, {n} layouts{'' if seq == 4096 else f', sequence {seq}'}) {rho:+.2f}"
-                     for (m, s, src, seq), (rho, n) in sorted(ranks.items())))
-    lines.append("- ranking within one container (for Bridge, one release's table): " + ", ".join(
-        f"{models[m]} {names[s]} ({container}, {n} layouts{'' if seq == 4096 else f', sequence {seq}'}) {rho:+.2f}"
-        for (m, s, container, seq), (rho, n) in sorted(_ranks_with_counts(_table_key).items())))
+    for what, key in (("layouts of one model at one sequence length on one system in one publication (Spearman)",
+                       _ranking_key), ("within one container (for Bridge, one release's table)", _table_key)):
+        ties = predicted_ties(key)
+        lines.append(f"- ranking, {what}: " + ", ".join(
+            f"{models[m]} {names[s]} ({where}, {n} layouts{'' if seq == 4096 else f', sequence {seq}'}) "
+            f"{_rho_text(rho, ties.get((m, s, where, seq)))}"
+            for (m, s, where, seq), (rho, n) in sorted(_ranks_with_counts(key).items())))
     return "\n".join(lines) + "\n"

@@ -379,8 +379,9 @@ def launch_share(layout: TrainingLayout, moe: bool) -> float:
 def moe_syncs(layout: TrainingLayout) -> int:
     """Host synchronisations of one MoE layer and micro-batch: its forward's, and its recomputed
     forward's under full recompute or the ``moe`` module recomputed; none with full-iteration
-    CUDA graphs (sync-free MoE)."""
-    if layout.sync_free:
+    CUDA graphs (sync-free MoE), nor padded to capacity (moe_pad_expert_input_to_capacity: every
+    expert's row count is known on the host, so Megatron's dispatchers copy nothing back)."""
+    if layout.sync_free or layout.pad_to_capacity:
         return 0
     recomputed = layout.recompute == "full" or (layout.recompute == "selective" and "moe" in layout.recompute_modules)
     return 1 + recomputed

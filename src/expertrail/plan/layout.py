@@ -35,7 +35,15 @@ NOT_MODELLED = ("cpu_offloading_weights", "cpu_offloading_double_buffering", "mo
                 "moe_mlp_glu_interleave_size", "fp8_output_proj", "moe_permute_fusion_into_hybridep",
                 "moe_hybridep_num_sms_preprocessing", "high_priority_a2a_comm_stream", "deallocate_pipeline_outputs",
                 "use_transformer_engine_op_fuser", "overlap_param_gather_with_optimizer_step", "nccl_ub",
-                "keep_fp8_transpose_cache", "disable_parameter_transpose_cache", "fsdp_double_buffer")
+                "keep_fp8_transpose_cache", "disable_parameter_transpose_cache", "fsdp_double_buffer",
+                # model and schedule features of Megatron-LM the estimate does not cost: Mamba hybrids,
+                # hyper-connections, non-gated MLPs, weights sharded past TP (GTP), other CP exchanges,
+                # unfused attention, FP8 attention projections, layer-wise optimizers, schedule knobs
+                "is_hybrid_model", "hybrid_layer_pattern", "hybrid_override_pattern", "enable_mhc_connections",
+                "gated_linear_unit", "gtp_weight_remat_size", "tensor_parallel_num_weight_shards",
+                "expert_gtp_weight_remat_size", "expert_tensor_parallel_num_weight_shards", "cp_comm_type",
+                "attention_backend", "fp8_multi_head_attention", "use_layer_wise_distributed_optimizer",
+                "microbatch_group_size_per_vp_stage", "num_microbatches_with_partial_activation_checkpoints")
 # Values of those fields that leave the run as the estimate costs it: nothing to name. A field
 # with its own default there is named whenever set to another value.
 UNSET = (None, False, "no_shard", "none", [])
@@ -43,7 +51,8 @@ UNSET = (None, False, "no_shard", "none", [])
 # BF16 inputs and writes FP32 logits, which the layer keeps (`memory.layer_activation_bytes`).
 NOT_MODELLED_DEFAULTS = {"num_distributed_optimizer_instances": 1, "main_params_dtype": "fp32",
                          "megatron_fsdp_main_params_dtype": "fp32", "moe_combine_bwd_dtype": "bf16",
-                         "fp8_wgrad": True, "activation_offload_fraction": 1.0, "moe_router_dtype": "fp32"}
+                         "fp8_wgrad": True, "activation_offload_fraction": 1.0, "moe_router_dtype": "fp32",
+                         "gated_linear_unit": True, "gtp_weight_remat_size": 1, "expert_gtp_weight_remat_size": 1}
 # Megatron-FSDP's data_parallel_sharding_strategy: what each rank keeps 1/DP of.
 FSDP_SHARDS = {"no_shard": (), "optim": ("optimizer",), "optim_grads": ("optimizer", "gradients"),
                "optim_grads_params": ("optimizer", "gradients", "weights")}
@@ -57,12 +66,25 @@ WHOLE_LAYER = ("attn", "mlp", "moe")
 # Megatron's other cuda_graph_scope values: Mamba layers (none in the models costed here) and the
 # whole-iteration graphs (sync-free); "full" is the older spelling of a whole layer.
 OTHER_GRAPH_SCOPES = ("mamba", "full_iteration", "full_iteration_inference", "full")
+# cuda_graph_modules left at Megatron's default (whole layers): cuda_graph_scope may name the parts.
+GRAPH_MODULES_DEFAULTS = (None, "full", "", [], ())
+
+
+def graph_modules(scope, modules):
+    """The parts of a layer a configuration puts in CUDA graphs, from Megatron-LM's
+    ``cuda_graph_modules`` (its name since May 2026) or ``cuda_graph_scope`` (the name before,
+    which it still reads); setting both is refused, as Megatron-LM asserts."""
+    if scope is not None and modules not in GRAPH_MODULES_DEFAULTS:
+        raise ConfigError(f"cuda_graph_scope={scope!r} and cuda_graph_modules={modules!r} are both set (Megatron-LM "
+                          "raises): keep cuda_graph_modules, cuda_graph_scope's newer name")
+    return modules if scope is None else scope
 
 
 def graph_scopes(impl, scope, enabled: bool = False) -> tuple:
     """(the parts of each layer captured in CUDA graphs, whether the whole iteration is: no host
-    synchronisation) for Megatron's ``cuda_graph_impl`` and ``cuda_graph_scope`` (a list, or a
-    string of names split by spaces or commas); ``enabled``: the deprecated ``enable_cuda_graph``
+    synchronisation) for Megatron's ``cuda_graph_impl`` and ``cuda_graph_modules`` /
+    ``cuda_graph_scope`` (`graph_modules`: a list, or a string of names split by spaces or
+    commas); ``enabled``: the deprecated ``enable_cuda_graph``
     / ``external_cuda_graph`` switches. No scope (or ``full``) captures whole layers, as Megatron
     does; ``full_iteration`` (a scope of ``cuda_graph_impl=local``, or Bridge's older
     ``cuda_graph_impl=full_iteration``) captures everything."""
@@ -71,8 +93,8 @@ def graph_scopes(impl, scope, enabled: bool = False) -> tuple:
     names = scope.replace(",", " ").split() if isinstance(scope, str) else [str(v) for v in scope or ()]
     unknown = [n for n in names if n not in GRAPH_SCOPES + OTHER_GRAPH_SCOPES]
     if unknown:
-        raise ConfigError(f"cuda_graph_scope={unknown[0]!r}: choose among {', '.join(GRAPH_SCOPES + OTHER_GRAPH_SCOPES)}"
-                          " (or leave it out: whole layers)")
+        raise ConfigError(f"cuda_graph_modules (cuda_graph_scope) {unknown[0]!r}: choose among "
+                          f"{', '.join(GRAPH_SCOPES + OTHER_GRAPH_SCOPES)} (or leave it out: whole layers)")
     if impl == "full_iteration" or any(n.startswith("full_iteration") for n in names):
         return WHOLE_LAYER, True
     captured = [n for n in names if n in GRAPH_SCOPES]
@@ -86,8 +108,10 @@ DEEPEP_LIKE = ("deepep", "ncclep")
 
 
 # Values of those fields the estimate does cost: Gated DeltaNet's linear attention
-# (`architecture.linear_layers_of`; DeepSeek's sparse attention, dsa, is not).
-MODELLED_VALUES = {"experimental_attention_variant": ("gated_delta_net", "gdn", "gdn2")}
+# (`architecture.linear_layers_of`; DeepSeek's sparse attention, dsa, is not), CP's ring of
+# key-value sends (p2p, Megatron's default), fused attention kernels.
+MODELLED_VALUES = {"experimental_attention_variant": ("gated_delta_net", "gdn", "gdn2"),
+                   "cp_comm_type": ("p2p", ["p2p"]), "attention_backend": ("auto", "flash", "fused")}
 
 
 def _set_away_from_default(name: str, value) -> bool:
@@ -347,7 +371,8 @@ class TrainingLayout:
         # EP overlap as Megatron's 2025 dev branch spelled it (combined 1F1B, recipe ep_a2a), in the
         # ModelZoo's launch lines of that time.
         combined = bool(get("combined_1f1b", False)) and get("combined_1f1b_recipe", "ep_a2a") == "ep_a2a"
-        scopes, sync_free = graph_scopes(get("cuda_graph_impl", None), get("cuda_graph_scope", None),
+        scopes, sync_free = graph_scopes(get("cuda_graph_impl", None),
+                                         graph_modules(get("cuda_graph_scope", None), get("cuda_graph_modules", None)),
                                          bool(get("enable_cuda_graph", False) or get("external_cuda_graph", False)))
         fsdp = None
         grad_comm = 2 if get("grad_reduce_in_bf16", False) else None

@@ -26,7 +26,8 @@ from typing import Callable
 from ..errors import ConfigError
 from . import megatron_fields as mf
 from .catalog import HARDWARE, load_hardware, read_mapping
-from .layout import expand_layout, layout_text, pipeline_split_problems, stage_override, vpp_of_stage_layers
+from .layout import (GRAPH_MODULES_DEFAULTS, expand_layout, layout_text, pipeline_split_problems, stage_override,
+                     vpp_of_stage_layers)
 from .simulate import domain_for
 
 FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
@@ -431,8 +432,34 @@ def _version(text) -> tuple:
 
 
 def _graph_scope(c) -> str:
-    impl, scope = c["cuda_graph_impl"], c["cuda_graph_scope"]
-    return "" if impl in (None, "none") else str(scope or "")
+    impl = c["cuda_graph_impl"]
+    scope = c.values.get("cuda_graph_scope")
+    return "" if impl in (None, "none") else str((c.values.get("cuda_graph_modules") if scope is None else scope) or "")
+
+
+def _graph_impl(c) -> str:
+    """cuda_graph_impl, the deprecated enable_cuda_graph / external_cuda_graph read as Megatron reads them."""
+    impl = c["cuda_graph_impl"] or "none"
+    if impl == "none" and c["enable_cuda_graph"]:
+        return "local"
+    return "transformer_engine" if impl == "none" and c["external_cuda_graph"] else impl
+
+
+def _graph_names(c) -> set:
+    """The parts of a layer cuda_graph_modules (or cuda_graph_scope) names; empty: whole layers."""
+    scope = c.values.get("cuda_graph_scope")
+    value = c.values.get("cuda_graph_modules") if scope is None else scope
+    names = value.replace(",", " ").split() if isinstance(value, str) else [str(v) for v in value or ()]
+    return set(names) - {"full"}
+
+
+def _graph_modules(c) -> set:
+    """`_graph_names` under the per-layer implementations (local, Transformer Engine)."""
+    return _graph_names(c) if _graph_impl(c) in ("local", "transformer_engine") else set()
+
+
+def _padded(c) -> bool:
+    return c["moe_expert_capacity_factor"] is not None and bool(c["moe_pad_expert_input_to_capacity"])
 
 
 VPP_SOURCES = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
@@ -591,6 +618,47 @@ RULES = [
          lambda c: c.given("moe_router_num_groups") and c.given("num_moe_experts"),
          lambda c: c.given("moe_router_group_topk") and 1 <= c["moe_router_group_topk"] <= c["moe_router_num_groups"]
          and c["moe_router_group_topk"] * (c["num_moe_experts"] // c["moe_router_num_groups"]) >= c["moe_router_topk"]),
+    Rule("graph-scope-or-modules", "cuda_graph_scope (deprecated) and cuda_graph_modules name the same parts "
+         "(Megatron-LM raises with both)", ("cuda_graph_scope", "cuda_graph_modules"),
+         "keep cuda_graph_modules, cuda_graph_scope's newer name", lambda c: c.given("cuda_graph_scope"),
+         lambda c: c.values.get("cuda_graph_modules") in GRAPH_MODULES_DEFAULTS),
+    # Per-layer CUDA graphs: Megatron-Core's TransformerConfig refuses these.
+    Rule("graph-moe-or-router", "CUDA graphs capture a MoE layer's MLP side whole (moe) or up to its router "
+         "(moe_router), not both (Megatron-Core asserts)", ("cuda_graph_modules", "cuda_graph_scope"),
+         "keep moe (drop-and-pad only) or moe_router", lambda c: "moe" in _graph_modules(c),
+         lambda c: "moe_router" not in _graph_modules(c), given_only=True),
+    Rule("graph-preprocess-needs-router", "the moe_preprocess CUDA graph needs the moe_router one "
+         "(Megatron-Core asserts)", ("cuda_graph_impl", "cuda_graph_modules", "cuda_graph_scope"),
+         "add moe_router to cuda_graph_modules", lambda c: "moe_preprocess" in _graph_modules(c),
+         lambda c: "moe_router" in _graph_modules(c) or _graph_impl(c) == "local", given_only=True),
+    Rule("graph-moe-needs-padding", "a CUDA graph over the whole MoE MLP (moe) needs drop-and-pad: "
+         "moe_expert_capacity_factor with moe_pad_expert_input_to_capacity (Megatron-Core asserts)",
+         ("cuda_graph_modules", "cuda_graph_scope", "moe_expert_capacity_factor",
+          "moe_pad_expert_input_to_capacity"), "capture moe_router and moe_preprocess instead (dropless), or pad "
+         "to a capacity factor", lambda c: "moe" in _graph_modules(c), _padded, given_only=True),
+    Rule("graph-preprocess-sync", "the moe_preprocess CUDA graph cannot hold the alltoall dispatcher's "
+         "device-to-host copy, made when a capacity factor drops tokens unpadded or the router pads for FP8 "
+         "(Megatron-Core asserts)", ("cuda_graph_modules", "cuda_graph_scope", "moe_token_dispatcher_type",
+                                     "moe_expert_capacity_factor", "moe_router_padding_for_fp8"),
+         "leave moe_preprocess out of cuda_graph_modules (keep moe_router)",
+         lambda c: "moe_preprocess" in _graph_modules(c) and not _padded(c)
+         and c["moe_token_dispatcher_type"] == "alltoall",
+         lambda c: c["moe_expert_capacity_factor"] is None and not c["moe_router_padding_for_fp8"], given_only=True),
+    Rule("graph-full-recompute", "full recompute works with full-iteration CUDA graphs only, not per-layer ones "
+         "(Megatron-Core asserts)", ("recompute_granularity", "cuda_graph_impl", "enable_cuda_graph"),
+         "use selective recompute, or cuda_graph_impl=full_iteration",
+         lambda c: _graph_impl(c) in ("local", "transformer_engine") and c["recompute_granularity"] not in (None, "none"),
+         lambda c: c["recompute_granularity"] == "selective"),
+    Rule("graph-moe-recompute", "recomputing the moe module cannot cover Transformer Engine's moe_router CUDA graph "
+         "(Megatron-Core asserts)", ("recompute_modules", "cuda_graph_impl", "cuda_graph_modules", "cuda_graph_scope"),
+         "drop moe from recompute_modules, or moe_router from cuda_graph_modules",
+         lambda c: _graph_impl(c) == "transformer_engine" and c["recompute_granularity"] == "selective"
+         and "moe" in (c["recompute_modules"] or ()), lambda c: "moe_router" not in _graph_modules(c),
+         given_only=True),
+    Rule("graph-full-iteration-modules", "cuda_graph_impl=full_iteration captures everything: cuda_graph_modules "
+         "must be empty (Megatron-Core asserts)", ("cuda_graph_impl", "cuda_graph_modules", "cuda_graph_scope"),
+         "leave cuda_graph_modules out", lambda c: c["cuda_graph_impl"] == "full_iteration",
+         lambda c: not _graph_names(c) - {"full_iteration"}, given_only=True),
     Rule("limited-devices-or-groups", "moe_router_topk_limited_devices (deprecated) and moe_router_group_topk "
          "name the same limit (Megatron-Core raises with both)", ("moe_router_topk_limited_devices",
                                                                   "moe_router_group_topk"),
@@ -645,8 +713,8 @@ RULES = [
          lambda c: c["recompute_granularity"] in (None, "none") and not c["recompute_activations"]),
     Rule("cpu-offload-graphs", "layer-level CPU offloading (cpu_offloading) does not work with CUDA graphs "
          "(Megatron-Core raises)", ("cpu_offloading", "cuda_graph_impl", "enable_cuda_graph"),
-         "set cuda_graph_impl=none, or drop cpu_offloading", lambda c: bool(c["cpu_offloading"]),
-         lambda c: c["cuda_graph_impl"] in (None, "none") and not c["enable_cuda_graph"]),
+         "set cuda_graph_impl=none (or full_iteration), or drop cpu_offloading", lambda c: bool(c["cpu_offloading"]),
+         lambda c: _graph_impl(c) in ("none", "full_iteration")),
     Rule("cpu-offload-one-way", "fine_grained_activation_offloading and cpu_offloading exclude each other "
          "(Megatron-Core asserts)", ("fine_grained_activation_offloading", "cpu_offloading"),
          "keep one: fine_grained_activation_offloading (by module, any PP) or cpu_offloading (whole layers, PP 1)",
