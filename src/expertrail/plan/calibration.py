@@ -471,10 +471,13 @@ def spearman(x: list, y: list) -> float:
 
 def source_of(run: dict) -> str:
     """The publication a run comes from: "ModelZoo" (Megatron-MoE-ModelZoo), "Bridge card" (a
-    Megatron-Bridge skill card's measurement, container "card <date>") or "Bridge" (its
-    performance summaries)."""
+    Megatron-Bridge skill card's measurement, container "card <date>"), "MCore tracker" (the
+    MCore release performance tracker's configurations a Bridge skill card lists, container
+    "tracker <date>") or "Bridge" (its performance summaries)."""
     if run["container"] == "ModelZoo":
         return "ModelZoo"
+    if run["container"].startswith("tracker"):
+        return "MCore tracker"
     return "Bridge card" if run["container"].startswith("card") else "Bridge"
 
 
