@@ -501,6 +501,11 @@ def _layouts_by_group(key=_ranking_key) -> dict:
     return groups
 
 
+def _published_by_layout(layouts: dict) -> list:
+    """Each layout's mean published tokens/s per GPU over the containers that publish it."""
+    return [sum(TRAINING_RUNS[r]["published_tokens_per_s"] for r in ids) / len(ids) for ids in layouts.values()]
+
+
 def ranking_groups(key=_ranking_key) -> dict:
     """{(model, system, source, seq): Spearman correlation of predicted and published
     throughput} over the distinct layouts of one model at one sequence length on one system in
@@ -509,10 +514,10 @@ def ranking_groups(key=_ranking_key) -> dict:
     Bridge one release's table): (model, system, container, seq). NaN where the estimate puts
     every layout of a group at one throughput (a tie: no order to compare, `predicted_ties`)."""
     out = {}
-    for key, layouts in _layouts_by_group(key).items():
+    for group, layouts in _layouts_by_group(key).items():
         if len(layouts) >= 2:
-            published = [sum(TRAINING_RUNS[r]["published_tokens_per_s"] for r in ids) / len(ids) for ids in layouts.values()]
-            out[key] = spearman([predicted(ids[0])["tokens_per_s_per_gpu"] for ids in layouts.values()], published)
+            out[group] = spearman([predicted(ids[0])["tokens_per_s_per_gpu"] for ids in layouts.values()],
+                                  _published_by_layout(layouts))
     return out
 
 
@@ -520,10 +525,12 @@ def predicted_ties(key=_ranking_key) -> dict:
     """{group key: the published spread (max over min - 1)} of the groups whose layouts the
     estimate predicts at one throughput (what tells them apart is not modelled, e.g. MXFP8
     against FP8 current scaling), which `ranking_groups` gives as NaN."""
-    groups = _layouts_by_group(key)
-    return {k: (lambda pub: max(pub) / min(pub) - 1)([sum(TRAINING_RUNS[r]["published_tokens_per_s"] for r in ids)
-                                                      / len(ids) for ids in groups[k].values()])
-            for k, rho in ranking_groups(key).items() if math.isnan(rho)}
+    groups, ties = _layouts_by_group(key), {}
+    for group, rho in ranking_groups(key).items():
+        if math.isnan(rho):
+            published = _published_by_layout(groups[group])
+            ties[group] = max(published) / min(published) - 1
+    return ties
 
 
 def _rho_text(rho: float, spread: float | None) -> str:

@@ -431,12 +431,6 @@ def _version(text) -> tuple:
     return tuple(int(p) for p in str(text).split("+")[0].split(".")[:3] if p.isdigit())
 
 
-def _graph_scope(c) -> str:
-    impl = c["cuda_graph_impl"]
-    scope = c.values.get("cuda_graph_scope")
-    return "" if impl in (None, "none") else str((c.values.get("cuda_graph_modules") if scope is None else scope) or "")
-
-
 def _graph_impl(c) -> str:
     """cuda_graph_impl, the deprecated enable_cuda_graph / external_cuda_graph read as Megatron reads them."""
     impl = c["cuda_graph_impl"] or "none"
@@ -456,6 +450,11 @@ def _graph_names(c) -> set:
 def _graph_modules(c) -> set:
     """`_graph_names` under the per-layer implementations (local, Transformer Engine)."""
     return _graph_names(c) if _graph_impl(c) in ("local", "transformer_engine") else set()
+
+
+def _graph_scope(c) -> str:
+    """The named parts under any CUDA graph implementation, as text (empty: none, or whole layers)."""
+    return "" if c["cuda_graph_impl"] in (None, "none") else " ".join(sorted(_graph_names(c)))
 
 
 def _padded(c) -> bool:
