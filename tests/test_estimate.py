@@ -315,8 +315,9 @@ def test_plan_fit_searches_the_micro_batch(capsys):
     for runs in by_layout.values():
         heaviness = [i for _, i in sorted(runs)]
         assert heaviness == sorted(heaviness)
-    assert main(["plan", "--fit", "--gpus", "8", "--hardware", "b200", "--model", "qwen3-30b-a3b", "--global-batch",
-                 "512", "--micro-batch", "2", "--top", "2"]) == 0
+    # Megatron's spellings of the batch sizes, as estimate takes them, work too.
+    assert main(["plan", "--fit", "--gpus", "8", "--hardware", "b200", "--model", "qwen3-30b-a3b",
+                 "--global-batch-size", "512", "--micro-batch-size", "2", "--top", "2"]) == 0
     rows = [line.split("|")[1].split() for line in capsys.readouterr().out.splitlines() if line.count("|") == 1]
     assert [row[3] for row in rows[1:]] == ["2", "2"]            # the MBS column, under its header
 

@@ -36,10 +36,12 @@ def add_parser(sub) -> None:
     f.add_argument("--gpus", type=positive_int(256), default=None,
                    help="GPUs of the run (needed by --fit; default without --fit: 256, for the memory check of the EP "
                         "sizes)")
-    f.add_argument("--seq", type=positive_int(4096), default=4096, help="sequence length (default %(default)s)")
-    f.add_argument("--global-batch", type=positive_int(1024), default=None,
+    # Megatron's spellings too (--seq-length, --global-batch-size, --micro-batch-size), as estimate takes them.
+    f.add_argument("--seq", "--seq-length", type=positive_int(4096), default=4096,
+                   help="sequence length (default %(default)s)")
+    f.add_argument("--global-batch", "--global-batch-size", type=positive_int(1024), default=None,
                    help="sequences per step (default: 1024, or the next multiple of DP x micro-batch)")
-    f.add_argument("--micro-batch", type=positive_int(1), default=None,
+    f.add_argument("--micro-batch", "--micro-batch-size", type=positive_int(1), default=None,
                    help="sequences per micro-batch (default: search 1, 2, 4 and 8, up to 32768 tokens)")
     f.add_argument("--top", type=positive_int(5), default=5, help="layouts to print (default %(default)s)")
 
