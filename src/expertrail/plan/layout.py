@@ -70,6 +70,12 @@ OTHER_GRAPH_SCOPES = ("mamba", "full_iteration", "full_iteration_inference", "fu
 GRAPH_MODULES_DEFAULTS = (None, "full", "", [], ())
 
 
+def graph_module_names(value) -> list:
+    """The part names of a cuda_graph_modules / cuda_graph_scope value: a list, or a string of
+    names split by spaces or commas."""
+    return value.replace(",", " ").split() if isinstance(value, str) else [str(v) for v in value or ()]
+
+
 def graph_modules(scope, modules):
     """The parts of a layer a configuration puts in CUDA graphs, from Megatron-LM's
     ``cuda_graph_modules`` (its name since May 2026) or ``cuda_graph_scope`` (the name before,
@@ -90,7 +96,7 @@ def graph_scopes(impl, scope, enabled: bool = False) -> tuple:
     ``cuda_graph_impl=full_iteration``) captures everything."""
     if impl in (None, "none") and not enabled:
         return (), False
-    names = scope.replace(",", " ").split() if isinstance(scope, str) else [str(v) for v in scope or ()]
+    names = graph_module_names(scope)
     unknown = [n for n in names if n not in GRAPH_SCOPES + OTHER_GRAPH_SCOPES]
     if unknown:
         raise ConfigError(f"cuda_graph_modules (cuda_graph_scope) {unknown[0]!r}: choose among "

@@ -26,8 +26,8 @@ from typing import Callable
 from ..errors import ConfigError
 from . import megatron_fields as mf
 from .catalog import HARDWARE, load_hardware, read_mapping
-from .layout import (GRAPH_MODULES_DEFAULTS, expand_layout, layout_text, pipeline_split_problems, stage_override,
-                     vpp_of_stage_layers)
+from .layout import (GRAPH_MODULES_DEFAULTS, expand_layout, graph_module_names, layout_text, pipeline_split_problems,
+                     stage_override, vpp_of_stage_layers)
 from .simulate import domain_for
 
 FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
@@ -442,9 +442,7 @@ def _graph_impl(c) -> str:
 def _graph_names(c) -> set:
     """The parts of a layer cuda_graph_modules (or cuda_graph_scope) names; empty: whole layers."""
     scope = c.values.get("cuda_graph_scope")
-    value = c.values.get("cuda_graph_modules") if scope is None else scope
-    names = value.replace(",", " ").split() if isinstance(value, str) else [str(v) for v in value or ()]
-    return set(names) - {"full"}
+    return set(graph_module_names(c.values.get("cuda_graph_modules") if scope is None else scope)) - {"full"}
 
 
 def _graph_modules(c) -> set:
