@@ -78,24 +78,16 @@ class Architecture:
 
     def split_problems(self, tp: int, etp: int) -> list:
         """Why Megatron-Core cannot split this model over TP ``tp`` and expert-TP ``etp``, each with
-        its fix: the attention heads (and query groups, a multiple or divisor of TP; Gated
-        DeltaNet's heads) over TP, the dense and shared-expert MLPs' widths over TP, a routed
-        expert's width over ETP (Megatron-Core raises, or its parallel linear layers assert)."""
-        widths = [("num_attention_heads", self.heads, "TP", tp), ("moe_ffn_hidden_size", self.moe_ffn, "ETP", etp)]
-        if self.dense_layers:
-            widths.append(("ffn_hidden_size", self.ffn, "TP", tp))
-        if self.shared_ffn:
-            widths.append(("moe_shared_expert_intermediate_size", self.shared_ffn, "TP", tp))
-        if self.linear_layers:
-            widths += [("linear_num_key_heads", self.linear_qk_heads, "TP", tp),
-                       ("linear_num_value_heads", self.linear_v_heads, "TP", tp)]
-        out = [f"{name} {size} does not split over {label} {ways} (Megatron-Core asserts): choose a {label} dividing "
-               f"{size}" for name, size, label, ways in widths if size % ways]
-        groups = self.query_groups
-        if groups % tp and tp % groups:
-            out.append(f"num_query_groups {groups} is neither a multiple nor a divisor of TP {tp} (Megatron-Core "
-                       "raises): choose a TP dividing or divided by it")
-        return out
+        its fix (`width_split_problems` of its heads and widths; the dense MLP's only with dense
+        layers, Gated DeltaNet's heads only with linear attention)."""
+        linear = self.linear_layers > 0
+        return list(width_split_problems(
+            tp, etp, num_attention_heads=self.heads, moe_ffn_hidden_size=self.moe_ffn,
+            ffn_hidden_size=self.ffn if self.dense_layers else None,
+            moe_shared_expert_intermediate_size=self.shared_ffn or None,
+            linear_num_key_heads=self.linear_qk_heads if linear else None,
+            linear_num_value_heads=self.linear_v_heads if linear else None,
+            num_query_groups=self.query_groups).values())
 
     @property
     def mla(self) -> bool:
@@ -381,6 +373,28 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
         raise ConfigError(f"model {arch.name}: topk {arch.topk} of {arch.experts} experts, {arch.dense_layers} dense "
                           f"of {arch.layers} layers do not make an MoE model; check the model fields")
     return arch
+
+
+def width_split_problems(tp: int, etp: int, **sizes) -> dict:
+    """{field: why Megatron-Core cannot split it, with the fix} for the model sizes given (a size
+    None is not checked): the attention heads, the dense and shared-expert MLPs' widths and Gated
+    DeltaNet's heads over TP, a routed expert's width (``moe_ffn_hidden_size``) over ETP, the
+    query groups (``num_query_groups``) a multiple or a divisor of TP (Megatron-Core raises, or
+    its parallel linear layers assert). `Architecture.split_problems` and `validate`'s TP rules
+    both ask it."""
+    out = {}
+    for name, size in sizes.items():
+        if size is None or name == "num_query_groups":
+            continue
+        label, ways = ("ETP", etp) if name == "moe_ffn_hidden_size" else ("TP", tp)
+        if size % ways:
+            out[name] = (f"{name} {size} does not split over {label} {ways} (Megatron-Core asserts): choose a {label} "
+                         f"dividing {size}")
+    groups = sizes.get("num_query_groups")
+    if groups is not None and groups % tp and tp % groups:
+        out["num_query_groups"] = (f"num_query_groups {groups} is neither a multiple nor a divisor of TP {tp} "
+                                   "(Megatron-Core raises): choose a TP dividing or divided by it")
+    return out
 
 
 def from_hf_config(cfg: dict, name: str = "hf-model") -> Architecture:

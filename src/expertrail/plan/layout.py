@@ -288,14 +288,7 @@ class TrainingLayout:
                        "expert_model_parallel_size x expert_tensor_parallel_size dividing GPUs / PP")
         if experts % self.ep:
             out.append(f"EP {self.ep} does not divide the {experts} experts: choose a divisor")
-        # Megatron-LM splits a sequence into 2 x CP chunks (causal load balance), and sequence
-        # parallelism each CP rank's part over TP.
-        if self.cp > 1 and self.seq % (2 * self.cp):
-            out.append(f"seq_length {self.seq} is not a multiple of 2 x CP {self.cp} (Megatron-LM asserts): choose "
-                       f"a multiple of {2 * self.cp}")
-        elif self.tp > 1 and (self.seq // self.cp) % self.tp:
-            out.append(f"seq_length {self.seq} over CP {self.cp} does not split over TP {self.tp} (sequence "
-                       f"parallelism): choose a multiple of {self.cp * self.tp}")
+        out += list(sequence_split_problems(self.seq, self.cp, self.tp).values())
         out += pipeline_split_problems(layers, self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers,
                                        self.embedding_in_split, self.loss_in_split, self.layout_string)
         if self.global_batch and self.dp and self.global_batch % (self.micro_batch * max(1, self.dp)):
@@ -639,6 +632,21 @@ def _digits(text: str) -> str:
 
 SPLIT_FIX = ("give decoder_first/last_pipeline_num_layers, account_for_embedding/loss_in_pipeline_split or a "
              "pipeline_model_parallel_layout that splits them (`expertrail plan --fit --emit megatron` writes one)")
+
+
+def sequence_split_problems(seq: int, cp: int, tp: int, sequence_parallel: bool = True) -> dict:
+    """{field: why, with the fix} where Megatron-LM cannot split a sequence of ``seq`` tokens:
+    into 2 x CP chunks (context_parallel_size; causal load balance), and, under sequence
+    parallelism (the estimate costs TP with it), each CP rank's part over TP
+    (sequence_parallel). `TrainingLayout.problems` and `validate`'s rules both ask it."""
+    out = {}
+    if cp > 1 and seq % (2 * cp):
+        out["context_parallel_size"] = (f"seq_length {seq} is not a multiple of 2 x CP {cp} (Megatron-LM asserts): "
+                                        f"choose a multiple of {2 * cp}")
+    if sequence_parallel and tp > 1 and (seq // cp) % tp:
+        out["sequence_parallel"] = (f"seq_length {seq} over CP {cp} does not split over TP {tp} (sequence "
+                                    f"parallelism): choose a multiple of {cp * tp}")
+    return out
 
 
 def pipeline_split_problems(layers: int, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None,

@@ -26,8 +26,9 @@ from typing import Callable
 from ..errors import ConfigError
 from . import megatron_fields as mf
 from .catalog import HARDWARE, load_hardware, read_mapping
+from .architecture import width_split_problems
 from .layout import (GRAPH_MODULES_DEFAULTS, expand_layout, graph_module_names, layout_text, pipeline_split_problems,
-                     stage_override, vpp_of_stage_layers)
+                     sequence_split_problems, stage_override, vpp_of_stage_layers)
 from .simulate import domain_for
 
 FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
@@ -455,6 +456,20 @@ def _graph_scope(c) -> str:
     return "" if c["cuda_graph_impl"] in (None, "none") else " ".join(sorted(_graph_names(c)))
 
 
+def _width_splits(c, name: str) -> bool:
+    """Whether Megatron-Core splits the model size ``name`` over the configured TP / expert-TP
+    (`architecture.width_split_problems`, which `estimate` asks too)."""
+    tp = int(c["tensor_model_parallel_size"])
+    etp = int(c["expert_tensor_parallel_size"] or tp)
+    return name not in width_split_problems(tp, etp, **{name: int(c[name])})
+
+
+def _sequence_splits(c) -> dict:
+    """`layout.sequence_split_problems` of the configured sequence, CP, TP and sequence parallelism."""
+    return sequence_split_problems(int(c["seq_length"]), int(c["context_parallel_size"]),
+                                   int(c["tensor_model_parallel_size"]), bool(c["sequence_parallel"]))
+
+
 def _padded(c) -> bool:
     return c["moe_expert_capacity_factor"] is not None and bool(c["moe_pad_expert_input_to_capacity"])
 
@@ -762,31 +777,29 @@ RULES = [
     Rule("cp-splits-sequence", "with CP > 1 the sequence must split into 2 x CP chunks (Megatron-LM asserts)",
          ("seq_length", "context_parallel_size"), "choose a seq_length that is a multiple of 2 x context_parallel_size",
          lambda c: c.given("seq_length") and int(c["context_parallel_size"]) > 1,
-         lambda c: c["seq_length"] % (2 * c["context_parallel_size"]) == 0),
+         lambda c: "context_parallel_size" not in _sequence_splits(c)),
     Rule("sp-splits-sequence", "sequence parallelism splits each CP rank's part of the sequence over TP",
          ("seq_length", "context_parallel_size", "tensor_model_parallel_size", "sequence_parallel"),
          "choose a seq_length that is a multiple of context_parallel_size x tensor_model_parallel_size",
          lambda c: c.given("seq_length") and bool(c["sequence_parallel"]) and int(c["tensor_model_parallel_size"]) > 1,
-         lambda c: (c["seq_length"] // c["context_parallel_size"]) % c["tensor_model_parallel_size"] == 0),
+         lambda c: "sequence_parallel" not in _sequence_splits(c)),
     Rule("tp-splits-heads", "the attention heads must split evenly over TP (Megatron-Core raises)",
          ("num_attention_heads", "tensor_model_parallel_size"), "choose a tensor_model_parallel_size dividing "
          "num_attention_heads", lambda c: c.given("num_attention_heads"),
-         lambda c: c["num_attention_heads"] % c["tensor_model_parallel_size"] == 0),
+         lambda c: _width_splits(c, "num_attention_heads")),
     Rule("tp-query-groups", "the query groups must be a multiple or a divisor of TP (Megatron-Core raises)",
          ("num_query_groups", "tensor_model_parallel_size"), "choose a tensor_model_parallel_size dividing "
          "num_query_groups or divided by it", lambda c: c.given("num_query_groups"),
-         lambda c: c["num_query_groups"] % c["tensor_model_parallel_size"] == 0
-         or c["tensor_model_parallel_size"] % c["num_query_groups"] == 0),
+         lambda c: _width_splits(c, "num_query_groups")),
     Rule("etp-splits-expert", "a routed expert's width must split evenly over expert-TP (its linear layers "
          "assert)", ("moe_ffn_hidden_size", "expert_tensor_parallel_size", "tensor_model_parallel_size"),
          "choose an expert_tensor_parallel_size (by default the TP size) dividing moe_ffn_hidden_size",
-         lambda c: c.given("moe_ffn_hidden_size"),
-         lambda c: c["moe_ffn_hidden_size"] % (c["expert_tensor_parallel_size"] or c["tensor_model_parallel_size"]) == 0),
+         lambda c: c.given("moe_ffn_hidden_size"), lambda c: _width_splits(c, "moe_ffn_hidden_size")),
     Rule("tp-splits-shared-expert", "the shared experts' width must split evenly over TP (their linear layers "
          "assert)", ("moe_shared_expert_intermediate_size", "tensor_model_parallel_size"),
          "choose a tensor_model_parallel_size dividing moe_shared_expert_intermediate_size",
          lambda c: bool(c["moe_shared_expert_intermediate_size"]),
-         lambda c: c["moe_shared_expert_intermediate_size"] % c["tensor_model_parallel_size"] == 0),
+         lambda c: _width_splits(c, "moe_shared_expert_intermediate_size")),
     Rule("domain-divides-ep", "the NVLink domain size must divide EP", (DOMAIN_FIELD, "expert_model_parallel_size"),
          "set NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN to a divisor of EP (the GPUs one NVLink domain joins)",
          lambda c: c.domain is not None, lambda c: c.ep % c.domain == 0),
