@@ -19,6 +19,7 @@ FLA is not installed, the timed implementation is `chunked_gated_delta_rule` bel
 in PyTorch, as Megatron's fallback computes it).
 """
 import argparse
+import importlib.metadata
 
 import torch
 from torch.nn import functional as F
@@ -95,8 +96,11 @@ def causal_depthwise_conv(x, weight):
 def fla_kernels():
     """(gated delta rule, convolution) of Flash Linear Attention, or None where it is not installed."""
     try:
-        from fla.modules.causal_conv1d import causal_conv1d
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        try:
+            from fla.modules.causal_conv1d import causal_conv1d          # fla-core 0.5 on
+        except ImportError:
+            from fla.modules.convolution import causal_conv1d            # before, Megatron-LM's import
     except ImportError:
         return None
     return (lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta)[0],
@@ -178,7 +182,8 @@ def main():
     implementations = [("fla", *fla)] if fla else []
     implementations.append(("torch chunked", chunked_gated_delta_rule, causal_depthwise_conv))
 
-    print(f"device: {name}; torch {torch.__version__}; {dtype}; {args.model} linear attention at TP 1: "
+    version = importlib.metadata.version("fla-core") if fla else None
+    print(f"device: {name}; torch {torch.__version__}; FLA {version or 'not installed'}; {dtype}; {args.model} linear attention at TP 1: "
           f"{heads} value heads of {dk}x{dv} (queries and keys repeated from {arch.linear_qk_heads}), "
           f"{channels} convolution channels of width {arch.linear_conv}, sequence {args.seq}")
     print(f"shares of the {system} catalog BF16 peak ({hw.bf16_TFLOPS:.0f} TFLOPS) on Megatron's FLOPs count, "
