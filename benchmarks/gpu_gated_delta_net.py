@@ -157,6 +157,12 @@ def fwd_bwd(fn, xs):
     return step
 
 
+def row(label, part, mbs, ok, wall, busy, flops, peak, modelled) -> str:
+    share = flops / busy / peak
+    return (f"{label:<16}{part:>14}{mbs:>5}{'ok' if ok else 'FAIL':>7}{wall * 1e3:>9.3f}{busy * 1e3:>9.3f}"
+            f"{flops / busy / 1e12:>8.1f}{share:>8.1%}{modelled:>9.1%}{modelled / share:>15.2f}x")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
@@ -192,15 +198,15 @@ def main():
           f"{channels} convolution channels of width {arch.linear_conv}, sequence {args.seq}")
     print(f"shares of the {system} catalog BF16 peak ({hw.bf16_TFLOPS:.0f} TFLOPS) on Megatron's FLOPs count, "
           "forward + backward as three forwards; 'estimate' is the share the estimator costs them at "
-          f"(efficiency {getattr(est, 'LINEAR_ATTENTION_EFFICIENCY', None) or 'of GEMMs'} x system speed {speed})")
+          f"(LINEAR_ATTENTION_EFFICIENCY {est.LINEAR_ATTENTION_EFFICIENCY} x system speed {speed})")
     check_seq = 192 if on_gpu else min(args.seq, 128)
     checks = []
-    efficiency = getattr(est, "LINEAR_ATTENTION_EFFICIENCY", None) or est.GEMM_EFFICIENCY["bf16"] * est.width_factor(arch)
-    modelled = efficiency * speed
+    modelled = est.LINEAR_ATTENTION_EFFICIENCY * speed
     print("'ms' is a call's wall time (host launches included), 'busy ms' the GPU's (its kernels' union in a "
           "profile); the shares are on the busy time, as the estimator counts the host's launches apart")
     print(f"{'kernel':<16}{'part':>14}{'mbs':>5}{'check':>7}{'ms':>9}{'busy ms':>9}{'TFLOPS':>8}{'kernel':>8}{'estimate':>9}"
           f"{'estimate/kernel':>16}")
+    print("'both' is the convolution and the delta rule together, what LINEAR_ATTENTION_EFFICIENCY stands for")
     for label, rule, conv in implementations:
         ok_rule = check_rule(rule, dev, dtype, heads, dk, dv, check_seq)
         ok_conv = check_conv(conv, dev, dtype, channels, arch.linear_conv, check_seq)
@@ -213,13 +219,14 @@ def main():
             conv_step = fwd_bwd(conv, (x, w))
             parts = (("delta rule", ok_rule, rule_step, 2 * 4 * heads * dv ** 2),
                      ("convolution", ok_conv, conv_step, 2 * arch.linear_conv * channels))
+            totals = [0.0, 0.0, 0.0]                                  # wall s, busy s, FLOPs
             for part, ok, step, flops_per_token in parts:
                 wall = timer(dev, step, args.iters)
-                seconds = gpu_busy(dev, step, args.iters) if on_gpu else wall
+                busy = gpu_busy(dev, step, args.iters) if on_gpu else wall
                 flops = 3 * tokens * flops_per_token
-                share = flops / seconds / peak
-                print(f"{label:<16}{part:>14}{mbs:>5}{'ok' if ok else 'FAIL':>7}{wall * 1e3:>9.3f}{seconds * 1e3:>9.3f}"
-                      f"{flops / seconds / 1e12:>8.1f}{share:>8.1%}{modelled:>9.1%}{modelled / share:>15.2f}x")
+                totals = [a + b for a, b in zip(totals, (wall, busy, flops))]
+                print(row(label, part, mbs, ok, wall, busy, flops, peak, modelled))
+            print(row(label, "both", mbs, ok_rule and ok_conv, *totals, peak, modelled))
     if not all(checks):
         raise SystemExit("a check failed")
 

@@ -912,6 +912,26 @@ def test_narrow_attention_heads_run_slower():
     assert narrow == pytest.approx(wide / 2 / 0.67)          # half the FLOPs at 0.67 of the speed
 
 
+def test_gated_deltanet_core_is_costed_at_its_measured_kernel_share():
+    """Qwen3-Next's Gated DeltaNet layers: their projections are GEMMs, their convolution and
+    delta rule (Megatron's count) run at LINEAR_ATTENTION_EFFICIENCY of the peak, as measured on
+    FLA's kernels, in the layer's attention term; the model FLOPs stay Megatron's."""
+    from expertrail.plan import estimate as est
+    arch, hw = ARCHITECTURES["qwen3-next-80b-a3b"], HARDWARE["h100"]
+    layout = TrainingLayout(gpus=64, ep=8)
+    flops = arch.layer_flops(4096, True)
+    qk, v, in_proj, conv = arch.linear_widths()
+    assert arch.linear_core_flops() == 2 * (4 * conv + 4 * 32 * 128 ** 2)
+    assert flops["linear_core"] == pytest.approx(36 / 48 * arch.linear_core_flops())
+    no_linear = replace(arch, linear_layers=0)
+    softmax_only = layer_seconds(arch, hw, layout, True, 0.0)["attention"] - 3 * layout.tokens_per_gpu * \
+        flops["linear_core"] / (hw.bf16_TFLOPS * 1e12 * est.LINEAR_ATTENTION_EFFICIENCY * est.SYSTEM_SPEED["h100"])
+    assert softmax_only == pytest.approx(layer_seconds(no_linear, hw, layout, True, 0.0)["attention"] / 4)
+    # The linear core weighs more than its FLOPs at a GEMM's rate: 1.8 ms a layer at 4096 tokens.
+    linear = layer_seconds(arch, hw, layout, True, 0.0)["attention"] - softmax_only
+    assert 1.5e-3 < linear * 48 / 36 < 2.2e-3
+
+
 def test_moe_enable_deepep_selects_deepep_as_megatron_does(capsys):
     """Megatron-Core maps the deprecated ``--moe-enable-deepep`` onto the DeepEP backend of the flex
     dispatcher: validate then finds no missing backend, and estimate costs DeepEP."""

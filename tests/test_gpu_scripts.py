@@ -53,3 +53,25 @@ def test_host_syncs_script_checks_every_backend_against_alltoall():
               "--ffn", "64", "--iters", "1")
     for backend in ("alltoall", "dedup", "allgather", "hierarchical"):
         assert any(line.startswith(backend) and " ok " in line for line in out.splitlines()), out
+
+
+@pytest.mark.docs
+def test_gated_delta_net_script_checks_its_kernels_on_the_cpu():
+    out = run("gpu_gated_delta_net.py", "--seq", "96", "--iters", "1", "--micro-batches", "1")
+    rows = [line for line in out.splitlines() if line.startswith("torch chunked")]
+    assert len(rows) == 3 and all(" ok " in line for line in rows), out     # delta rule, convolution, both
+
+
+def test_chunked_gated_delta_rule_is_the_recurrence():
+    """The script's chunked form against the token-by-token rule: a sequence that is not a whole
+    number of chunks, outputs and gradients; a wrong decay fails the check."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import gpu_gated_delta_net as script
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    import torch
+    cpu = torch.device("cpu")
+    assert script.check_rule(script.chunked_gated_delta_rule, cpu, torch.float32, 2, 8, 4, 70)
+    wrong_decay = lambda q, k, v, g, beta: script.chunked_gated_delta_rule(q, k, v, 0.9 * g, beta, chunk=16)  # noqa: E731
+    assert not script.check_rule(wrong_decay, cpu, torch.float32, 2, 8, 4, 40)

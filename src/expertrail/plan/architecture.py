@@ -162,25 +162,31 @@ class Architecture:
 
     # FLOPs -------------------------------------------------------------------------------
     def attention_flops(self, seq: int) -> tuple:
-        """(projection GEMM FLOPs, core attention FLOPs) of one token in one layer, forward only,
-        averaged over the layers: a standard layer's core attends over the causal half of the
-        sequence; a Gated DeltaNet layer's is linear in it, counted with its projections as
-        Megatron counts it (its convolution, and four products of a value head's state)."""
+        """(projection GEMM FLOPs, core attention FLOPs, linear attention core FLOPs) of one token
+        in one layer, forward only, averaged over the layers: a standard layer's core attends over
+        the causal half of the sequence; a Gated DeltaNet layer's projections are GEMMs and its
+        core (`linear_core_flops`) is linear in the sequence, as Megatron counts them."""
         core_dims = (self.qk_nope + self.qk_rope + self.v_head) if self.mla else 2 * self.head_dim
         core = 2 * self.heads * core_dims * seq / 2          # QK^T and AV over the causal half
         proj = 2 * self.standard_attention_params()
         if not self.linear_layers:
-            return proj, core
+            return proj, core, 0.0
         qk, v, in_proj, conv = self.linear_widths()
-        state = 4 * self.linear_v_heads * self.linear_v_dim ** 2        # four products of each value head's state
-        linear = 2 * (self.hidden * in_proj + self.linear_conv * conv + state + v * self.hidden)
+        linear_proj = 2 * (self.hidden * in_proj + v * self.hidden)
         share = self.linear_share
-        return (1 - share) * proj + share * linear, (1 - share) * core
+        return (1 - share) * proj + share * linear_proj, (1 - share) * core, share * self.linear_core_flops()
+
+    def linear_core_flops(self) -> float:
+        """Forward FLOPs of one token in one Gated DeltaNet layer between its projections, Megatron's
+        count: the depthwise convolution over the queries', keys' and values' channels, and four
+        products of each value head's state (the delta rule)."""
+        qk, v, in_proj, conv = self.linear_widths()
+        return 2 * (self.linear_conv * conv + 4 * self.linear_v_heads * self.linear_v_dim ** 2)
 
     def layer_flops(self, seq: int, moe: bool) -> dict:
         """Forward FLOPs of one token in one layer, by kind (x3 for a training step)."""
-        proj, core = self.attention_flops(seq)
-        out = {"attention_gemm": proj, "attention_core": core}
+        proj, core, linear = self.attention_flops(seq)
+        out = {"attention_gemm": proj, "attention_core": core, "linear_core": linear}
         if moe:
             out["experts"] = 2 * self.topk * self.expert_params()
             out["dense_mlp"] = 2 * (3 * self.hidden * self.shared_ffn + self.hidden * self.experts)

@@ -151,6 +151,9 @@ FITTED_ON = {
                                   "gpu-gemm-efficiency.json): the catalog's expert shapes reach half speed "
                                   "at 205-655 rows; the advisor's 256",
     "estimate.ATTENTION_EFFICIENCY": "assumption (fused attention)",
+    "estimate.LINEAR_ATTENTION_EFFICIENCY": "measured: benchmarks/gpu_gated_delta_net.py on an H100 (docs/results/"
+                                            "gpu-gated-delta-net.json): FLA's convolution and chunked delta rule at "
+                                            "Qwen3-Next's shapes, 2.9-3.1% of the BF16 peak, over H100's system speed",
     "estimate.ATTENTION_HEAD_SPEED": "FlashAttention-3 paper (arXiv 2407.08608), cuDNN forward on H100 at sequence 4k by head dim",
     "estimate.ELEMENTWISE_PASSES": "assumption",
     "estimate.HOST_S_PER_LAYER['x86']": "launch_floor(): the launch-bound runs of the fit split",

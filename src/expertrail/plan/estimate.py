@@ -57,6 +57,13 @@ ATTENTION_EFFICIENCY = 0.45                      # fused attention, forward and 
 # H100 at sequence 4k in FlashAttention-3's paper (arXiv 2407.08608, Fig. 5), 408 TFLOPS at head
 # dim 64 against 609 at 128; wider heads run as fast as 128 (FlashAttention-3: 612 at 256, 638 at 128).
 ATTENTION_HEAD_SPEED = {64: 0.67, 128: 1.0}
+# Gated DeltaNet's core (the depthwise convolution and the chunked delta rule, Flash Linear
+# Attention's Triton kernels as Megatron-LM calls them), forward and backward, of the BF16 peak on
+# Megatron's FLOPs count (`Architecture.linear_core_flops`), times the system speed: measured on an
+# H100 at Qwen3-Next's shapes, 2.9-3.1% of its peak (GPU busy time, 4096-16384 tokens a call;
+# benchmarks/gpu_gated_delta_net.py), over H100's 0.94. Small per-chunk products and a state
+# handed from chunk to chunk keep it far below a GEMM's share.
+LINEAR_ATTENTION_EFFICIENCY = 0.032
 ELEMENTWISE_PASSES = 6                           # HBM passes over a layer's activations, forward + backward
 # The host's time to launch one layer's forward + backward of one micro-batch (kernels, the
 # dispatcher's host synchronisations) eagerly; a micro-batch runs no faster. x86 hosts of 8-GPU
@@ -291,6 +298,7 @@ def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe:
     dense = attn_gemm + dense_mlp
     experts = _gemm_seconds(3 * t * f["experts"] * load, hw, layout.precision, rows, width=w) if moe else 0.0
     core = 3 * t * f["attention_core"] / (hw.bf16_TFLOPS * 1e12 * ATTENTION_EFFICIENCY * attention_speed(arch) * _speed(hw))
+    core += 3 * t * f["linear_core"] / (hw.bf16_TFLOPS * 1e12 * LINEAR_ATTENTION_EFFICIENCY * _speed(hw))
     full_acts = sum(layer_activation_bytes(arch, _no_recompute(layout), moe).values())
     elementwise = ELEMENTWISE_PASSES * full_acts / (hw.hbm_TBps * 1e12)
     compute = dense + experts + core + elementwise
