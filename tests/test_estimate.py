@@ -982,6 +982,34 @@ def test_older_recompute_switches_are_read_and_other_memory_fields_named():
     assert layout("--activation-offload-fraction", "1.0").not_modelled == ()
 
 
+def test_megatrons_newer_recompute_modules_are_read_or_named():
+    """gdn_norm_out recomputes Gated DeltaNet's output norm (its output no longer kept, a memory
+    pass more), only on a model with Gated DeltaNet; core_attn recomputes softmax attention's core,
+    not Gated DeltaNet's; GatedDeltaProduct's and hyper-connections' modules are accepted and named."""
+    from expertrail.plan.memory import layer_activation_bytes
+
+    def layout(*modules):
+        flags = ["--expert-model-parallel-size", "8", "--recompute-granularity", "selective",
+                 "--recompute-modules", *modules]
+        return TrainingLayout.from_fields(load_config(None, flags), 64)
+    arch, hw = ARCHITECTURES["qwen3-next-80b-a3b"], HARDWARE["h100"]
+    plain, norm_out = layout("moe_act"), layout("moe_act", "gdn_norm_out")
+    kept = [sum(layer_activation_bytes(arch, lay, True).values()) for lay in (plain, norm_out)]
+    v = arch.linear_v_heads * arch.linear_v_dim
+    assert kept[0] - kept[1] == pytest.approx(arch.linear_share * v * 2 * plain.tokens_per_gpu)
+    assert layer_seconds(arch, hw, norm_out, True, 0.0)["recompute"] > layer_seconds(arch, hw, plain, True, 0.0)["recompute"]
+    with pytest.raises(ConfigError, match="gdn_norm_out"):
+        estimate(QWEN, hw, replace(norm_out, gpus=256))
+    core = layer_seconds(arch, hw, layout("core_attn"), True, 0.0)["recompute"]
+    softmax_only = layer_seconds(replace(arch, linear_layers=0), hw, layout("core_attn"), True, 0.0)["recompute"]
+    assert core == pytest.approx(softmax_only / 4)            # a quarter of the layers attend with softmax
+    named = layout("moe_act", "gdp_qkv", "mhc")
+    assert named.recompute_modules == ("moe_act",)
+    assert set(named.not_modelled) == {"recompute_modules=gdp_qkv", "recompute_modules=mhc"}
+    with pytest.raises(ConfigError, match="choose among"):
+        layout("attn_norm")
+
+
 @pytest.mark.parametrize("run_id, faster, slower, published", [
     ("25.11 gb200 qwen3-235b-a22b bf16 1/8/3/32 mbs1 gbs8192", ("flex", "hybridep"), ("alltoall", None), 698 / 665),
     ("26.02 gb200 qwen3-235b-a22b mxfp8 1/8/1/32 mbs1 gbs8192", ("flex", "hybridep"), ("alltoall", None), 800 / 728),

@@ -133,6 +133,10 @@ CASES = {   # rule -> (breaking config, satisfying config)
                               {"chunked_optimizer_state_offload": True, "optimizer_cpu_offload": False}),
     "cpu-offload-pp": ({"cpu_offloading": True, "pipeline_model_parallel_size": 2},
                        {"cpu_offloading": True, "pipeline_model_parallel_size": 1}),
+    "gdn-norm-out-needs-gdn": ({"recompute_granularity": "selective", "recompute_modules": ["gdn_norm_out"],
+                                "experimental_attention_variant": "dsa"},
+                               {"recompute_granularity": "selective", "recompute_modules": ["gdn_norm_out"],
+                                "experimental_attention_variant": "gated_delta_net"}),
     "cpu-offload-recompute": ({"cpu_offloading": True, "recompute_granularity": "selective"},
                               {"cpu_offloading": True}),
     "cpu-offload-graphs": ({"cpu_offloading": True, "cuda_graph_impl": "transformer_engine"},
@@ -385,3 +389,13 @@ def test_a_bridge_precision_recipe_name_expands_into_its_fields(tmp_path):
     assert unknown_fields(values) == [] and validate(values) == []
     with pytest.raises(ConfigError, match="bf16_with_mxfp8_mixed"):
         load_config(None, ["mixed_precision=bf16_fp8"])
+
+
+def test_gdn_norm_out_recompute_needs_gated_deltanet():
+    """Megatron-Core raises when recompute_modules names gdn_norm_out under another attention variant."""
+    def rules(*extra):
+        values = load_config(None, ["--recompute-granularity", "selective", "--recompute-modules", "gdn_norm_out", *extra])
+        return [v.rule for v in validate(values)]
+    assert rules("--experimental-attention-variant", "dsa") == ["gdn-norm-out-needs-gdn"]
+    assert rules("--experimental-attention-variant", "gated_delta_net") == []
+    assert rules("--experimental-attention-variant", "gdn2") == []

@@ -297,8 +297,8 @@ def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe:
     dense_mlp = _gemm_seconds(3 * t * f["dense_mlp"], hw, layout.precision, width=w)
     dense = attn_gemm + dense_mlp
     experts = _gemm_seconds(3 * t * f["experts"] * load, hw, layout.precision, rows, width=w) if moe else 0.0
-    core = 3 * t * f["attention_core"] / (hw.bf16_TFLOPS * 1e12 * ATTENTION_EFFICIENCY * attention_speed(arch) * _speed(hw))
-    core += 3 * t * f["linear_core"] / (hw.bf16_TFLOPS * 1e12 * LINEAR_ATTENTION_EFFICIENCY * _speed(hw))
+    softmax = 3 * t * f["attention_core"] / (hw.bf16_TFLOPS * 1e12 * ATTENTION_EFFICIENCY * attention_speed(arch) * _speed(hw))
+    core = softmax + 3 * t * f["linear_core"] / (hw.bf16_TFLOPS * 1e12 * LINEAR_ATTENTION_EFFICIENCY * _speed(hw))
     full_acts = sum(layer_activation_bytes(arch, _no_recompute(layout), moe).values())
     elementwise = ELEMENTWISE_PASSES * full_acts / (hw.hbm_TBps * 1e12)
     compute = dense + experts + core + elementwise
@@ -313,8 +313,11 @@ def layer_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe:
             up = 2 * t * (arch.q_lora * arch.heads * (arch.qk_nope + arch.qk_rope)
                           + arch.kv_lora * arch.heads * (arch.qk_nope + arch.v_head))
             recompute += _gemm_seconds(up, hw, layout.precision, width=w)
-        if "core_attn" in drop:
-            recompute += core / 3
+        if "core_attn" in drop:                  # softmax attention's core; Gated DeltaNet's is not in the module
+            recompute += softmax / 3
+        if "gdn_norm_out" in drop and arch.linear_layers:
+            # Gated DeltaNet's gated norm again: its input and gate read, its output written.
+            recompute += arch.linear_share * 3 * arch.linear_v_heads * arch.linear_v_dim * 2 * t / (hw.hbm_TBps * 1e12)
         if moe and "moe" in drop:
             recompute += experts / 3 + ep_comm / 2
         if moe and "moe_act" in drop:
@@ -464,6 +467,9 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     """Everything `expertrail estimate` prints, as data."""
     layout = layout.for_model(arch.layers, arch.mtp_layers, arch.output_layers_worth(layout.seq))
     problems = layout.problems(arch.experts, arch.layers) + arch.split_problems(layout.tp, layout.etp)
+    if "gdn_norm_out" in layout.recompute_modules and not arch.linear_layers:
+        problems.append(f"recompute_modules gdn_norm_out recomputes Gated DeltaNet's output norm, which {arch.name} "
+                        "does not have: drop it from recompute_modules")
     if problems:
         raise ConfigError("; ".join(problems))
     domain = domain_for(hw, layout.ep) if layout.ep > 1 else 1

@@ -17,7 +17,10 @@ from .megatron_fields import flex_backend
 
 RECIPE_DEFAULTS = {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
                    "sequence_parallel": True}
-RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts", "gdn_norm_out")
+# Megatron-LM's recompute_modules of features the estimate does not cost (GatedDeltaProduct layers,
+# hyper-connections): accepted, recomputing nothing, and named as not modelled.
+RECOMPUTE_NOT_MODELLED = ("gdp_in_proj", "gdp_qkv", "mhc")
 PIPELINE_STAGE_MARKS = {"E": "embedding", "t": "layer", "m": "mtp", "L": "loss"}
 # Fields that change a run's memory or time which the estimate does not model: named in its
 # output when a configuration sets them, never silently ignored.
@@ -341,9 +344,12 @@ class TrainingLayout:
             granularity = granularity or "selective"
         if granularity == "selective" and modules is None:
             modules = ["core_attn"]
-        unknown = [m for m in modules or [] if m not in RECOMPUTE_MODULES]
+        unknown = [m for m in modules or [] if m not in RECOMPUTE_MODULES + RECOMPUTE_NOT_MODELLED]
         if unknown:
-            raise ConfigError(f"recompute_modules {unknown}: choose among {', '.join(RECOMPUTE_MODULES)}")
+            raise ConfigError(f"recompute_modules {unknown}: choose among "
+                              f"{', '.join(RECOMPUTE_MODULES + RECOMPUTE_NOT_MODELLED)}")
+        uncosted = [f"recompute_modules={m}" for m in modules or [] if m in RECOMPUTE_NOT_MODELLED]
+        modules = [m for m in modules or [] if m not in RECOMPUTE_NOT_MODELLED] if modules is not None else None
         if modules and granularity is None:
             granularity = "selective"
         dispatcher = get("moe_token_dispatcher_type", "allgather")
@@ -449,7 +455,7 @@ class TrainingLayout:
             optimizer_state_offload=state_offload,
             optimizer_state_chunk_MB=int(get("optimizer_state_offload_chunk_size_mb", 0) or 0), assumed=tuple(assumed),
             not_modelled=tuple(f for f in NOT_MODELLED if _set_away_from_default(f, v.get(f)))
-            + tuple(unknown))
+            + tuple(unknown) + tuple(uncosted))
         return layout
 
     def for_model(self, layers: int, mtp_layers: int = 0, head: float = 1.0) -> "TrainingLayout":

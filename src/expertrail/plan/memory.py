@@ -68,9 +68,10 @@ def layer_activation_bytes(arch: Architecture, layout: TrainingLayout, moe: bool
         parts["attention"] = (qkv + gate + arch.heads * (arch.head_dim * gemm_in + 4)) * t
     if arch.linear_layers:
         # Gated DeltaNet, averaged in by its share of the layers: the input projection's outputs,
-        # the convolution's, the gated norm's input and gate, the output projection's input.
+        # the convolution's, the gated norm's input and gate, the output projection's input (the
+        # gated norm's output, which recompute_modules gdn_norm_out recomputes instead).
         qk, v, in_proj, conv = arch.linear_widths()
-        linear = ((in_proj + conv + 2 * v) * 2 + v * gemm_in) * t
+        linear = ((in_proj + conv + 2 * v) * 2 + (0 if "gdn_norm_out" in drop else v * gemm_in)) * t
         parts["attention"] = (1 - arch.linear_share) * parts["attention"] + arch.linear_share * linear
     if moe:
         if "moe" not in drop:

@@ -26,7 +26,7 @@ from typing import Callable
 from ..errors import ConfigError
 from . import megatron_fields as mf
 from .catalog import HARDWARE, load_hardware, read_mapping
-from .architecture import width_split_problems
+from .architecture import GATED_DELTA_NET, width_split_problems
 from .layout import (GRAPH_MODULES_DEFAULTS, expand_layout, graph_module_names, layout_text, pipeline_split_problems,
                      sequence_split_problems, stage_override, vpp_of_stage_layers)
 from .simulate import domain_for
@@ -446,6 +446,13 @@ def _graph_names(c) -> set:
     return set(graph_module_names(c.values.get("cuda_graph_modules") if scope is None else scope)) - {"full"}
 
 
+def _recompute_modules(c) -> list:
+    """recompute_modules under selective recompute (a list, or names split by spaces or commas)."""
+    if c["recompute_granularity"] != "selective":
+        return []
+    return graph_module_names(c["recompute_modules"])
+
+
 def _graph_modules(c) -> set:
     """`_graph_names` under the per-layer implementations (local, Transformer Engine)."""
     return _graph_names(c) if _graph_impl(c) in ("local", "transformer_engine") else set()
@@ -726,6 +733,12 @@ RULES = [
          "set pipeline_model_parallel_size=1, or offload with fine_grained_activation_offloading (works with PP) or "
          "optimizer_cpu_offload", lambda c: bool(c["cpu_offloading"]),
          lambda c: int(c["pipeline_model_parallel_size"]) == 1),
+    Rule("gdn-norm-out-needs-gdn", "recompute_modules gdn_norm_out recomputes Gated DeltaNet's output norm: the "
+         "attention variant must be Gated DeltaNet (Megatron-Core raises)",
+         ("recompute_modules", "experimental_attention_variant"),
+         "set experimental_attention_variant=gated_delta_net (or gdn2), or drop gdn_norm_out from recompute_modules",
+         lambda c: "gdn_norm_out" in _recompute_modules(c) and c.given("experimental_attention_variant"),
+         lambda c: c["experimental_attention_variant"] in GATED_DELTA_NET),
     Rule("cpu-offload-recompute", "layer-level CPU offloading (cpu_offloading) does not work with activation "
          "recomputation (Megatron-Core raises)", ("cpu_offloading", "recompute_granularity", "recompute_activations"),
          "leave recompute_granularity unset, or drop cpu_offloading", lambda c: bool(c["cpu_offloading"]),
