@@ -405,11 +405,13 @@ def width_split_problems(tp: int, etp: int, **sizes) -> dict:
 
 def from_hf_config(cfg: dict, name: str = "hf-model") -> Architecture:
     """The whole-model shape of a transformers config.json (DeepSeek-V2/V3 and Kimi-K2 / Moonlight
-    with multi-latent attention; Qwen3-MoE, Qwen3-Next, Mixtral, GPT-OSS and Llama 4 with
-    grouped-query attention). Dense layers are placed first (`hf_dense_layers` counts them;
-    Llama 4 and Qwen interleave them, which moves layers between pipeline ranks, not their
-    sum); Qwen3-Next's linear-attention layers and GPT-OSS's sliding-window layers are counted
-    as full attention (an upper bound of their FLOPs)."""
+    with multi-latent attention; Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, GPT-OSS and Llama 4
+    with grouped-query attention; a multimodal file's ``text_config``). Dense layers are placed
+    first (`hf_dense_layers` counts them; Llama 4 and Qwen interleave them, which moves layers
+    between pipeline ranks, not their sum); Qwen3-Next's and Qwen3.5's linear-attention layers are
+    Gated DeltaNet (`hf_linear_attention`); GPT-OSS's sliding-window layers are counted as full
+    attention (an upper bound of their FLOPs). MTP layers as the file declares them
+    (``num_nextn_predict_layers``, Qwen3.5's ``mtp_num_hidden_layers``)."""
     if isinstance(cfg.get("text_config"), dict) and "hidden_size" not in cfg:
         cfg = cfg["text_config"]
     moe = hf_moe_model(cfg, name)                       # the MoE part, with its checks
@@ -426,7 +428,7 @@ def from_hf_config(cfg: dict, name: str = "hf-model") -> Architecture:
         ffn=ffn, moe_ffn=moe.moe_ffn, experts=moe.num_experts, topk=moe.topk,
         shared_ffn=shared, heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or hidden // heads, vocab=cfg.get("vocab_size") or 32000,
-        mtp_layers=cfg.get("num_nextn_predict_layers") or 0, q_lora=cfg.get("q_lora_rank") or 0,
+        mtp_layers=cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers") or 0, q_lora=cfg.get("q_lora_rank") or 0,
         kv_lora=cfg.get("kv_lora_rank") or 0, qk_nope=cfg.get("qk_nope_head_dim") or 0,
         qk_rope=cfg.get("qk_rope_head_dim") or 0, v_head=cfg.get("v_head_dim") or 0,
         num_groups=moe.num_groups, group_topk=moe.group_topk,

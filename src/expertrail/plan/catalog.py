@@ -194,7 +194,7 @@ def hf_topk(cfg: dict):
 
 def from_hf_config(cfg: dict, name: str = "hf-model") -> MoEModel:
     """The MoE shape of a transformers config.json (DeepSeek-V2/V3, Kimi-K2, Moonlight,
-    Qwen3-MoE, Qwen3-Next, Mixtral, GPT-OSS, Llama 4 styles)."""
+    Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, GPT-OSS, Llama 4 styles)."""
     if isinstance(cfg.get("text_config"), dict) and "hidden_size" not in cfg:
         cfg = cfg["text_config"]                     # multimodal wrappers keep the LM in text_config
     experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
