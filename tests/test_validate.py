@@ -137,6 +137,9 @@ CASES = {   # rule -> (breaking config, satisfying config)
                                 "experimental_attention_variant": "dsa"},
                                {"recompute_granularity": "selective", "recompute_modules": ["gdn_norm_out"],
                                 "experimental_attention_variant": "gated_delta_net"}),
+    "mhc-recompute": ({"recompute_granularity": "selective", "recompute_modules": ["mhc", "mlp"],
+                       "enable_mhc_connections": True},
+                      {"recompute_granularity": "selective", "recompute_modules": ["mhc"], "enable_mhc_connections": True}),
     "cpu-offload-recompute": ({"cpu_offloading": True, "recompute_granularity": "selective"},
                               {"cpu_offloading": True}),
     "cpu-offload-graphs": ({"cpu_offloading": True, "cuda_graph_impl": "transformer_engine"},
@@ -399,3 +402,13 @@ def test_gdn_norm_out_recompute_needs_gated_deltanet():
     assert rules("--experimental-attention-variant", "dsa") == ["gdn-norm-out-needs-gdn"]
     assert rules("--experimental-attention-variant", "gated_delta_net") == []
     assert rules("--experimental-attention-variant", "gdn2") == []
+
+
+def test_mhc_recompute_needs_hyper_connections():
+    def rules(*extra):
+        values = load_config(None, ["--recompute-granularity", "selective", "--recompute-modules", "mhc", *extra])
+        return [v.rule for v in validate(values)]
+    assert rules() == ["mhc-recompute"]
+    assert rules("--enable-mhc-connections") == []
+    assert rules("--enable-mhc-connections", "--fine-grained-activation-offloading",
+                 "--offload-modules", "moe_act") == ["mhc-recompute"]

@@ -739,6 +739,14 @@ RULES = [
          "set experimental_attention_variant=gated_delta_net (or gdn2), or drop gdn_norm_out from recompute_modules",
          lambda c: "gdn_norm_out" in _recompute_modules(c) and c.given("experimental_attention_variant"),
          lambda c: c["experimental_attention_variant"] in GATED_DELTA_NET),
+    Rule("mhc-recompute", "recompute_modules mhc recomputes hyper-connections: it needs enable_mhc_connections, "
+         "and works neither with mlp recompute nor with fine-grained activation offloading (Megatron-Core raises)",
+         ("recompute_modules", "enable_mhc_connections", "fine_grained_activation_offloading"),
+         "set enable_mhc_connections=true and drop mlp from recompute_modules and fine_grained_activation_offloading, "
+         "or drop mhc from recompute_modules",
+         lambda c: "mhc" in _recompute_modules(c),
+         lambda c: bool(c["enable_mhc_connections"]) and "mlp" not in _recompute_modules(c)
+         and not c["fine_grained_activation_offloading"]),
     Rule("cpu-offload-recompute", "layer-level CPU offloading (cpu_offloading) does not work with activation "
          "recomputation (Megatron-Core raises)", ("cpu_offloading", "recompute_granularity", "recompute_activations"),
          "leave recompute_granularity unset, or drop cpu_offloading", lambda c: bool(c["cpu_offloading"]),
