@@ -57,6 +57,14 @@ FAMILIES = {
                                      "mtp_num_hidden_layers": 1, "vocab_size": 248320}},
                     dict(layers=40, experts=256, topk=8, moe_ffn=512, shared_ffn=512, linear_layers=30,
                          linear_v_heads=32, attention_gate=True, mtp_layers=1, head_dim=256, kv_heads=2)),
+    # GLM-4.5: DeepSeek's MoE field names with grouped-query attention, three dense layers first, an MTP layer.
+    "glm4_moe": ({"model_type": "glm4_moe", "hidden_size": 5120, "num_hidden_layers": 92, "num_attention_heads": 96,
+                  "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+                  "n_routed_experts": 160, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+                  "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 1, "partial_rotary_factor": 0.5,
+                  "vocab_size": 151552},
+                 dict(layers=92, dense_layers=3, experts=160, topk=8, moe_ffn=1536, shared_ffn=1536, kv_heads=8,
+                      head_dim=128, mtp_layers=1, q_lora=0, kv_lora=0)),
     "mixtral": ({"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
                  "num_key_value_heads": 8, "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2,
                  "vocab_size": 32000},
@@ -158,3 +166,10 @@ def test_linear_attention_from_megatron_fields():
             from_fields(base, {"experimental_attention_variant": "gdn", "linear_attention_freq": text})
     flags = ["--expert-model-parallel-size", "8", "--experimental-attention-variant", "dsa"]
     assert "experimental_attention_variant" in TrainingLayout.from_fields(load_config(None, flags), 8).not_modelled
+
+
+def test_glm45_holds_its_published_parameters():
+    """GLM-4.5's config.json (DeepSeek's MoE field names, grouped-query attention, an MTP layer)
+    reads into the 355B parameters its model card gives."""
+    arch = from_hf_config(FAMILIES["glm4_moe"][0])
+    assert arch.total_params() == pytest.approx(355e9, rel=0.01)
