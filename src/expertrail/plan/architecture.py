@@ -405,7 +405,7 @@ def width_split_problems(tp: int, etp: int, **sizes) -> dict:
 
 def from_hf_config(cfg: dict, name: str = "hf-model") -> Architecture:
     """The whole-model shape of a transformers config.json (DeepSeek-V2/V3 and Kimi-K2 / Moonlight
-    with multi-latent attention; Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, GPT-OSS and Llama 4
+    with multi-latent attention; GLM-4.5, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, GPT-OSS and Llama 4
     with grouped-query attention; a multimodal file's ``text_config``). Dense layers are placed
     first (`hf_dense_layers` counts them; Llama 4 and Qwen interleave them, which moves layers
     between pipeline ranks, not their sum); Qwen3-Next's and Qwen3.5's linear-attention layers are
