@@ -322,6 +322,18 @@ def test_plan_fit_searches_the_micro_batch(capsys):
     assert [row[3] for row in rows[1:]] == ["2", "2"]            # the MBS column, under its header
 
 
+def test_plan_fit_recompute_choices_name_only_the_models_modules():
+    """`plan --fit`'s light selective recompute takes MLA's up projection for DeepSeek-V3 and
+    Gated DeltaNet's output norm for Qwen3-Next, neither for Qwen3-235B."""
+    from expertrail.plan.search import _recompute_choices
+
+    def light(name):
+        return _recompute_choices(ARCHITECTURES[name])[1][1]
+    assert light("deepseek-v3") == ("mla_up_proj", "moe_act", "layernorm")
+    assert light("qwen3-next-80b-a3b") == ("gdn_norm_out", "moe_act", "layernorm")
+    assert light("qwen3-235b-a22b") == ("moe_act", "layernorm")
+
+
 def test_plan_fit_searches_gpu_counts_whose_dp_is_not_a_power_of_two(capsys):
     """72 GPUs (an NVL72 rack): without --global-batch each layout takes the first multiple of its
     DP x micro-batch from 1024 sequences, so layouts are found; a --global-batch no layout's DP x

@@ -28,9 +28,10 @@ from .estimate import estimate
 from .layout import TrainingLayout, megatron_split
 from .validate import validate
 
-# Lightest first: selective recompute of cheap modules before whole layers.
-RECOMPUTE = [(None, ()), ("selective", ("mla_up_proj", "moe_act", "layernorm")),
-             ("selective", ("mla_up_proj", "moe_act", "layernorm", "mlp", "shared_experts")),
+# Lightest first: selective recompute of cheap modules before whole layers (MLA's up projection and
+# Gated DeltaNet's output norm only for models that have them).
+RECOMPUTE = [(None, ()), ("selective", ("mla_up_proj", "gdn_norm_out", "moe_act", "layernorm")),
+             ("selective", ("mla_up_proj", "gdn_norm_out", "moe_act", "layernorm", "mlp", "shared_experts")),
              ("selective", ("moe",)), ("full", ())]
 PP_SIZES = (1, 2, 4, 8, 16)
 # Micro-batch sizes searched, up to MAX_MICRO_BATCH_TOKENS tokens a micro-batch (the published
@@ -46,7 +47,7 @@ def _divisors(n: int, limit: int) -> list:
 def _recompute_choices(arch: Architecture) -> list:
     out = []
     for granularity, modules in RECOMPUTE:
-        mods = tuple(m for m in modules if m != "mla_up_proj" or arch.mla)
+        mods = tuple(m for m in modules if (m != "mla_up_proj" or arch.mla) and (m != "gdn_norm_out" or arch.linear_layers))
         if (granularity, mods) not in out:
             out.append((granularity, mods))
     return out
