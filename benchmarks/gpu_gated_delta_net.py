@@ -186,15 +186,15 @@ def main():
     speed = est.SYSTEM_SPEED.get(system, 1.0)
     peak = hw.bf16_TFLOPS * 1e12
     heads, dk, dv = arch.linear_v_heads, arch.linear_qk_dim, arch.linear_v_dim
-    channels = 2 * arch.linear_qk_heads * dk + heads * dv
+    channels = arch.linear_widths()[3]                  # the convolution's: queries, keys and values
     fla = fla_kernels() if on_gpu else None
     implementations = [("fla", *fla)] if fla else []
     if args.torch_chunked or not fla:
         implementations.append(("torch chunked", chunked_gated_delta_rule, causal_depthwise_conv))
 
     version = importlib.metadata.version("fla-core") if fla else None
-    print(f"device: {name}; torch {torch.__version__}; FLA {version or 'not installed'}; {dtype}; {args.model} linear attention at TP 1: "
-          f"{heads} value heads of {dk}x{dv} (queries and keys repeated from {arch.linear_qk_heads}), "
+    print(f"device: {name}; torch {torch.__version__}; FLA {version or 'not installed'}; {dtype}; "
+          f"{args.model} linear attention at TP 1: {heads} value heads of {dk}x{dv} (queries and keys repeated from {arch.linear_qk_heads}), "
           f"{channels} convolution channels of width {arch.linear_conv}, sequence {args.seq}")
     print(f"shares of the {system} catalog BF16 peak ({hw.bf16_TFLOPS:.0f} TFLOPS) on Megatron's FLOPs count, "
           "forward + backward as three forwards; 'estimate' is the share the estimator costs them at "
@@ -204,9 +204,9 @@ def main():
     modelled = est.LINEAR_ATTENTION_EFFICIENCY * speed
     print("'ms' is a call's wall time (host launches included), 'busy ms' the GPU's (its kernels' union in a "
           "profile); the shares are on the busy time, as the estimator counts the host's launches apart")
-    print(f"{'kernel':<16}{'part':>14}{'mbs':>5}{'check':>7}{'ms':>9}{'busy ms':>9}{'TFLOPS':>8}{'kernel':>8}{'estimate':>9}"
-          f"{'estimate/kernel':>16}")
     print("'both' is the convolution and the delta rule together, what LINEAR_ATTENTION_EFFICIENCY stands for")
+    print(f"{'kernel':<16}{'part':>14}{'mbs':>5}{'check':>7}{'ms':>9}{'busy ms':>9}{'TFLOPS':>8}{'kernel':>8}"
+          f"{'estimate':>9}{'estimate/kernel':>16}")
     for label, rule, conv in implementations:
         ok_rule = check_rule(rule, dev, dtype, heads, dk, dv, check_seq)
         ok_conv = check_conv(conv, dev, dtype, channels, arch.linear_conv, check_seq)
