@@ -73,9 +73,9 @@ OTHER_GRAPH_SCOPES = ("mamba", "full_iteration", "full_iteration_inference", "fu
 GRAPH_MODULES_DEFAULTS = (None, "full", "", [], ())
 
 
-def graph_module_names(value) -> list:
-    """The part names of a cuda_graph_modules / cuda_graph_scope value: a list, or a string of
-    names split by spaces or commas."""
+def name_list(value) -> list:
+    """The names a list-valued field gives (cuda_graph_modules / cuda_graph_scope,
+    recompute_modules, offload_modules): a list, or a string of names split by spaces or commas."""
     return value.replace(",", " ").split() if isinstance(value, str) else [str(v) for v in value or ()]
 
 
@@ -99,7 +99,7 @@ def graph_scopes(impl, scope, enabled: bool = False) -> tuple:
     ``cuda_graph_impl=full_iteration``) captures everything."""
     if impl in (None, "none") and not enabled:
         return (), False
-    names = graph_module_names(scope)
+    names = name_list(scope)
     unknown = [n for n in names if n not in GRAPH_SCOPES + OTHER_GRAPH_SCOPES]
     if unknown:
         raise ConfigError(f"cuda_graph_modules (cuda_graph_scope) {unknown[0]!r}: choose among "
@@ -331,8 +331,7 @@ class TrainingLayout:
         recipe = "nvfp4" if fp4 else get("fp8_recipe", None) if fp8 else None
         granularity = get("recompute_granularity", None)
         modules = get("recompute_modules", None)
-        if isinstance(modules, str):
-            modules = modules.replace(",", " ").split()
+        modules = None if modules is None else name_list(modules)
         # Megatron-LM's older switches, read as Megatron-LM reads them: recompute_activations is
         # selective recompute (of core attention), moe_layer_recompute the "moe" module.
         if get("recompute_activations", False) and granularity is None:
@@ -390,9 +389,7 @@ class TrainingLayout:
             grads, grad_comm = fsdp_gradient_bytes(v, assumed)
         offload = ()
         if get("fine_grained_activation_offloading", False):
-            offload = get("offload_modules", None) or ()
-            if isinstance(offload, str):
-                offload = offload.replace(",", " ").split()
+            offload = name_list(get("offload_modules", None))
             unknown = [f"offload_modules={m}" for m in offload if m not in OFFLOAD_MODULES]
             offload = [m for m in offload if m in OFFLOAD_MODULES]
         else:

@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from . import megatron_fields as mf
 from .catalog import HARDWARE, load_hardware, read_mapping
 from .architecture import GATED_DELTA_NET, width_split_problems
-from .layout import (GRAPH_MODULES_DEFAULTS, expand_layout, graph_module_names, layout_text, pipeline_split_problems,
+from .layout import (GRAPH_MODULES_DEFAULTS, expand_layout, layout_text, name_list, pipeline_split_problems,
                      sequence_split_problems, stage_override, vpp_of_stage_layers)
 from .simulate import domain_for
 
@@ -443,14 +443,14 @@ def _graph_impl(c) -> str:
 def _graph_names(c) -> set:
     """The parts of a layer cuda_graph_modules (or cuda_graph_scope) names; empty: whole layers."""
     scope = c.values.get("cuda_graph_scope")
-    return set(graph_module_names(c.values.get("cuda_graph_modules") if scope is None else scope)) - {"full"}
+    return set(name_list(c.values.get("cuda_graph_modules") if scope is None else scope)) - {"full"}
 
 
 def _recompute_modules(c) -> list:
     """recompute_modules under selective recompute (a list, or names split by spaces or commas)."""
     if c["recompute_granularity"] != "selective":
         return []
-    return graph_module_names(c["recompute_modules"])
+    return name_list(c["recompute_modules"])
 
 
 def _graph_modules(c) -> set:
@@ -678,8 +678,8 @@ RULES = [
     Rule("graph-moe-recompute", "recomputing the moe module cannot cover Transformer Engine's moe_router CUDA graph "
          "(Megatron-Core asserts)", ("recompute_modules", "cuda_graph_impl", "cuda_graph_modules", "cuda_graph_scope"),
          "drop moe from recompute_modules, or moe_router from cuda_graph_modules",
-         lambda c: _graph_impl(c) == "transformer_engine" and c["recompute_granularity"] == "selective"
-         and "moe" in (c["recompute_modules"] or ()), lambda c: "moe_router" not in _graph_modules(c),
+         lambda c: _graph_impl(c) == "transformer_engine" and "moe" in _recompute_modules(c),
+         lambda c: "moe_router" not in _graph_modules(c),
          given_only=True),
     Rule("graph-full-iteration-modules", "cuda_graph_impl=full_iteration captures everything: cuda_graph_modules "
          "must be empty (Megatron-Core asserts)", ("cuda_graph_impl", "cuda_graph_modules", "cuda_graph_scope"),
