@@ -740,6 +740,47 @@ def test_a_natural_router_waits_for_its_busiest_ep_rank():
     assert "busiest of 8 EP ranks" in said and "moe_router_force_load_balancing" in said
 
 
+def test_a_routers_load_follows_how_its_checkpoint_was_balanced():
+    """A natural router's busiest rank is costed by how the model's published router was trained
+    to balance (`Architecture.router_balance`): Qwen3's global-batch balancing (the catalog's Qwen3
+    models and any Hugging Face qwen3* config) leaves a micro-batch's experts far less even than a
+    router balanced per micro-batch (Mixtral's, DeepSeek-V3's, the default), and the assumed line
+    says which it took and where that is an extrapolation."""
+    from expertrail.plan.architecture import from_hf_config
+    from expertrail.plan.estimate import routing_imbalance
+    mixtral = ARCHITECTURES["mixtral-8x22b"]
+    assert QWEN.router_balance == "global_batch" and mixtral.router_balance == DSV3.router_balance == "micro_batch"
+    hf = {"hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 16, "moe_intermediate_size": 768,
+          "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 1000}
+    assert from_hf_config({**hf, "model_type": "qwen3_moe"}).router_balance == "global_batch"
+    assert from_hf_config({**hf, "model_type": "mixtral"}).router_balance == "micro_batch"
+    layout = TrainingLayout(gpus=64, ep=8, natural_routing=True)
+    assert 1.02 < routing_imbalance(mixtral, layout) < 1.15 < 1.4 < routing_imbalance(QWEN, layout)
+    said = " ".join(estimate(mixtral, HARDWARE["h100"], replace(layout, tp=2, etp=1))["assumed"])
+    assert "balance each micro-batch" in said and "extrapolation" not in said
+    said = " ".join(estimate(DSV3, HARDWARE["h100"], TrainingLayout(gpus=512, pp=8, ep=64, natural_routing=True))
+                    ["assumed"])
+    assert "calibrated at 1 expert a rank, so at 4 the load model's extrapolation" in said
+
+
+def test_a_benchmark_on_mock_data_routes_as_random_choices():
+    """Megatron-LM's --mock-data feeds random tokens: a natural router has no text to specialise on,
+    so its loads are costed as uniform random choices (--routing uniform), and the assumed line
+    says so; forced balance, or --routing given, take precedence."""
+    flags = ["--expert-model-parallel-size", "8", "--num-layers", "4", "--hidden-size", "2048",
+             "--num-attention-heads", "32", "--num-experts", "128", "--moe-ffn-hidden-size", "768",
+             "--moe-router-topk", "8", "--vocab-size", "1000"]
+    mock = TrainingLayout.from_fields(load_config(None, flags + ["--mock-data"]), 64)
+    assert mock.natural_routing and mock.routing == "uniform"
+    assert any(a.startswith("mock_data: random tokens") for a in mock.assumed)
+    assert TrainingLayout.from_fields(load_config(None, flags), 64).routing is None
+    forced = TrainingLayout.from_fields(load_config(None, flags + ["--mock-data", "--moe-router-force-load-balancing"]), 64)
+    assert not forced.natural_routing and forced.routing is None
+    from expertrail.plan.estimate import routing_imbalance
+    assert routing_imbalance(QWEN, mock) == pytest.approx(1.0, abs=0.05)
+    assert routing_imbalance(QWEN, replace(mock, routing=None)) > 1.4
+
+
 def test_a_capacity_factor_caps_the_busiest_rank_and_padding_sets_every_experts_rows():
     """moe_expert_capacity_factor c: each expert keeps at most c times its even share of the rows
     (the rest dropped), so the busiest EP rank's excess stays under c; padded to capacity

@@ -66,6 +66,13 @@ class Architecture:
     linear_v_dim: int = 0
     linear_conv: int = 4
     linear_gdn2: bool = False        # GDN2's input projection (queries, keys, values, output and three gates)
+    # How the published checkpoint's router was trained to balance its experts, which sets how
+    # unevenly a natural (not force-balanced) router loads them in one micro-batch
+    # (estimate.routing_imbalance): "micro_batch" (Megatron's aux_loss over each micro-batch, as
+    # Mixtral's; DeepSeek-V3's bias updates each step), or "global_batch" (Qwen3's global-batch
+    # balancing loss, which leaves a micro-batch free to favour some experts: Qwen3 Technical
+    # Report, arXiv 2505.09388, section 2).
+    router_balance: str = "micro_batch"
 
     @property
     def moe_layers(self) -> int:
@@ -222,13 +229,14 @@ ARCHITECTURES = {a.name: a for a in [
     # Kimi-K2 (moonshotai/Kimi-K2-Base config.json): DeepSeek-V3's shape with 384 experts, 64 heads, one dense layer.
     Architecture("kimi-k2", 61, 1, 7168, 18432, 2048, 384, 8, 2048, 64, 64, 128, 163840,
                  q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128),
-    Architecture("qwen3-235b-a22b", 94, 0, 4096, 12288, 1536, 128, 8, 0, 64, 4, 128, 151936),
-    Architecture("qwen3-30b-a3b", 48, 0, 2048, 6144, 768, 128, 8, 0, 32, 4, 128, 151936),
+    Architecture("qwen3-235b-a22b", 94, 0, 4096, 12288, 1536, 128, 8, 0, 64, 4, 128, 151936,
+                 router_balance="global_batch"),
+    Architecture("qwen3-30b-a3b", 48, 0, 2048, 6144, 768, 128, 8, 0, 32, 4, 128, 151936, router_balance="global_batch"),
     # Qwen3-Next (Qwen/Qwen3-Next-80B-A3B-Instruct config.json): three of every four layers attend
     # with Gated DeltaNet, the fourth with gated full attention.
     Architecture("qwen3-next-80b-a3b", 48, 0, 2048, 5120, 512, 512, 10, 512, 16, 2, 256, 151936,
                  attention_gate=True, linear_layers=36, linear_qk_heads=16, linear_v_heads=32, linear_qk_dim=128,
-                 linear_v_dim=128, linear_conv=4),
+                 linear_v_dim=128, linear_conv=4, router_balance="global_batch"),
     # GPT-OSS (openai/gpt-oss-120b and -20b config.json): every other layer attends over a
     # 128-token window; counted as full causal attention, as Megatron counts it.
     Architecture("gpt-oss-120b", 36, 0, 2880, 2880, 2880, 128, 4, 0, 64, 8, 64, 201088, swiglu_count=False),
@@ -434,6 +442,7 @@ def from_hf_config(cfg: dict, name: str = "hf-model") -> Architecture:
         qk_rope=cfg.get("qk_rope_head_dim") or 0, v_head=cfg.get("v_head_dim") or 0,
         num_groups=moe.num_groups, group_topk=moe.group_topk,
         swiglu_count=cfg.get("model_type") != "gpt_oss", tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        router_balance="global_batch" if str(cfg.get("model_type", "")).startswith("qwen3") else "micro_batch",
         **linear)
 
 

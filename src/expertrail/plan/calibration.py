@@ -131,10 +131,16 @@ OUTLIERS = _outliers()
 # its load alone (`fit_natural_routing`).
 _FIT_ROWS = [rid for rid, run in TRAINING_RUNS.items()
              if run["split"] == "fit" and rid not in OUTLIERS and not run["layout"].get("natural_routing")]
-# The published pair a natural router's load is calibrated on: one layout run with forced balancing
-# and dropless (the ModelZoo's Qwen3-235B on 256 H100 at sequence 16k); the other pairs are held out.
-NATURAL_ROUTING_PAIR = ("modelzoo h100 qwen3-235b-a22b bf16 4/8/4/8 cp1 seq16384 mbs1 gbs256",
-                        "modelzoo h100 qwen3-235b-a22b bf16 4/8/4/8 cp1 seq16384 mbs1 gbs256 dropless")
+# The published pairs a natural router's load is calibrated on, by how the checkpoint's router
+# was trained to balance (`Architecture.router_balance`): one layout run with forced balancing and
+# dropless each (the ModelZoo's Qwen3-235B on 256 H100 at sequence 16k; its Mixtral-8x22B on 128
+# H100); the other pairs are held out.
+NATURAL_ROUTING_PAIRS = {
+    "global_batch": ("modelzoo h100 qwen3-235b-a22b bf16 4/8/4/8 cp1 seq16384 mbs1 gbs256",
+                     "modelzoo h100 qwen3-235b-a22b bf16 4/8/4/8 cp1 seq16384 mbs1 gbs256 dropless"),
+    "micro_batch": ("modelzoo h100 mixtral-8x22b bf16 2/8/7/8 mbs1 gbs256",
+                    "modelzoo h100 mixtral-8x22b bf16 2/8/7/8 mbs1 gbs256 dropless"),
+}
 FITTED_ON = {
     "cost.NVLINK_EFFICIENCY_DEFAULT": ["hybrid-ep b200 ep8"],
     "cost.NVLINK_EFFICIENCY['h800']": ["deepep h800 intranode ep8"],
@@ -166,8 +172,8 @@ FITTED_ON = {
     "estimate.DEEPEP_NVLINK_PEERS": "DeepEP's NUM_MAX_NVL_PEERS (csrc/kernels/configs.cuh)",
     "estimate.DEEPEP_RACK_GBPS": "Megatron-LM docs/discussions/deepseek-v3-gb200-optimization, 2.2.1: DeepEP at EP 32 "
                                  "on GB200 NVL72, 24 SMs",
-    "estimate.NATURAL_EXPERT_LOAD_CV": [NATURAL_ROUTING_PAIR[1]],
-    "estimate.NATURAL_CALIBRATED_EXPERTS_PER_RANK": [NATURAL_ROUTING_PAIR[1]],
+    "estimate.NATURAL_EXPERT_LOAD_CV": [pair[1] for pair in NATURAL_ROUTING_PAIRS.values()],
+    "estimate.NATURAL_CALIBRATED_EXPERTS_PER_RANK": [pair[1] for pair in NATURAL_ROUTING_PAIRS.values()],
     "estimate.EP_OVERLAP_HIDES": "measured: expertrail's overlapped 1F1B, 2 emulated nodes x 1 rank "
                                  "(docs/results/overlap-train-2x1.json)",
     "estimate.OVERLAP_COMM_SMS": "Megatron's and DeepEP's default moe_deepep_num_sms (20), Hybrid-EP's 16",
@@ -413,23 +419,27 @@ def routing_pairs() -> list:
 
 def routing_ratio(pair: tuple, cv: float | None = None) -> tuple:
     """(predicted, published) throughput of a pair's dropless run over its forced-balance run,
-    the prediction at a natural router's load ``cv`` (default: estimate.py's). A ratio of two
-    estimates of one layout: what both share (the GPU's speed, the GEMMs) cancels."""
+    the prediction at a natural router's load ``cv`` for the pair's model's router (default:
+    estimate.py's). A ratio of two estimates of one layout: what both share (the GPU's speed, the
+    GEMMs) cancels."""
     from . import estimate as est
-    saved = est.NATURAL_EXPERT_LOAD_CV
+    balance = architecture_of(TRAINING_RUNS[pair[1]]).router_balance
+    saved = dict(est.NATURAL_EXPERT_LOAD_CV)
     if cv is not None:
-        est.NATURAL_EXPERT_LOAD_CV = cv
+        est.NATURAL_EXPERT_LOAD_CV[balance] = cv
     try:
         forced, dropless = (_estimate(rid)["tokens_per_s_per_gpu"] for rid in pair)
     finally:
-        est.NATURAL_EXPERT_LOAD_CV = saved
+        est.NATURAL_EXPERT_LOAD_CV.update(saved)
     return dropless / forced, (TRAINING_RUNS[pair[1]]["published_tokens_per_s"]
                                / TRAINING_RUNS[pair[0]]["published_tokens_per_s"])
 
 
-def fit_natural_routing(pair: tuple = NATURAL_ROUTING_PAIR) -> float:
-    """estimate.NATURAL_EXPERT_LOAD_CV at which ``pair``'s predicted dropless over forced-balance
-    throughput equals the published one (bisection: more variation, a slower dropless run)."""
+def fit_natural_routing(balance: str = "global_batch") -> float:
+    """estimate.NATURAL_EXPERT_LOAD_CV[balance] at which that router's calibrating pair
+    (`NATURAL_ROUTING_PAIRS`) has its predicted dropless over forced-balance throughput equal to
+    the published one (bisection: more variation, a slower dropless run)."""
+    pair = NATURAL_ROUTING_PAIRS[balance]
     low, high = 0.0, 8.0
     for _ in range(40):
         mid = (low + high) / 2
@@ -549,15 +559,18 @@ def table() -> str:
     """docs/cost-model.md's table of the published runs against the estimate (Markdown)."""
     names = {"gb200-nvl72": "GB200", "gb300-nvl72": "GB300", "h100": "H100", "b200": "B200", "b300": "B300"}
     models = {"deepseek-v3": "DeepSeek-V3", "qwen3-235b-a22b": "Qwen3-235B", "qwen3-30b-a3b": "Qwen3-30B",
-              "kimi-k2": "Kimi-K2", "gpt-oss-120b": "GPT-OSS-120B", "qwen3-next-80b-a3b": "Qwen3-Next"}
+              "kimi-k2": "Kimi-K2", "gpt-oss-120b": "GPT-OSS-120B", "qwen3-next-80b-a3b": "Qwen3-Next",
+              "mixtral-8x22b": "Mixtral-8x22B"}
     lines = ["| container | split | system | model | precision | layout (GPUs, GBS, MBS, TP/PP/VP/EP; CP and sequence "
-             "where not 1 and 4096) | published TFLOPS "
+             "where not 1 and 4096; dropless or token drop where the router is natural) | published TFLOPS "
              "| published tokens/s | predicted tokens/s | fits (GB / usable) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for rid, run in TRAINING_RUNS.items():
         lay, r = run["layout"], predicted(rid)
         vp = lay["vpp"] if lay["vpp"] > 1 else "-"
         extra = (f", CP {lay['cp']}" if lay.get("cp", 1) > 1 else "") + (f", seq {lay['seq']}" if lay["seq"] != 4096 else "")
+        if lay.get("natural_routing"):
+            extra += ", token drop" if lay.get("pad_to_capacity") else ", dropless"
         lines.append(f"| {run['container']} | {run['split'].replace('_', '-')} | {names[run['system']]} | "
                      f"{models[run['model']]} | {run['precision']} | {lay['gpus']}, {lay['global_batch']}, "
                      f"{lay['micro_batch']}, {lay['tp']}/{lay['pp']}/{vp}/{lay['ep']}{extra} | {run['published_tflops']:.0f} | "

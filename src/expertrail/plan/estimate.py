@@ -108,13 +108,16 @@ OVERLAP_COMM_SMS = {"deepep": 20, "ncclep": 20, "hybridep": 16, None: 20}
 # published pairs with and without Megatron's EP overlap check it (docs/cost-model.md, "EP overlap").
 EP_OVERLAP_HIDES = 0.81
 # A natural (dropless, auxiliary-loss balanced) router's load: how much one expert's share of a
-# micro-batch's routed rows varies around the mean, as a coefficient of variation. Each MoE layer
+# micro-batch's routed rows varies around the mean, as a coefficient of variation, by how the
+# checkpoint's router was trained to balance (`Architecture.router_balance`). Each MoE layer
 # waits for its busiest EP rank, so the experts' GEMMs and the exchange take that rank's rows
-# (`routing_imbalance`). Calibrated on the ModelZoo's Qwen3-235B runs published with forced
-# balancing and dropless at sequence 16k (calibration.fit_natural_routing); its three longer
-# sequence pairs stay held out. moe_router_force_load_balancing gives every rank its even share.
-NATURAL_EXPERT_LOAD_CV = 1.48
-NATURAL_CALIBRATED_EXPERTS_PER_RANK = 16          # the calibrating pair's 128 experts over EP 8
+# (`routing_imbalance`). Each is calibrated on one ModelZoo layout published with forced
+# balancing and dropless (calibration.fit_natural_routing): Qwen3-235B at sequence 16k for a
+# global-batch balanced router (its three longer sequence pairs held out), Mixtral-8x22B for a
+# micro-batch balanced one. moe_router_force_load_balancing gives every rank its even share.
+NATURAL_EXPERT_LOAD_CV = {"global_batch": 1.48, "micro_batch": 0.05}
+# The experts a rank held in each calibrating pair (128 over EP 8; 8 over EP 8).
+NATURAL_CALIBRATED_EXPERTS_PER_RANK = {"global_batch": 16, "micro_batch": 1}
 IMBALANCE_SAMPLES = 2000
 # Host link per GPU, each way, for activation and optimizer offloading: NVLink-C2C on Grace
 # systems (900 GB/s both ways), PCIe Gen5 x16 (64 GB/s) elsewhere; 80% of it achieved.
@@ -203,7 +206,7 @@ def routing_imbalance(arch: Architecture, layout: TrainingLayout) -> float:
         return _recorded_busiest(layout.expert_loads, layout.ep, cap)
     if layout.routing:
         return _routed_busiest(arch, layout.ep, layout.routing, layout.tokens_per_gpu * layout.ep, cap)
-    return _expected_busiest(arch.experts, layout.ep, NATURAL_EXPERT_LOAD_CV, cap)
+    return _expected_busiest(arch.experts, layout.ep, NATURAL_EXPERT_LOAD_CV[arch.router_balance], cap)
 
 
 def _busiest_share(loads, cap: float | None) -> float:
@@ -587,11 +590,15 @@ def routing_assumption(arch: Architecture, layout: TrainingLayout) -> list:
     elif layout.routing:
         source = f"--routing {layout.routing}"
     else:
-        source = "docs/cost-model.md, 'Natural routing'; --routing gives your router's loads"
-        per_rank = arch.experts // layout.ep
-        if per_rank < NATURAL_CALIBRATED_EXPERTS_PER_RANK:
-            source = (f"calibrated at {NATURAL_CALIBRATED_EXPERTS_PER_RANK} experts a rank, so at {per_rank} the "
-                      f"load model's extrapolation; {source}")
+        trained = {"global_batch": "a router trained with global-batch balancing, as Qwen3's",
+                   "micro_batch": "a router trained to balance each micro-batch, as Mixtral's and DeepSeek-V3's"}
+        source = (f"{trained[arch.router_balance]}; docs/cost-model.md, 'Natural routing'; --routing gives your "
+                  "router's loads")
+        per_rank, calibrated = arch.experts // layout.ep, NATURAL_CALIBRATED_EXPERTS_PER_RANK[arch.router_balance]
+        if per_rank != calibrated:
+            experts = "expert" if calibrated == 1 else "experts"
+            source = (f"calibrated at {calibrated} {experts} a rank, so at {per_rank} the load model's extrapolation; "
+                      f"{source}")
     capped = (f", at most {layout.capacity_factor:g}x its even share an expert (moe_expert_capacity_factor; the "
               "rest dropped)") if layout.capacity_factor is not None else ""
     return [f"a natural router's loads{capped}: the busiest of {layout.ep} EP ranks takes "

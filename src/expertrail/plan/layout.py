@@ -412,6 +412,13 @@ class TrainingLayout:
             vpp = derived
         per_virtual = size("num_layers_per_virtual_pipeline_stage") if v.get("num_layers_per_virtual_pipeline_stage") \
             else None
+        natural = ep > 1 and not get("moe_router_force_load_balancing", False)
+        # A benchmark on random tokens (Megatron-LM's --mock-data): the router sees no text to
+        # specialise on, so its choices spread as evenly as random ones (`cost.Routing("uniform")`).
+        mock = natural and bool(get("mock_data", False) or get("mock", False))
+        if mock:
+            assumed.append("mock_data: random tokens, so the natural router's loads are costed as uniform random "
+                           "choices (--routing uniform); a trained router on real text loads its experts less evenly")
         if ep > 1 and tp > 1 and not v.get("expert_tensor_parallel_size"):
             # Megatron's default, easy to leave out by mistake: it changes the experts' memory and traffic.
             assumed.append(f"expert_tensor_parallel_size={tp} (Megatron's default, the TP size: each expert split "
@@ -426,7 +433,7 @@ class TrainingLayout:
             recompute_method=get("recompute_method", "uniform" if granularity == "full" else None),
             recompute_layers=int(get("recompute_num_layers", 1) or 1),
             dispatcher=dispatcher, flex_backend=backend, dispatcher_sms=sms,
-            natural_routing=ep > 1 and not get("moe_router_force_load_balancing", False),
+            natural_routing=natural, routing="uniform" if mock else None,
             ep_overlap=bool(get("overlap_moe_expert_parallel_comm", False)) or combined,
             # the prototype ran the experts' weight gradients after the dispatch's backward
             delay_wgrad=bool(get("delay_wgrad_compute", False)) or combined,
