@@ -137,6 +137,10 @@ CASES = {   # rule -> (breaking config, satisfying config)
                                 "experimental_attention_variant": "dsa"},
                                {"recompute_granularity": "selective", "recompute_modules": ["gdn_norm_out"],
                                 "experimental_attention_variant": "gated_delta_net"}),
+    "mla-up-proj-needs-mla": ({"recompute_granularity": "selective", "recompute_modules": ["mla_up_proj"],
+                               "multi_latent_attention": False},
+                              {"recompute_granularity": "selective", "recompute_modules": ["mla_up_proj"],
+                               "multi_latent_attention": True}),
     "mhc-recompute": ({"recompute_granularity": "selective", "recompute_modules": ["mhc", "mlp"],
                        "enable_mhc_connections": True},
                       {"recompute_granularity": "selective", "recompute_modules": ["mhc"], "enable_mhc_connections": True}),
@@ -402,6 +406,35 @@ def test_gdn_norm_out_recompute_needs_gated_deltanet():
     assert rules("--experimental-attention-variant", "dsa") == ["gdn-norm-out-needs-gdn"]
     assert rules("--experimental-attention-variant", "gated_delta_net") == []
     assert rules("--experimental-attention-variant", "gdn2") == []
+
+
+def test_an_attentions_recompute_modules_follow_the_model_named():
+    """mla_up_proj and gdn_norm_out recompute parts of an attention the model may not have
+    (Megatron-Core raises): with --model, validate reads the model's attention as estimate does, so
+    both refuse Qwen3-235B's mla_up_proj and gdn_norm_out and take DeepSeek-V3's and Qwen3-Next's."""
+    from expertrail.plan.architecture import ARCHITECTURES
+    from expertrail.plan.catalog import HARDWARE
+    from expertrail.plan.estimate import estimate
+    from expertrail.plan.layout import TrainingLayout
+    from expertrail.plan.validate import with_model_fields
+
+    def refused(model, module):
+        flags = ["--recompute-granularity", "selective", "--recompute-modules", module, "--expert-model-parallel-size",
+                 "8", "--pipeline-model-parallel-size", "1"]
+        arch = ARCHITECTURES[model]
+        rules = {v.rule for v in validate(with_model_fields(load_config(None, flags), arch))}
+        layout = TrainingLayout.from_fields(load_config(None, flags), 512)
+        try:
+            estimate(arch, HARDWARE["b200"], layout)
+            estimated = True
+        except ConfigError as err:
+            assert module in str(err) and "drop it from recompute_modules" in str(err)
+            estimated = False
+        assert estimated == (not rules & {"mla-up-proj-needs-mla", "gdn-norm-out-needs-gdn"}), (model, module, rules)
+        return not estimated
+    assert refused("qwen3-235b-a22b", "mla_up_proj") and refused("qwen3-235b-a22b", "gdn_norm_out")
+    assert not refused("deepseek-v3", "mla_up_proj") and refused("deepseek-v3", "gdn_norm_out")
+    assert not refused("qwen3-next-80b-a3b", "gdn_norm_out") and refused("qwen3-next-80b-a3b", "mla_up_proj")
 
 
 def test_mhc_recompute_needs_hyper_connections():

@@ -100,6 +100,19 @@ class Architecture:
     def mla(self) -> bool:
         return self.kv_lora > 0
 
+    def recompute_problems(self, modules) -> list:
+        """What Megatron-Core refuses in ``modules`` (recompute_modules) for this model: the
+        modules of an attention it does not have (mla_up_proj without multi-latent attention,
+        gdn_norm_out without Gated DeltaNet)."""
+        out = []
+        if "mla_up_proj" in modules and not self.mla:
+            out.append(f"recompute_modules mla_up_proj recomputes multi-latent attention's up projections, which "
+                       f"{self.name} does not have (Megatron-Core raises): drop it from recompute_modules")
+        if "gdn_norm_out" in modules and not self.linear_layers:
+            out.append(f"recompute_modules gdn_norm_out recomputes Gated DeltaNet's output norm, which {self.name} does "
+                       "not have (Megatron-Core raises): drop it from recompute_modules")
+        return out
+
     def moe_model(self) -> MoEModel:
         """What the dispatch cost model needs."""
         return MoEModel(self.name, self.hidden, self.experts, self.topk, self.moe_ffn, self.moe_layers,

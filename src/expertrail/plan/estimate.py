@@ -470,9 +470,8 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     """Everything `expertrail estimate` prints, as data."""
     layout = layout.for_model(arch.layers, arch.mtp_layers, arch.output_layers_worth(layout.seq))
     problems = layout.problems(arch.experts, arch.layers) + arch.split_problems(layout.tp, layout.etp)
-    if "gdn_norm_out" in layout.recompute_modules and not arch.linear_layers:
-        problems.append(f"recompute_modules gdn_norm_out recomputes Gated DeltaNet's output norm, which {arch.name} "
-                        "does not have: drop it from recompute_modules")
+    if layout.recompute == "selective":
+        problems += arch.recompute_problems(layout.recompute_modules)
     if problems:
         raise ConfigError("; ".join(problems))
     domain = domain_for(hw, layout.ep) if layout.ep > 1 else 1

@@ -47,7 +47,7 @@ def _divisors(n: int, limit: int) -> list:
 def _recompute_choices(arch: Architecture) -> list:
     out = []
     for granularity, modules in RECOMPUTE:
-        mods = tuple(m for m in modules if (m != "mla_up_proj" or arch.mla) and (m != "gdn_norm_out" or arch.linear_layers))
+        mods = tuple(m for m in modules if not arch.recompute_problems((m,)))     # only the model's own attention's
         if (granularity, mods) not in out:
             out.append((granularity, mods))
     return out

@@ -62,9 +62,11 @@ PRECISION_RECIPES = {
     "bf16_with_nvfp4_mixed": {**_BF16, **_NVFP4},
 }
 
+# The model `--model` named (`with_model_fields`): its attention is then known, stated or not.
+MODEL_FIELD = "expertrail_model"
 # Fields the rules read that are expertrail's, not Megatron's.
 EXPERTRAIL_FIELDS = {"hardware": "str", "world_size": "int", "num_nodes": "int", "gpus_per_node": "int",
-                     "torch_version": "str", DOMAIN_FIELD: "int", "data_parallel_size": "int"}
+                     "torch_version": "str", DOMAIN_FIELD: "int", "data_parallel_size": "int", MODEL_FIELD: "str"}
 
 
 def _kinds() -> dict:
@@ -737,8 +739,16 @@ RULES = [
          "attention variant must be Gated DeltaNet (Megatron-Core raises)",
          ("recompute_modules", "experimental_attention_variant"),
          "set experimental_attention_variant=gated_delta_net (or gdn2), or drop gdn_norm_out from recompute_modules",
-         lambda c: "gdn_norm_out" in _recompute_modules(c) and c.given("experimental_attention_variant"),
+         lambda c: "gdn_norm_out" in _recompute_modules(c)
+         and (c.given("experimental_attention_variant") or c.given(MODEL_FIELD)),
          lambda c: c["experimental_attention_variant"] in GATED_DELTA_NET),
+    Rule("mla-up-proj-needs-mla", "recompute_modules mla_up_proj recomputes multi-latent attention's up projections: "
+         "the model must use multi-latent attention (Megatron-Core raises)",
+         ("recompute_modules", "multi_latent_attention"),
+         "set multi_latent_attention=true (a DeepSeek-style model), or drop mla_up_proj from recompute_modules",
+         lambda c: "mla_up_proj" in _recompute_modules(c)
+         and (c.given("multi_latent_attention") or c.given(MODEL_FIELD)),
+         lambda c: bool(c["multi_latent_attention"])),
     Rule("mhc-recompute", "recompute_modules mhc recomputes hyper-connections: it needs enable_mhc_connections, "
          "and works neither with mlp recompute nor with fine-grained activation offloading (Megatron-Core raises)",
          ("recompute_modules", "enable_mhc_connections", "fine_grained_activation_offloading"),
@@ -833,10 +843,11 @@ RULES = [
 
 
 def with_model_fields(values: dict, arch) -> dict:
-    """``values`` with the model's experts, top-k, layers, heads and widths (an `Architecture`)
-    where the configuration leaves them out: the rules read them (the pipeline split, the EP size
-    against the experts, TP and expert-TP against the heads and widths), so `estimate` and
-    `validate --model` check one configuration alike."""
+    """``values`` with the model's experts, top-k, layers, heads, widths and attention (an
+    `Architecture`) where the configuration leaves them out: the rules read them (the pipeline
+    split, the EP size against the experts, TP and expert-TP against the heads and widths, the
+    recompute modules of an attention it has), so `estimate` and `validate --model` check one
+    configuration alike."""
     values.setdefault("num_moe_experts", arch.experts)
     values.setdefault("moe_router_topk", arch.topk)
     values.setdefault("num_layers", arch.layers)
@@ -845,6 +856,10 @@ def with_model_fields(values: dict, arch) -> dict:
     values.setdefault("moe_ffn_hidden_size", arch.moe_ffn)
     if arch.shared_ffn:
         values.setdefault("moe_shared_expert_intermediate_size", arch.shared_ffn)
+    values.setdefault("multi_latent_attention", arch.mla)
+    if arch.linear_layers:
+        values.setdefault("experimental_attention_variant", "gdn2" if arch.linear_gdn2 else "gated_delta_net")
+    values.setdefault(MODEL_FIELD, arch.name)
     return values
 
 
