@@ -754,6 +754,10 @@ def test_a_routers_load_follows_how_its_checkpoint_was_balanced():
           "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 1000}
     assert from_hf_config({**hf, "model_type": "qwen3_moe"}).router_balance == "global_batch"
     assert from_hf_config({**hf, "model_type": "mixtral"}).router_balance == "micro_batch"
+    # A run that balances over the global batch itself (Megatron's global_aux_loss) is costed as Qwen3's.
+    for kind in ("global_aux_loss", ["aux_loss", "global_aux_loss"]):
+        assert from_fields(mixtral, {"moe_router_load_balancing_type": kind}).router_balance == "global_batch"
+    assert from_fields(QWEN, {"moe_router_load_balancing_type": "aux_loss"}).router_balance == "global_batch"
     layout = TrainingLayout(gpus=64, ep=8, natural_routing=True)
     assert 1.02 < routing_imbalance(mixtral, layout) < 1.15 < 1.4 < routing_imbalance(QWEN, layout)
     said = " ".join(estimate(mixtral, HARDWARE["h100"], replace(layout, tp=2, etp=1))["assumed"])

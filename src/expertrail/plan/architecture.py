@@ -71,7 +71,8 @@ class Architecture:
     # (estimate.routing_imbalance): "micro_batch" (Megatron's aux_loss over each micro-batch, as
     # Mixtral's; DeepSeek-V3's bias updates each step), or "global_batch" (Qwen3's global-batch
     # balancing loss, which leaves a micro-batch free to favour some experts: Qwen3 Technical
-    # Report, arXiv 2505.09388, section 2).
+    # Report, arXiv 2505.09388, section 2; a configuration's moe_router_load_balancing_type
+    # global_aux_loss, Megatron's form of it, too).
     router_balance: str = "micro_batch"
 
     @property
@@ -368,6 +369,9 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
     tied = tied_embeddings_of(fields)
     if tied is not None:
         given["tied_embeddings"] = tied
+    balancing = fields.get("moe_router_load_balancing_type")
+    if "global_aux_loss" in (balancing if isinstance(balancing, (list, tuple)) else str(balancing).split(",")):
+        given["router_balance"] = "global_batch"     # the run balances over the global batch, as Qwen3's did
     limited = fields.get("moe_router_topk_limited_devices")
     if limited and not fields.get("moe_router_group_topk"):
         # Megatron-Core's reading of the deprecated device-limited routing: groups of one EP rank's experts
