@@ -742,29 +742,37 @@ def test_a_natural_router_waits_for_its_busiest_ep_rank():
 
 def test_a_routers_load_follows_how_its_checkpoint_was_balanced():
     """A natural router's busiest rank is costed by how the model's published router was trained
-    to balance (`Architecture.router_balance`): Qwen3's global-batch balancing (the catalog's Qwen3
-    models and any Hugging Face qwen3* config) leaves a micro-batch's experts far less even than a
-    router balanced per micro-batch (Mixtral's, DeepSeek-V3's, the default), and the assumed line
-    says which it took and where that is an extrapolation."""
+    to balance (`Architecture.router_balance`): over the whole batch (Qwen3's global-batch loss,
+    DeepSeek-V3's and Kimi-K2's expert biases; any Hugging Face qwen3* config or noaux_tc router;
+    Megatron's global_aux_loss or moe_router_enable_expert_bias) a micro-batch's experts are far
+    less even than under a router balanced within each micro-batch (Mixtral's; Megatron's default
+    aux_loss; the default), and the assumed line says which it took and where that is an
+    extrapolation."""
     from expertrail.plan.architecture import from_hf_config
     from expertrail.plan.estimate import routing_imbalance
-    mixtral = ARCHITECTURES["mixtral-8x22b"]
-    assert QWEN.router_balance == "global_batch" and mixtral.router_balance == DSV3.router_balance == "micro_batch"
+    mixtral, gpt_oss = ARCHITECTURES["mixtral-8x22b"], ARCHITECTURES["gpt-oss-120b"]
+    assert QWEN.router_balance == DSV3.router_balance == ARCHITECTURES["kimi-k2"].router_balance == "global_batch"
+    assert mixtral.router_balance == gpt_oss.router_balance == "micro_batch"
     hf = {"hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 16, "moe_intermediate_size": 768,
           "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 1000}
     assert from_hf_config({**hf, "model_type": "qwen3_moe"}).router_balance == "global_batch"
+    assert from_hf_config({**hf, "model_type": "deepseek_v3", "topk_method": "noaux_tc"}).router_balance == "global_batch"
+    assert from_hf_config({**hf, "model_type": "deepseek_v2", "topk_method": "greedy"}).router_balance == "micro_batch"
     assert from_hf_config({**hf, "model_type": "mixtral"}).router_balance == "micro_batch"
-    # A run that balances over the global batch itself (Megatron's global_aux_loss) is costed as Qwen3's.
-    for kind in ("global_aux_loss", ["aux_loss", "global_aux_loss"]):
-        assert from_fields(mixtral, {"moe_router_load_balancing_type": kind}).router_balance == "global_batch"
+    # A run that balances over the whole batch itself is costed so too.
+    for fields in ({"moe_router_load_balancing_type": "global_aux_loss"},
+                   {"moe_router_load_balancing_type": ["aux_loss", "global_aux_loss"]},
+                   {"moe_router_enable_expert_bias": True}):
+        assert from_fields(mixtral, fields).router_balance == "global_batch"
     assert from_fields(QWEN, {"moe_router_load_balancing_type": "aux_loss"}).router_balance == "global_batch"
     layout = TrainingLayout(gpus=64, ep=8, natural_routing=True)
     assert 1.02 < routing_imbalance(mixtral, layout) < 1.15 < 1.4 < routing_imbalance(QWEN, layout)
     said = " ".join(estimate(mixtral, HARDWARE["h100"], replace(layout, tp=2, etp=1))["assumed"])
-    assert "balance each micro-batch" in said and "extrapolation" not in said
+    assert "balanced within each micro-batch" in said and "extrapolation" not in said
     said = " ".join(estimate(DSV3, HARDWARE["h100"], TrainingLayout(gpus=512, pp=8, ep=64, natural_routing=True))
                     ["assumed"])
-    assert "calibrated at 1 expert a rank, so at 4 the load model's extrapolation" in said
+    assert "balanced over the whole batch" in said
+    assert "calibrated at 16 experts a rank, so at 4 the load model's extrapolation" in said
 
 
 def test_a_benchmark_on_mock_data_routes_as_random_choices():

@@ -68,11 +68,12 @@ class Architecture:
     linear_gdn2: bool = False        # GDN2's input projection (queries, keys, values, output and three gates)
     # How the published checkpoint's router was trained to balance its experts, which sets how
     # unevenly a natural (not force-balanced) router loads them in one micro-batch
-    # (estimate.routing_imbalance): "micro_batch" (Megatron's aux_loss over each micro-batch, as
-    # Mixtral's; DeepSeek-V3's bias updates each step), or "global_batch" (Qwen3's global-batch
-    # balancing loss, which leaves a micro-batch free to favour some experts: Qwen3 Technical
-    # Report, arXiv 2505.09388, section 2; a configuration's moe_router_load_balancing_type
-    # global_aux_loss, Megatron's form of it, too).
+    # (estimate.routing_imbalance): "micro_batch" (an auxiliary loss over each micro-batch, as
+    # Mixtral's and Megatron's default aux_loss), or "global_batch" (balanced over a step's whole
+    # batch, which leaves a micro-batch free to favour some experts: Qwen3's global-batch balancing
+    # loss, Qwen3 Technical Report, arXiv 2505.09388, section 2; DeepSeek-V3's expert biases, set
+    # from the batch's loads, DeepSeek-V3 Technical Report, arXiv 2412.19437, section 2.1.2; in a
+    # configuration, Megatron's global_aux_loss or moe_router_enable_expert_bias).
     router_balance: str = "micro_batch"
 
     @property
@@ -239,10 +240,10 @@ ARCHITECTURES = {a.name: a for a in [
     # recipes and the ModelZoo's runs train it (mtp_num_layers=0 in a configuration leaves it out).
     Architecture("deepseek-v3", 61, 3, 7168, 18432, 2048, 256, 8, 2048, 128, 128, 128, 129280,
                  q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128, num_groups=8, group_topk=4,
-                 mtp_layers=1),
+                 mtp_layers=1, router_balance="global_batch"),
     # Kimi-K2 (moonshotai/Kimi-K2-Base config.json): DeepSeek-V3's shape with 384 experts, 64 heads, one dense layer.
     Architecture("kimi-k2", 61, 1, 7168, 18432, 2048, 384, 8, 2048, 64, 64, 128, 163840,
-                 q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128),
+                 q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128, router_balance="global_batch"),
     Architecture("qwen3-235b-a22b", 94, 0, 4096, 12288, 1536, 128, 8, 0, 64, 4, 128, 151936,
                  router_balance="global_batch"),
     Architecture("qwen3-30b-a3b", 48, 0, 2048, 6144, 768, 128, 8, 0, 32, 4, 128, 151936, router_balance="global_batch"),
@@ -370,8 +371,9 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
     if tied is not None:
         given["tied_embeddings"] = tied
     balancing = fields.get("moe_router_load_balancing_type")
-    if "global_aux_loss" in (balancing if isinstance(balancing, (list, tuple)) else str(balancing).split(",")):
-        given["router_balance"] = "global_batch"     # the run balances over the global batch, as Qwen3's did
+    if "global_aux_loss" in (balancing if isinstance(balancing, (list, tuple)) else str(balancing).split(",")) \
+            or fields.get("moe_router_enable_expert_bias"):
+        given["router_balance"] = "global_batch"     # the run balances over the whole batch, as Qwen3's and DeepSeek-V3's
     limited = fields.get("moe_router_topk_limited_devices")
     if limited and not fields.get("moe_router_group_topk"):
         # Megatron-Core's reading of the deprecated device-limited routing: groups of one EP rank's experts
@@ -459,8 +461,17 @@ def from_hf_config(cfg: dict, name: str = "hf-model") -> Architecture:
         qk_rope=cfg.get("qk_rope_head_dim") or 0, v_head=cfg.get("v_head_dim") or 0,
         num_groups=moe.num_groups, group_topk=moe.group_topk,
         swiglu_count=cfg.get("model_type") != "gpt_oss", tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        router_balance="global_batch" if str(cfg.get("model_type", "")).startswith("qwen3") else "micro_batch",
+        router_balance=hf_router_balance(cfg),
         **linear)
+
+
+def hf_router_balance(cfg: dict) -> str:
+    """`Architecture.router_balance` of a config.json: balanced over the whole batch for the Qwen3
+    family (``model_type`` qwen3*, Qwen3-Next and Qwen3.5 taken as the family's) and for
+    auxiliary-loss-free expert biases (``topk_method`` noaux_tc: DeepSeek-V3, Kimi-K2, Moonlight);
+    within each micro-batch otherwise."""
+    whole = str(cfg.get("model_type", "")).startswith("qwen3") or cfg.get("topk_method") == "noaux_tc"
+    return "global_batch" if whole else "micro_batch"
 
 
 def hf_linear_attention(cfg: dict) -> dict:

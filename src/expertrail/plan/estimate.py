@@ -107,14 +107,14 @@ OVERLAP_COMM_SMS = {"deepep": 20, "ncclep": 20, "hybridep": 16, None: 20}
 # (each chunk pair ends in a wait, and the next chunk's launch follows it). Not fitted; the
 # published pairs with and without Megatron's EP overlap check it (docs/cost-model.md, "EP overlap").
 EP_OVERLAP_HIDES = 0.81
-# A natural (dropless, auxiliary-loss balanced) router's load: how much one expert's share of a
-# micro-batch's routed rows varies around the mean, as a coefficient of variation, by how the
-# checkpoint's router was trained to balance (`Architecture.router_balance`). Each MoE layer
+# A natural (dropless) router's load: how much one expert's share of a micro-batch's routed rows
+# varies around the mean, as a coefficient of variation, by how the checkpoint's router was
+# trained to balance (`Architecture.router_balance`). Each MoE layer
 # waits for its busiest EP rank, so the experts' GEMMs and the exchange take that rank's rows
 # (`routing_imbalance`). Each is calibrated on one ModelZoo layout published with forced
 # balancing and dropless (calibration.fit_natural_routing): Qwen3-235B at sequence 16k for a
-# global-batch balanced router (its three longer sequence pairs held out), Mixtral-8x22B for a
-# micro-batch balanced one. moe_router_force_load_balancing gives every rank its even share.
+# router balanced over the whole batch (its three longer sequence pairs held out), Mixtral-8x22B
+# for one balanced within each micro-batch. moe_router_force_load_balancing gives every rank its even share.
 NATURAL_EXPERT_LOAD_CV = {"global_batch": 1.48, "micro_batch": 0.05}
 # The experts a rank held in each calibrating pair (128 over EP 8; 8 over EP 8).
 NATURAL_CALIBRATED_EXPERTS_PER_RANK = {"global_batch": 16, "micro_batch": 1}
@@ -589,8 +589,8 @@ def routing_assumption(arch: Architecture, layout: TrainingLayout) -> list:
     elif layout.routing:
         source = f"--routing {layout.routing}"
     else:
-        trained = {"global_batch": "a router trained with global-batch balancing, as Qwen3's",
-                   "micro_batch": "a router trained to balance each micro-batch, as Mixtral's and DeepSeek-V3's"}
+        trained = {"global_batch": "a router balanced over the whole batch, as Qwen3's and DeepSeek-V3's",
+                   "micro_batch": "a router balanced within each micro-batch, as Mixtral's and Megatron's aux_loss"}
         source = (f"{trained[arch.router_balance]}; docs/cost-model.md, 'Natural routing'; --routing gives your "
                   "router's loads")
         per_rank, calibrated = arch.experts // layout.ep, NATURAL_CALIBRATED_EXPERTS_PER_RANK[arch.router_balance]
