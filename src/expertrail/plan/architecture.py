@@ -111,8 +111,8 @@ class Architecture:
             out.append(f"recompute_modules mla_up_proj recomputes multi-latent attention's up projections, which "
                        f"{self.name} does not have (Megatron-Core raises): drop it from recompute_modules")
         if "gdn_norm_out" in modules and not self.linear_layers:
-            out.append(f"recompute_modules gdn_norm_out recomputes Gated DeltaNet's output norm, which {self.name} does "
-                       "not have (Megatron-Core raises): drop it from recompute_modules")
+            out.append(f"recompute_modules gdn_norm_out recomputes Gated DeltaNet's output norm, which {self.name} "
+                       "does not have (Megatron-Core raises): drop it from recompute_modules")
         return out
 
     def moe_model(self) -> MoEModel:
@@ -373,7 +373,7 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
     balancing = fields.get("moe_router_load_balancing_type")
     if "global_aux_loss" in (balancing if isinstance(balancing, (list, tuple)) else str(balancing).split(",")) \
             or fields.get("moe_router_enable_expert_bias"):
-        given["router_balance"] = "global_batch"     # the run balances over the whole batch, as Qwen3's and DeepSeek-V3's
+        given["router_balance"] = "global_batch"     # balanced over the whole batch, as Qwen3's and DeepSeek-V3's
     limited = fields.get("moe_router_topk_limited_devices")
     if limited and not fields.get("moe_router_group_topk"):
         # Megatron-Core's reading of the deprecated device-limited routing: groups of one EP rank's experts
