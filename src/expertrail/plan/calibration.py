@@ -486,9 +486,12 @@ def source_of(run: dict) -> str:
     """The publication a run comes from: "ModelZoo" (Megatron-MoE-ModelZoo), "Bridge card" (a
     Megatron-Bridge skill card's measurement, container "card <date>"), "MCore tracker" (the
     MCore release performance tracker's configurations a Bridge skill card lists, container
-    "tracker <date>") or "Bridge" (its performance summaries)."""
+    "tracker <date>"), "NeMo" (the NeMo Framework's performance summaries, container "NeMo
+    <release>") or "Bridge" (its performance summaries)."""
     if run["container"] == "ModelZoo":
         return "ModelZoo"
+    if run["container"].startswith("NeMo"):
+        return "NeMo"
     if run["container"].startswith("tracker"):
         return "MCore tracker"
     return "Bridge card" if run["container"].startswith("card") else "Bridge"
@@ -560,7 +563,7 @@ def table() -> str:
     names = {"gb200-nvl72": "GB200", "gb300-nvl72": "GB300", "h100": "H100", "b200": "B200", "b300": "B300"}
     models = {"deepseek-v3": "DeepSeek-V3", "qwen3-235b-a22b": "Qwen3-235B", "qwen3-30b-a3b": "Qwen3-30B",
               "kimi-k2": "Kimi-K2", "gpt-oss-120b": "GPT-OSS-120B", "qwen3-next-80b-a3b": "Qwen3-Next",
-              "mixtral-8x22b": "Mixtral-8x22B"}
+              "mixtral-8x22b": "Mixtral-8x22B", "mixtral-8x7b": "Mixtral-8x7B"}
     lines = ["| container | split | system | model | precision | layout (GPUs, GBS, MBS, TP/PP/VP/EP; CP and sequence "
              "where not 1 and 4096; dropless or token drop where the router is natural) | published TFLOPS "
              "| published tokens/s | predicted tokens/s | fits (GB / usable) |",
