@@ -114,7 +114,8 @@ EP_OVERLAP_HIDES = 0.81
 # (`routing_imbalance`). Each is calibrated on one ModelZoo layout published with forced
 # balancing and dropless (calibration.fit_natural_routing): Qwen3-235B at sequence 16k for a
 # router balanced over the whole batch (its three longer sequence pairs held out), Mixtral-8x22B
-# for one balanced within each micro-batch. moe_router_force_load_balancing gives every rank its even share.
+# for one balanced within each micro-batch. moe_router_force_load_balancing gives every rank its
+# even share.
 NATURAL_EXPERT_LOAD_CV = {"global_batch": 1.48, "micro_batch": 0.05}
 # The experts a rank held in each calibrating pair (128 over EP 8; 8 over EP 8).
 NATURAL_CALIBRATED_EXPERTS_PER_RANK = {"global_batch": 16, "micro_batch": 1}

@@ -465,6 +465,12 @@ def _graph_scope(c) -> str:
     return "" if c["cuda_graph_impl"] in (None, "none") else " ".join(sorted(_graph_names(c)))
 
 
+def _attention_known(c, field: str) -> bool:
+    """Whether the model's attention is known: ``field`` (the variant or multi_latent_attention)
+    given, or the model `--model` named (`with_model_fields`)."""
+    return c.given(field) or c.given(MODEL_FIELD)
+
+
 def _width_splits(c, name: str) -> bool:
     """Whether Megatron-Core splits the model size ``name`` over the configured TP / expert-TP
     (`architecture.width_split_problems`, which `estimate` asks too)."""
@@ -739,15 +745,13 @@ RULES = [
          "attention variant must be Gated DeltaNet (Megatron-Core raises)",
          ("recompute_modules", "experimental_attention_variant"),
          "set experimental_attention_variant=gated_delta_net (or gdn2), or drop gdn_norm_out from recompute_modules",
-         lambda c: "gdn_norm_out" in _recompute_modules(c)
-         and (c.given("experimental_attention_variant") or c.given(MODEL_FIELD)),
+         lambda c: "gdn_norm_out" in _recompute_modules(c) and _attention_known(c, "experimental_attention_variant"),
          lambda c: c["experimental_attention_variant"] in GATED_DELTA_NET),
     Rule("mla-up-proj-needs-mla", "recompute_modules mla_up_proj recomputes multi-latent attention's up projections: "
          "the model must use multi-latent attention (Megatron-Core raises)",
          ("recompute_modules", "multi_latent_attention"),
          "set multi_latent_attention=true (a DeepSeek-style model), or drop mla_up_proj from recompute_modules",
-         lambda c: "mla_up_proj" in _recompute_modules(c)
-         and (c.given("multi_latent_attention") or c.given(MODEL_FIELD)),
+         lambda c: "mla_up_proj" in _recompute_modules(c) and _attention_known(c, "multi_latent_attention"),
          lambda c: bool(c["multi_latent_attention"])),
     Rule("mhc-recompute", "recompute_modules mhc recomputes hyper-connections: it needs enable_mhc_connections, "
          "and works neither with mlp recompute nor with fine-grained activation offloading (Megatron-Core raises)",
