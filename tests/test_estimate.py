@@ -208,6 +208,49 @@ def test_a_model_spelled_out_by_fields_says_its_vocabulary_was_assumed(capsys):
     assert "vocab_size" not in capsys.readouterr().out
 
 
+def test_a_model_spelled_out_by_fields_takes_megatrons_defaults_and_its_tokenizers_model(tmp_path, capsys):
+    """Megatron-LM scripts spell a model out by flags and name its checkpoint by
+    ``--tokenizer-model``: the vocabulary is that model's (catalog name at the start of the last
+    path part, or a Hugging Face model directory's config.json), padded as Megatron-LM pads it; a
+    run that fine-tunes the checkpoint keeps its router's balance; an unset ffn_hidden_size is
+    Megatron's 4 x hidden (two thirds of it, to a multiple of 64, with SwiGLU), and the experts are
+    as wide unless moe_ffn_hidden_size says otherwise."""
+    from expertrail.plan.architecture import padded_vocab, tokenizer_model_of, unstated_model_fields
+    qwen30 = {"num_layers": 48, "hidden_size": 2048, "num_attention_heads": 32, "num_moe_experts": 128,
+              "moe_ffn_hidden_size": 768, "moe_router_topk": 8, "moe_router_load_balancing_type": "aux_loss"}
+    named = dict(qwen30, tokenizer_model="Qwen/Qwen3-30B-A3B")
+    assert tokenizer_model_of(named) is ARCHITECTURES["qwen3-30b-a3b"]
+    assert tokenizer_model_of({"tokenizer_model": "Qwen3-Next-80B-A3B-Instruct"}) is ARCHITECTURES["qwen3-next-80b-a3b"]
+    assert tokenizer_model_of({"tokenizer_model": "deepseek-ai/DeepSeek-V2"}) is None
+    assert from_fields(None, named).vocab == 151936                     # 1187 x 128
+    assert padded_vocab(151936, {"tensor_model_parallel_size": 4}) == 152064          # to 512s
+    assert padded_vocab(151669, {"make_vocab_size_divisible_by": 1187, "tensor_model_parallel_size": 2}) == 151936
+    # Trained from scratch with aux_loss, the router balances each micro-batch; fine-tuning the
+    # Qwen3 checkpoint, it keeps the checkpoint's balance over the whole batch.
+    assert from_fields(None, named).router_balance == "micro_batch"
+    assert from_fields(None, dict(named, finetune=True)).router_balance == "global_batch"
+    assert from_fields(None, dict(named, pretrained_checkpoint="/ckpt")).router_balance == "global_batch"
+    notes = " ".join(unstated_model_fields(dict(named, finetune=True)))
+    assert "vocab_size=151936 (qwen3-30b-a3b's, named by tokenizer_model" in notes
+    assert "router_balance=global_batch (the qwen3-30b-a3b checkpoint the run fine-tunes" in notes
+    # A local Hugging Face directory as the tokenizer: its config.json sizes the vocabulary.
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "hidden_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 8,
+        "intermediate_size": 2048, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 50000}))
+    assert from_fields(None, dict(qwen30, tokenizer_model=str(tmp_path))).vocab == 50048
+    # Megatron's widths where the flags leave them out.
+    shape = {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "num_moe_experts": 8}
+    assert (from_fields(None, dict(shape, swiglu=True)).ffn, from_fields(None, dict(shape, swiglu=True)).moe_ffn) \
+        == (5440, 5440)
+    assert from_fields(None, shape).moe_ffn == 8192
+    assert from_fields(None, dict(shape, ffn_hidden_size=6144)).moe_ffn == 6144
+    flags = ["--num-layers", "4", "--hidden-size", "2048", "--num-attention-heads", "16", "--num-experts", "8",
+             "--swiglu", "--expert-model-parallel-size", "8", "--tokenizer-model", "mistralai/Mixtral-8x22B-v0.1"]
+    assert main(["estimate", "--hardware", "h100", "--gpus", "8", *flags]) == 0
+    out = capsys.readouterr().out
+    assert "vocab_size=32768 (mixtral-8x22b's, named by tokenizer_model" in out and "fine-tunes" not in out
+
+
 def test_estimate_cli_is_torch_free_and_writes_json(tmp_path):
     path = tmp_path / "e.json"
     code = ("import sys; from expertrail.tools.cli import main; "

@@ -223,10 +223,12 @@ def test_numbers_yaml_reads_as_text_are_numbers_as_megatron_reads_them(tmp_path)
     number (``2k``) is still refused, and a value quoted for the shell its launch line passes it
     through is read without those quotes."""
     path = tmp_path / "model.yaml"
-    path.write_text("MODEL_ARGS:\n  --norm-epsilon: 1e-6\n  --moe-router-bias-update-rate: 1e-3\n"
+    path.write_text("ENV_VARS:\n  CUDA_DEVICE_MAX_CONNECTIONS: 1\n  NCCL_NVLS_ENABLE: 0\n"
+                    "MODEL_ARGS:\n  --norm-epsilon: 1e-6\n  --moe-router-bias-update-rate: 1e-3\n"
                     "  --micro-batch-size: '2'\n  --moe-ffn-hidden-size: 2k\n"
                     "  --moe-layer-freq: \"'([0]*1+[1]*60)'\"\n")
     cfg = load_config(str(path))
+    assert "nccl_nvls_enable" not in cfg and not unknown_fields(cfg)    # the launch's environment, not fields
     assert cfg["layernorm_epsilon"] == 1e-6 and cfg["moe_router_bias_update_rate"] == 1e-3
     assert cfg["moe_layer_freq"] == "([0]*1+[1]*60)"           # quoted for the shell, as Kimi-K2.yaml writes it
     assert cfg["micro_batch_size"] == 2

@@ -16,6 +16,7 @@ layer's own transformer layer and its 2h -> h projection). Recomputation is not 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from ..errors import ConfigError
 from .catalog import MoEModel, hf_config, hf_dense_layers
@@ -338,17 +339,78 @@ def _expand_pattern(text: str, name: str = "moe_layer_freq",
     return out
 
 
-# The vocabulary of a model spelled out by Megatron fields that give none: Megatron takes it from
-# the tokenizer, which a configuration names but does not size.
+# The vocabulary of a model spelled out by Megatron fields that give none and whose tokenizer names
+# no model known here: Megatron takes it from the tokenizer, which a configuration names but does
+# not size.
 UNSTATED_VOCAB = 32000
 
 
+def tokenizer_model_of(fields: dict) -> Architecture | None:
+    """The model a Megatron-LM configuration's ``tokenizer_model`` names, as its scripts name the
+    checkpoint they train (``Qwen/Qwen3-235B-A22B``, ``unsloth/DeepSeek-V3``,
+    ``Qwen3-Next-80B-A3B-Instruct``): the catalog model whose name begins its last path part, or
+    the config.json of a Hugging Face model directory; None where it names neither."""
+    name = fields.get("tokenizer_model")
+    if not isinstance(name, str) or not name.strip():
+        return None
+    tail = name.rstrip("/").rsplit("/", 1)[-1].lower()
+    for key in sorted(ARCHITECTURES, key=len, reverse=True):       # qwen3-next-80b-a3b before a shorter name
+        if tail.startswith(key):
+            return ARCHITECTURES[key]
+    path = Path(name)
+    if (path / "config.json").is_file():
+        cfg, label = hf_config(str(path))
+        return from_hf_config(cfg, label)
+    return None
+
+
+def padded_vocab(vocab: int, fields: dict) -> int:
+    """``vocab`` rounded up as Megatron-LM pads a tokenizer's vocabulary: to a multiple of
+    ``make_vocab_size_divisible_by`` (default 128) x TP, so the output layer splits over TP."""
+    multiple = (fields.get("make_vocab_size_divisible_by") or 128) * (fields.get("tensor_model_parallel_size") or 1)
+    return -(-vocab // multiple) * multiple
+
+
+def fine_tunes_checkpoint(fields: dict) -> bool:
+    """Whether the run starts from a trained checkpoint's weights (Megatron-LM's ``finetune``,
+    Megatron-Bridge's ``pretrained_checkpoint``), whose router keeps the balance it was trained to."""
+    return bool(fields.get("finetune") or fields.get("pretrained_checkpoint"))
+
+
 def unstated_model_fields(fields: dict) -> list:
-    """What a model spelled out by Megatron fields (no catalog or Hugging Face base) leaves to
-    the estimate, for its assumed line: the vocabulary, when no vocab_size is given."""
-    if any(fields.get(k) for k in ("vocab_size", "padded_vocab_size")):
-        return []
-    return [f"vocab_size={UNSTATED_VOCAB} (Megatron sizes it from the tokenizer: give vocab_size)"]
+    """What a model spelled out by Megatron fields (no catalog or Hugging Face base) takes from
+    elsewhere, for the estimate's assumed line: the vocabulary, when no vocab_size is given (its
+    tokenizer's model's, else `UNSTATED_VOCAB`), and the router's balance of a checkpoint it
+    fine-tunes."""
+    named = tokenizer_model_of(fields)
+    out = []
+    if not any(fields.get(k) for k in ("vocab_size", "padded_vocab_size")):
+        out.append(f"vocab_size={padded_vocab(named.vocab, fields)} ({named.name}'s, named by tokenizer_model, padded "
+                   "to a multiple of make_vocab_size_divisible_by x TP as Megatron-LM pads it)" if named else
+                   f"vocab_size={UNSTATED_VOCAB} (Megatron sizes it from the tokenizer: give vocab_size)")
+    if named and fine_tunes_checkpoint(fields) and not _balances_globally(fields):
+        out.append(f"router_balance={named.router_balance} (the {named.name} checkpoint the run fine-tunes, named by "
+                   "tokenizer_model)")
+    return out
+
+
+def _balances_globally(fields: dict) -> bool:
+    """Whether the configuration's own router balances over the whole batch: Megatron's
+    global_aux_loss, or expert biases (moe_router_enable_expert_bias)."""
+    balancing = fields.get("moe_router_load_balancing_type")
+    kinds = balancing if isinstance(balancing, (list, tuple)) else str(balancing).split(",")
+    return "global_aux_loss" in kinds or bool(fields.get("moe_router_enable_expert_bias"))
+
+
+def megatron_ffn_default(fields: dict) -> int | None:
+    """Megatron-LM's dense MLP width where ``ffn_hidden_size`` is not given: 4 x hidden, or two
+    thirds of it rounded down to a multiple of 64 for a gated unit (``swiglu``), which keeps its
+    parameters near the ungated MLP's; None without ``hidden_size``."""
+    hidden = fields.get("hidden_size")
+    if not hidden:
+        return None
+    gated = fields.get("swiglu") or fields.get("gated_linear_unit")
+    return int(4 * hidden * 2 / 3 / 64) * 64 if gated else 4 * hidden
 
 
 def tied_embeddings_of(fields: dict) -> bool | None:
@@ -370,16 +432,22 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
     tied = tied_embeddings_of(fields)
     if tied is not None:
         given["tied_embeddings"] = tied
-    balancing = fields.get("moe_router_load_balancing_type")
-    if "global_aux_loss" in (balancing if isinstance(balancing, (list, tuple)) else str(balancing).split(",")) \
-            or fields.get("moe_router_enable_expert_bias"):
+    if _balances_globally(fields):
         given["router_balance"] = "global_batch"     # balanced over the whole batch, as Qwen3's and DeepSeek-V3's
     limited = fields.get("moe_router_topk_limited_devices")
     if limited and not fields.get("moe_router_group_topk"):
         # Megatron-Core's reading of the deprecated device-limited routing: groups of one EP rank's experts
         given.update(group_topk=limited, num_groups=fields.get("expert_model_parallel_size") or 1)
-    if base is None and "moe_ffn" not in given and "ffn" in given:
-        given["moe_ffn"] = given["ffn"]          # Megatron's default: the experts as wide as ffn_hidden_size
+    if base is None:
+        named = tokenizer_model_of(fields)
+        if named and "vocab" not in given:
+            given["vocab"] = padded_vocab(named.vocab, fields)
+        if named and fine_tunes_checkpoint(fields) and "router_balance" not in given:
+            given["router_balance"] = named.router_balance
+        if "ffn" not in given and megatron_ffn_default(fields):
+            given["ffn"] = megatron_ffn_default(fields)
+        if "moe_ffn" not in given and "ffn" in given:
+            given["moe_ffn"] = given["ffn"]      # Megatron's default: the experts as wide as ffn_hidden_size
     if base is None:
         needed = ["num_layers", "hidden_size", "num_attention_heads", "num_moe_experts", "moe_ffn_hidden_size"]
         missing = [k for k in needed if FIELDS[k] not in given]
@@ -387,7 +455,7 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
             raise ConfigError(f"the configuration does not spell the model out (no {', '.join(missing)}): give "
                               f"--model NAME (one of {', '.join(ARCHITECTURES)}) or those fields")
         hidden, heads = given["hidden"], given["heads"]
-        base = Architecture("config", given["layers"], 0, hidden, 4 * hidden, given["moe_ffn"], given["experts"], 2, 0,
+        base = Architecture("config", given["layers"], 0, hidden, given["ffn"], given["moe_ffn"], given["experts"], 2, 0,
                             heads, heads, hidden // heads, UNSTATED_VOCAB)
     dense = dense_layers_of(fields.get("moe_layer_freq"))
     if dense is not None:

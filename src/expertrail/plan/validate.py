@@ -232,7 +232,9 @@ def read_file(source: str) -> dict:
         raise ConfigError(f"config file {source!r} not found (give a YAML/JSON file, key=value overrides or "
                           "Megatron flags such as --expert-model-parallel-size 8)")
     data = read_mapping(path, "config file")
-    cfg = _flatten(data, {})
+    # A Megatron-LM recipe file (the ModelZoo's, Megatron-LM's functional tests) sets the launch's
+    # environment beside its MODEL_ARGS: variables of the shell, not fields of the run.
+    cfg = _flatten({k: v for k, v in data.items() if k != "ENV_VARS"}, {})
     if not cfg:
         raise ConfigError(f"config file {source!r} holds no fields: nothing to validate")
     return cfg
