@@ -30,6 +30,8 @@ CASES = {   # rule -> (breaking config, satisfying config)
     "ep-overlap-mtp": ({**OVERLAP, "mtp_num_layers": 2}, {**OVERLAP, "mtp_num_layers": 1}),
     "ep-overlap-microbatches": ({**OVERLAP, "world_size": 64, "global_batch_size": 32, "micro_batch_size": 1},
                                 {**OVERLAP, "world_size": 64, "global_batch_size": 128, "micro_batch_size": 1}),
+    "batch-splits": ({"world_size": 512, "global_batch_size": 256, "micro_batch_size": 1},
+                     {"world_size": 512, "global_batch_size": 1024, "micro_batch_size": 2}),
     "wgrad-needs-overlap": ({"delay_wgrad_compute": True}, {**OVERLAP, "delay_wgrad_compute": True}),
     "wgrad-graph-fusion": ({**OVERLAP, "delay_wgrad_compute": True, "cuda_graph_impl": "transformer_engine",
                             "cuda_graph_scope": "attn", "gradient_accumulation_fusion": False},
@@ -205,6 +207,22 @@ def test_a_pipeline_layout_gives_the_virtual_stages_ep_overlap_needs():
     assert validate(cfg) == []
     assert {v.rule for v in validate({**cfg, "pipeline_model_parallel_layout": "Et|(tt|)*30mX"})} == \
         {"pipeline-layout", "ep-overlap-vpp"}
+
+
+def test_virtual_stages_need_pipeline_parallelism_in_validate_and_estimate(capsys):
+    """Megatron-LM asserts PP > 1 for the interleaved schedule, however the virtual stages are
+    asked for (layers per virtual stage, stages per rank, a layout of several stages); validate
+    and estimate refuse it alike, and a single-stage split at PP 1 stays valid."""
+    base = {"num_layers": 48, "pipeline_model_parallel_size": 1}
+    for vpp in ({"num_layers_per_virtual_pipeline_stage": 4}, {"num_virtual_stages_per_pipeline_rank": 2},
+                {"pipeline_model_parallel_layout": "Et*24|t*24L"}):
+        assert "pipeline-split" in {v.rule for v in validate({**base, **vpp})}, vpp
+    assert validate({**base, "num_layers_per_virtual_pipeline_stage": 48}) == []
+    flags = ["--hardware", "h100", "--gpus", "64", "--model", "qwen3-30b-a3b", "--expert-model-parallel-size", "8"]
+    assert main(["estimate", *flags, "--num-layers-per-virtual-pipeline-stage", "4"]) == 2
+    assert "need pipeline parallelism" in capsys.readouterr().err
+    assert main(["estimate", *flags, "--pipeline-model-parallel-size", "2",
+                 "--num-layers-per-virtual-pipeline-stage", "4"]) == 0
 
 
 def test_bridge_nested_yaml_and_overrides(tmp_path):

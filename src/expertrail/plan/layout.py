@@ -668,7 +668,11 @@ def pipeline_split_problems(layers: int, pp: int, vpp: int = 1, first: int | Non
     ``embedding`` / ``loss``: account_for_embedding/loss_in_pipeline_split; ``layout``:
     pipeline_model_parallel_layout, whose MTP layers are checked against ``mtp_layers`` when given."""
     if pp <= 1:
-        return []
+        vpp = len(expand_layout(layout)) if layout else vpp
+        # Megatron-LM asserts PP > 1 for the interleaved schedule (PP > 2 with overlap_p2p_comm off).
+        return [] if vpp <= 1 else [f"VPP {vpp} virtual stages need pipeline parallelism (Megatron-LM asserts "
+                                    "pipeline_model_parallel_size > 1 for the interleaved schedule): set PP > 1 or "
+                                    "drop the virtual-pipeline split"]
     if layout:
         if first is not None or last is not None or embedding or loss:
             return ["pipeline_model_parallel_layout cannot be set with decoder_first/last_pipeline_num_layers or "

@@ -417,15 +417,24 @@ def _overlap(c):
     return bool(c["overlap_moe_expert_parallel_comm"])
 
 
+def _model_ranks(c) -> int:
+    """The ranks of one model replica: TP x PP x CP (the world over them is DP)."""
+    return int(c["tensor_model_parallel_size"]) * int(c["pipeline_model_parallel_size"]) * \
+        int(c["context_parallel_size"])
+
+
 def _micro_batches(c) -> float | None:
     """Micro-batches per step and data-parallel rank (global / (micro x DP)), when the config
     gives the batch sizes and the world size; else None."""
     if not (c.given("global_batch_size") and c.given("micro_batch_size") and c.world):
         return None
-    model = int(c["tensor_model_parallel_size"]) * int(c["pipeline_model_parallel_size"]) * \
-        int(c["context_parallel_size"])
-    dp = max(1, c.world // model)
+    dp = max(1, c.world // _model_ranks(c))
     return int(c["global_batch_size"]) / (int(c["micro_batch_size"]) * dp)
+
+
+def _interleaved(c) -> bool:
+    """Whether the configuration asks for virtual pipeline stages (any of Megatron's ways)."""
+    return any(c.given(f) for f in (*VPP_SOURCES, "virtual_pipeline_model_parallel_size"))
 
 
 def _delayed(c):
@@ -795,7 +804,7 @@ RULES = [
           "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
           "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout"),
          lambda c: "; ".join(_split_problems(c)),
-         lambda c: int(c["pipeline_model_parallel_size"]) > 1 and c.given("num_layers"),
+         lambda c: c.given("num_layers") and (int(c["pipeline_model_parallel_size"]) > 1 or _interleaved(c)),
          lambda c: not _split_problems(c), given_only=True),
     Rule("parallel-sizes", "TP x PP x CP x DP must equal the world size",
          ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -805,6 +814,13 @@ RULES = [
                               * c["context_parallel_size"]) == 0
          and (not c.given("data_parallel_size") or c["tensor_model_parallel_size"] * c["pipeline_model_parallel_size"]
               * c["context_parallel_size"] * c["data_parallel_size"] == c.world)),
+    Rule("batch-splits", "the global batch must split into whole micro-batches on every data-parallel rank "
+         "(Megatron's micro-batch calculator asserts)", ("global_batch_size", "micro_batch_size", "world_size",
+         "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"),
+         lambda c: f"choose a global_batch_size that is a multiple of micro_batch_size x DP = "
+                   f"{int(c['micro_batch_size'])} x {c.world // _model_ranks(c)}",
+         lambda c: _micro_batches(c) is not None and c.world % _model_ranks(c) == 0,
+         lambda c: _micro_batches(c).is_integer()),
     Rule("expert-parallel-sizes", "EP x expert-TP must divide the ranks of one pipeline stage",
          ("world_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "pipeline_model_parallel_size"),
          "choose expert_model_parallel_size x expert_tensor_parallel_size dividing world_size / "
