@@ -251,6 +251,24 @@ def test_a_model_spelled_out_by_fields_takes_megatrons_defaults_and_its_tokenize
     assert "vocab_size=32768 (mixtral-8x22b's, named by tokenizer_model" in out and "fine-tunes" not in out
 
 
+def test_a_configuration_without_precision_or_grouped_gemm_says_what_it_was_costed_as():
+    """Megatron trains in FP32 without bf16 / fp16, and Megatron-LM runs the experts one GEMM after
+    another without moe_grouped_gemm: neither is costed, so a configuration that leaves them out
+    is costed as BF16 with grouped GEMMs and the assumed line says so; moe_grouped_gemm=false is
+    named as not modelled."""
+    flags = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "8",
+             "--moe-router-force-load-balancing"]
+    bare = TrainingLayout.from_fields(load_config(None, flags), 64)
+    assert any(a.startswith("bf16=true (the configuration names no precision") for a in bare.assumed)
+    assert "moe_grouped_gemm=true" in bare.assumed
+    stated = TrainingLayout.from_fields(load_config(None, flags + ["--bf16", "--moe-grouped-gemm"]), 64)
+    assert not any(a.startswith(("bf16", "moe_grouped_gemm")) for a in stated.assumed) and not stated.not_modelled
+    sequential = TrainingLayout.from_fields(load_config(None, flags + ["--bf16", "--no-moe-grouped-gemm"]), 64)
+    assert sequential.not_modelled == ("moe_grouped_gemm",)
+    assert not any(a.startswith("bf16") for a in TrainingLayout.from_fields(
+        load_config(None, flags + ["--fp8-format", "e4m3"]), 64).assumed)
+
+
 def test_estimate_cli_is_torch_free_and_writes_json(tmp_path):
     path = tmp_path / "e.json"
     code = ("import sys; from expertrail.tools.cli import main; "
@@ -331,6 +349,10 @@ def test_plan_fit_emits_bridge_overrides_in_their_sections_and_they_read_back(ca
                  "model.moe_router_force_load_balancing=true"]) == 0
     out = capsys.readouterr().out
     assert f"{r['step_time_s']:.2f} s" in out.split("step: ")[1][:12]
+    # It states the gradient reduce and parameter gather the search overlapped (Megatron's default
+    # is off), so nothing of the costed run is left to the assumed line.
+    assert "ddp.overlap_grad_reduce=true" in lines and "ddp.overlap_param_gather=true" in lines
+    assert "assumed" not in out
     from expertrail.plan.validate import parse_value
     assert parse_value("[mla_up_proj,moe_act]") == parse_value("['mla_up_proj', 'moe_act']") == ["mla_up_proj", "moe_act"]
 

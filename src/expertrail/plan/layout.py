@@ -16,7 +16,7 @@ from ..errors import ConfigError
 from .megatron_fields import flex_backend
 
 RECIPE_DEFAULTS = {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
-                   "sequence_parallel": True}
+                   "sequence_parallel": True, "moe_grouped_gemm": True}
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts", "gdn_norm_out")
 # Megatron-LM's recompute_modules of features the estimate does not cost (GatedDeltaProduct layers,
 # hyper-connections): accepted, recomputing nothing, and named as not modelled.
@@ -46,7 +46,10 @@ NOT_MODELLED = ("cpu_offloading_weights", "cpu_offloading_double_buffering", "mo
                 "gated_linear_unit", "gtp_weight_remat_size", "tensor_parallel_num_weight_shards",
                 "expert_gtp_weight_remat_size", "expert_tensor_parallel_num_weight_shards", "cp_comm_type",
                 "attention_backend", "fp8_multi_head_attention", "use_layer_wise_distributed_optimizer",
-                "microbatch_group_size_per_vp_stage", "num_microbatches_with_partial_activation_checkpoints")
+                "microbatch_group_size_per_vp_stage", "num_microbatches_with_partial_activation_checkpoints",
+                # the experts one GEMM after another (Megatron-LM's SequentialMLP, its default without
+                # moe_grouped_gemm): every published run groups them
+                "moe_grouped_gemm")
 # Values of those fields that leave the run as the estimate costs it: nothing to name. A field
 # with its own default there is named whenever set to another value.
 UNSET = (None, False, "no_shard", "none", [])
@@ -55,7 +58,8 @@ UNSET = (None, False, "no_shard", "none", [])
 NOT_MODELLED_DEFAULTS = {"num_distributed_optimizer_instances": 1, "main_params_dtype": "fp32",
                          "megatron_fsdp_main_params_dtype": "fp32", "moe_combine_bwd_dtype": "bf16",
                          "fp8_wgrad": True, "activation_offload_fraction": 1.0, "moe_router_dtype": "fp32",
-                         "gated_linear_unit": True, "gtp_weight_remat_size": 1, "expert_gtp_weight_remat_size": 1}
+                         "gated_linear_unit": True, "gtp_weight_remat_size": 1, "expert_gtp_weight_remat_size": 1,
+                         "moe_grouped_gemm": True}
 # Megatron-FSDP's data_parallel_sharding_strategy: what each rank keeps 1/DP of.
 FSDP_SHARDS = {"no_shard": (), "optim": ("optimizer",), "optim_grads": ("optimizer", "gradients"),
                "optim_grads_params": ("optimizer", "gradients", "weights")}
@@ -328,6 +332,11 @@ class TrainingLayout:
         # are costed as FP8's (recipe "nvfp4", named in the estimate's assumed line).
         fp4 = v.get("fp4") not in (None, False, "none")
         precision = "fp8" if fp4 or fp8 not in (None, False, "none") else "bf16"
+        if precision == "bf16" and not (v.get("bf16") or v.get("fp16")):
+            # Megatron trains in FP32 without bf16 / fp16; no MoE recipe does, and none is costed.
+            assumed.append("bf16=true (the configuration names no precision, and Megatron without bf16 or fp16 "
+                           "trains in FP32, which the estimate does not cost)")
+        get("moe_grouped_gemm", True)       # the experts' grouped GEMM; Megatron-LM's SequentialMLP is not costed
         recipe = "nvfp4" if fp4 else get("fp8_recipe", None) if fp8 else None
         granularity = get("recompute_granularity", None)
         modules = get("recompute_modules", None)

@@ -177,7 +177,8 @@ def layout_fields(arch: Architecture, layout: TrainingLayout, hw: Hardware) -> d
               "moe_router_topk": arch.topk, "micro_batch_size": layout.micro_batch,
               "global_batch_size": layout.global_batch, "seq_length": layout.seq,
               "moe_token_dispatcher_type": layout.dispatcher, "moe_grouped_gemm": True,
-              "use_distributed_optimizer": True, "bf16": True}
+              "use_distributed_optimizer": True, "overlap_grad_reduce": layout.overlap_grad_reduce,
+              "overlap_param_gather": layout.overlap_grad_reduce, "bf16": True}
     if layout.tp > 1:
         fields["sequence_parallel"] = True
     if layout.pp > 1:                       # the split Megatron builds depends on the layers
@@ -214,6 +215,7 @@ def _violations(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> lis
 # Megatron-Bridge's ConfigContainer section of each field a layout sets that is not the model's,
 # and its mixed-precision recipe for the fp8_recipe `layout_fields` writes (None: BF16).
 BRIDGE_SECTIONS = {"micro_batch_size": "train", "global_batch_size": "train", "use_distributed_optimizer": "ddp",
+                   "overlap_grad_reduce": "ddp", "overlap_param_gather": "ddp",
                    "overlap_moe_expert_parallel_comm": "comm_overlap", "delay_wgrad_compute": "comm_overlap"}
 BRIDGE_PRECISION = {None: "bf16_mixed", "mxfp8": "bf16_with_mxfp8_mixed",
                     "blockwise": "bf16_with_fp8_subchannel_scaling_mixed"}
