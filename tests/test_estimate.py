@@ -357,6 +357,26 @@ def test_plan_fit_emits_bridge_overrides_in_their_sections_and_they_read_back(ca
     assert parse_value("[mla_up_proj,moe_act]") == parse_value("['mla_up_proj', 'moe_act']") == ["mla_up_proj", "moe_act"]
 
 
+def test_plan_fit_ranks_with_the_natural_router_on_request(capsys):
+    """--router natural costs each layout with the model's trained router: no layout is faster
+    than forced, Qwen3-235B's uneven router moves the lead to a smaller EP, and `estimate` of the
+    emitted configuration (which leaves the router natural) gives the step the search costed."""
+    from expertrail.plan.search import format_search, search
+    qwen30, h100 = ARCHITECTURES["qwen3-30b-a3b"], HARDWARE["h100"]
+    forced = search(qwen30, h100, 32, top=1)
+    natural = search(qwen30, h100, 32, top=1, natural_routing=True)
+    (fast, fast_layout), (slow, slow_layout) = forced[0], natural[0]
+    assert slow_layout.ep < fast_layout.ep and slow["step_time_s"] > fast["step_time_s"]
+    assert slow["layout"]["routing_imbalance"] > 1.0 == fast["layout"]["routing_imbalance"]
+    assert "the model's natural router" in format_search(natural, qwen30, h100, 32)
+    assert "routers forced to balance" in format_search(forced, qwen30, h100, 32)
+    args = ["plan", "--fit", "--gpus", "32", "--hardware", "h100", "--model", "qwen3-30b-a3b", "--router", "natural"]
+    assert main([*args, "--emit", "megatron"]) == 0
+    flags = capsys.readouterr().out.replace("\\\n", " ").split()
+    assert main(["estimate", "--hardware", "h100", "--gpus", "32", "--model", "qwen3-30b-a3b", *flags]) == 0
+    assert f"step: {slow['step_time_s']:.2f} s" in capsys.readouterr().out
+
+
 def test_plan_fit_searches_the_micro_batch(capsys):
     """The micro-batch size is searched (1, 2, 4, 8 up to 32k tokens): Qwen3-30B on one B200 node
     is launch-bound at micro-batch 1 (as its published runs were, 9.3-9.7k tokens/s against

@@ -114,11 +114,14 @@ def default_global_batch(sequences: int, seq: int) -> int:
 
 
 def search(arch: Architecture, hw: Hardware, gpus: int, seq: int = 4096, global_batch: int | None = None,
-           micro_batch: int | None = None, precision: str = "bf16", top: int = 5) -> list:
+           micro_batch: int | None = None, precision: str = "bf16", top: int = 5,
+           natural_routing: bool = False) -> list:
     """Fitting layouts, fastest first: [(estimate, layout)]; ``micro_batch`` fixes the
     micro-batch size (default: each of `micro_batches`, smallest first: a micro-batch that does not
     fit at any recompute ends the layout's larger ones, and each starts from the recompute its
-    smaller one needed, as activations only grow with the micro-batch)."""
+    smaller one needed, as activations only grow with the micro-batch). Each layout is costed with
+    the routers forced to balance, as benchmarks run, or with ``natural_routing`` the model's
+    trained router, whose busiest EP rank waits longer at larger EP (`estimate.routing_imbalance`)."""
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: give the number of GPUs, e.g. --gpus 256")
     backend = default_flex_backend(hw.domain_size)
@@ -133,7 +136,7 @@ def search(arch: Architecture, hw: Hardware, gpus: int, seq: int = 4096, global_
                 continue
             base = TrainingLayout(gpus=gpus, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, seq=seq, micro_batch=mbs,
                                   global_batch=batch, precision=precision, dispatcher="flex", flex_backend=backend,
-                                  ep_overlap=overlap, delay_wgrad=overlap)
+                                  ep_overlap=overlap, delay_wgrad=overlap, natural_routing=natural_routing)
             best = _best_fit(arch, hw, base, lightest)
             if best is None:
                 break
@@ -274,7 +277,10 @@ def format_search(found: list, arch: Architecture, hw: Hardware, gpus: int, clos
                    f"full recompute, needs {r['peak_memory_GB']:.0f} GB of {r['usable_memory_GB']:.0f} usable")
         return (f"plan --fit: no layout of {arch.name} fits {gpus} x {hw.name} (every PP, TP, CP, EP, ETP, VPP, "
                 f"micro-batch and recompute choice tried; {why}): more GPUs, or GPUs with more memory")
-    lines = [f"plan --fit: {arch.name} on {gpus} x {hw.name}, fastest first (predicted; docs/planner.md)", "",
+    router = ("the model's natural router, its busiest EP rank waited for" if found[0][1].natural_routing
+              else "routers forced to balance; --router natural for the model's trained router")
+    lines = [f"plan --fit: {arch.name} on {gpus} x {hw.name}, fastest first (predicted, {router}; "
+             "docs/planner.md)", "",
              f"  {'#':>2} {'TP':>3} {'CP':>3} {'PP':>3} {'VPP':>3} {'DP':>4} | {'EP':>4} {'ETP':>3} {'EDP':>4} "
              f"{'MBS':>3} {'overlap':>7}  {'recompute':<28} {'step s':>7} {'TFLOPS':>7} {'peak GB':>8}  wall"]
     for i, (r, layout) in enumerate(found, 1):

@@ -44,6 +44,10 @@ def add_parser(sub) -> None:
     f.add_argument("--micro-batch", "--micro-batch-size", type=positive_int(1), default=None,
                    help="sequences per micro-batch (default: search 1, 2, 4 and 8, up to 32768 tokens)")
     f.add_argument("--top", type=positive_int(5), default=5, help="layouts to print (default %(default)s)")
+    f.add_argument("--router", choices=("forced", "natural"), default="forced",
+                   help="cost each layout with the routers forced to balance, as benchmarks and the published runs "
+                        "do, or with the model's trained router, whose busiest EP rank waits longer at larger EP "
+                        "(docs/cost-model.md, 'Natural routing') (default %(default)s)")
 
 
 def _run_fit(args) -> int:
@@ -56,7 +60,7 @@ def _run_fit(args) -> int:
         raise ExpertrailError("--fit needs --gpus N, the GPUs of the run, e.g. --gpus 256")
     hw, arch = load_hardware(args.hardware), load_architecture(args.model)
     found = search(arch, hw, args.gpus, args.seq, args.global_batch, micro_batch=args.micro_batch,
-                   precision=args.precision, top=args.top)
+                   precision=args.precision, top=args.top, natural_routing=args.router == "natural")
     closest = None if found else leanest(arch, hw, args.gpus, args.seq, args.precision)
     if args.emit:
         if not found:
