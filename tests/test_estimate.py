@@ -192,6 +192,24 @@ def test_pipeline_layout_string_and_dense_layers_place_the_work():
                               "moe_ffn_hidden_size": 128, "moe_layer_freq": "([0]*1+[1]*3)"}).dense_layers == 1
 
 
+def test_moe_layer_freq_counts_the_dense_layers_as_megatron_builds_them():
+    """moe_layer_freq N makes layers 0, N, 2N, ... MoE (Megatron-Core's gpt_layer_specs); a pattern
+    marks each layer, interleaved or not; one that is not one entry a layer is refused by estimate
+    and validate alike."""
+    from expertrail.plan.architecture import dense_layers_of
+    assert dense_layers_of(1, 61) == 0 and dense_layers_of("1", 61) == 0
+    assert dense_layers_of(2, 48) == 24 and dense_layers_of(3, 10) == 6          # layers 0, 3, 6, 9 MoE
+    assert dense_layers_of("([0]*3+[1]*58)", 61) == 3 and dense_layers_of([0, 1] * 24, 48) == 24
+    assert dense_layers_of("[0,1]*24", 48) == 24
+    interleaved = from_fields(ARCHITECTURES["mixtral-8x7b"], {"moe_layer_freq": 2})
+    assert (interleaved.dense_layers, interleaved.moe_layers) == (16, 16)
+    assert interleaved.total_params() < ARCHITECTURES["mixtral-8x7b"].total_params()
+    with pytest.raises(ConfigError, match="gives 60 layers, the model has 61"):
+        from_fields(DSV3, {"moe_layer_freq": "([0]*3+[1]*57)"})
+    with pytest.raises(ConfigError, match="N >= 1"):
+        dense_layers_of(0, 8)
+
+
 def test_a_model_spelled_out_by_fields_says_its_vocabulary_was_assumed(capsys):
     """Megatron sizes the vocabulary from the tokenizer, which flags name but do not size: a
     model spelled out by its fields without vocab_size is costed at 32000 entries, and said so."""

@@ -30,6 +30,8 @@ CASES = {   # rule -> (breaking config, satisfying config)
     "ep-overlap-mtp": ({**OVERLAP, "mtp_num_layers": 2}, {**OVERLAP, "mtp_num_layers": 1}),
     "ep-overlap-microbatches": ({**OVERLAP, "world_size": 64, "global_batch_size": 32, "micro_batch_size": 1},
                                 {**OVERLAP, "world_size": 64, "global_batch_size": 128, "micro_batch_size": 1}),
+    "moe-layer-pattern": ({"num_layers": 61, "moe_layer_freq": "([0]*3+[1]*57)"},
+                          {"num_layers": 61, "moe_layer_freq": "([0]*3+[1]*58)"}),
     "batch-splits": ({"world_size": 512, "global_batch_size": 256, "micro_batch_size": 1},
                      {"world_size": 512, "global_batch_size": 1024, "micro_batch_size": 2}),
     "wgrad-needs-overlap": ({"delay_wgrad_compute": True}, {**OVERLAP, "delay_wgrad_compute": True}),

@@ -311,17 +311,27 @@ def linear_layers_of(fields: dict, layers: int) -> int | None:
                       f"number (every k-th layer keeps standard attention) or a list of {layers} 1s (linear) and 0s")
 
 
-def dense_layers_of(freq) -> int | None:
-    """Leading dense layers of Megatron's ``moe_layer_freq``: ``1`` (every layer MoE), or a
-    pattern string such as ``([0]*3+[1]*58)`` / a list of 0 and 1."""
-    if freq is None or freq == 1:
-        return 0 if freq == 1 else None
+def dense_layers_of(freq, layers: int) -> int | None:
+    """Dense layers of Megatron's ``moe_layer_freq`` over ``layers`` layers: an integer N makes
+    every N-th layer MoE (layers 0, N, 2N, ...), a pattern (a list, or text such as
+    ``([0]*3+[1]*58)``) marks each layer 0 (dense) or 1 (MoE); None where it is not given. The
+    estimate places them first (DeepSeek's are; an interleaved pattern moves layers between
+    pipeline ranks, not their sum). A pattern not one entry a layer is refused, as Megatron-Core
+    asserts."""
+    if freq is None:
+        return None
+    if isinstance(freq, str) and freq.strip().isdigit():
+        freq = int(freq)
     if isinstance(freq, str):
         freq = _expand_pattern(freq)
-    if isinstance(freq, int):
-        return 0
-    ones = [i for i, v in enumerate(freq) if v]
-    return ones[0] if ones else len(freq)
+    if isinstance(freq, int) and not isinstance(freq, bool):
+        if freq < 1:
+            raise ConfigError(f"moe_layer_freq={freq}: give N >= 1 (every N-th layer MoE) or a pattern of 0s and 1s")
+        return layers - -(-layers // freq)
+    if len(freq) != layers:
+        raise ConfigError(f"moe_layer_freq gives {len(freq)} layers, the model has {layers} (Megatron-Core asserts): "
+                          "write one 0 (dense) or 1 (MoE) per layer, e.g. ([0]*3+[1]*58)")
+    return sum(1 for v in freq if not v)
 
 
 def _expand_pattern(text: str, name: str = "moe_layer_freq",
@@ -457,7 +467,7 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
         hidden, heads = given["hidden"], given["heads"]
         base = Architecture("config", given["layers"], 0, hidden, given["ffn"], given["moe_ffn"], given["experts"], 2, 0,
                             heads, heads, hidden // heads, UNSTATED_VOCAB)
-    dense = dense_layers_of(fields.get("moe_layer_freq"))
+    dense = dense_layers_of(fields.get("moe_layer_freq"), given.get("layers", base.layers))
     if dense is not None:
         given["dense_layers"] = dense
     linear = linear_layers_of(fields, given.get("layers", base.layers))

@@ -26,7 +26,7 @@ from typing import Callable
 from ..errors import ConfigError
 from . import megatron_fields as mf
 from .catalog import HARDWARE, load_hardware, read_mapping
-from .architecture import GATED_DELTA_NET, width_split_problems
+from .architecture import GATED_DELTA_NET, dense_layers_of, width_split_problems
 from .layout import (GRAPH_MODULES_DEFAULTS, expand_layout, layout_text, name_list, pipeline_split_problems,
                      sequence_split_problems, stage_override, vpp_of_stage_layers)
 from .simulate import domain_for
@@ -432,6 +432,15 @@ def _micro_batches(c) -> float | None:
     return int(c["global_batch_size"]) / (int(c["micro_batch_size"]) * dp)
 
 
+def _layer_pattern_problem(c) -> str:
+    """Why moe_layer_freq does not fit the model's layers (`architecture.dense_layers_of`), or ''."""
+    try:
+        dense_layers_of(c["moe_layer_freq"], int(c["num_layers"]))
+    except ConfigError as err:
+        return str(err)
+    return ""
+
+
 def _interleaved(c) -> bool:
     """Whether the configuration asks for virtual pipeline stages (any of Megatron's ways)."""
     return any(c.given(f) for f in (*VPP_SOURCES, "virtual_pipeline_model_parallel_size"))
@@ -806,6 +815,9 @@ RULES = [
          lambda c: "; ".join(_split_problems(c)),
          lambda c: c.given("num_layers") and (int(c["pipeline_model_parallel_size"]) > 1 or _interleaved(c)),
          lambda c: not _split_problems(c), given_only=True),
+    Rule("moe-layer-pattern", "moe_layer_freq must give every layer one entry, 0 (dense) or 1 (MoE) "
+         "(Megatron-Core asserts)", ("moe_layer_freq", "num_layers"), lambda c: _layer_pattern_problem(c),
+         lambda c: c.given("moe_layer_freq") and c.given("num_layers"), lambda c: not _layer_pattern_problem(c)),
     Rule("parallel-sizes", "TP x PP x CP x DP must equal the world size",
          ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
           "data_parallel_size"), "choose sizes whose product is the number of GPUs (DP = world / (TP x PP x CP))",
