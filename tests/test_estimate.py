@@ -218,9 +218,12 @@ def test_a_model_spelled_out_by_fields_says_its_vocabulary_was_assumed(capsys):
              "--moe-router-force-load-balancing"]
     args = ["estimate", "--hardware", "h100", "--gpus", "8", *model]
     assert main(args) == 0
-    assert "vocab_size=32000 (Megatron sizes it from the tokenizer" in capsys.readouterr().out
-    assert main(args + ["--vocab-size", "129280"]) == 0
-    assert "vocab_size" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "vocab_size=32000 (Megatron sizes it from the tokenizer" in out
+    assert "swiglu=true (gated MLPs" in out                  # Megatron-LM's default MLP is ungated
+    assert main(args + ["--vocab-size", "129280", "--swiglu"]) == 0
+    out = capsys.readouterr().out
+    assert "vocab_size" not in out and "swiglu" not in out
     assert main(["estimate", "--hardware", "h100", "--gpus", "8", "--model", "qwen3-30b-a3b",
                  "--expert-model-parallel-size", "8", "--moe-router-force-load-balancing"]) == 0
     assert "vocab_size" not in capsys.readouterr().out
