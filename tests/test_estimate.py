@@ -727,6 +727,13 @@ def test_megatron_lms_later_model_and_schedule_features_are_named_not_modelled()
          "hybrid_override_pattern"}
     assert not named("--cp-comm-type", "p2p", "--attention-backend", "flash", "--gtp-weight-remat-size", "1")
     assert named("gated_linear_unit=false") == {"gated_linear_unit"} and not named("gated_linear_unit=true")
+    # GPT-OSS's sliding windows are costed as full attention (an upper bound) and named; its
+    # quick GeGLU counts two matrices in Megatron's FLOPs, as the catalog's GPT-OSS does.
+    assert named("--window-size", "128,0", "--window-attn-skip-freq", "2") == {"window_size"}
+    shape = {"num_layers": 36, "hidden_size": 2880, "num_attention_heads": 64, "num_moe_experts": 128,
+             "moe_ffn_hidden_size": 2880, "moe_router_topk": 4}
+    assert from_fields(None, dict(shape, quick_geglu=True)).swiglu_count is False
+    assert from_fields(None, shape).swiglu_count is True
 
 
 def test_each_moe_layer_pays_a_host_synchronisation_per_micro_batch():

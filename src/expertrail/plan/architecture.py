@@ -447,6 +447,8 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
         given["tied_embeddings"] = tied
     if _balances_globally(fields):
         given["router_balance"] = "global_batch"     # balanced over the whole batch, as Qwen3's and DeepSeek-V3's
+    if fields.get("quick_geglu"):
+        given["swiglu_count"] = False    # Megatron counts a gated MLP's third matrix only under swiglu (GPT-OSS's)
     limited = fields.get("moe_router_topk_limited_devices")
     if limited and not fields.get("moe_router_group_topk"):
         # Megatron-Core's reading of the deprecated device-limited routing: groups of one EP rank's experts

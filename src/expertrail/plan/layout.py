@@ -47,6 +47,8 @@ NOT_MODELLED = ("cpu_offloading_weights", "cpu_offloading_double_buffering", "mo
                 "expert_gtp_weight_remat_size", "expert_tensor_parallel_num_weight_shards", "cp_comm_type",
                 "attention_backend", "fp8_multi_head_attention", "use_layer_wise_distributed_optimizer",
                 "microbatch_group_size_per_vp_stage", "num_microbatches_with_partial_activation_checkpoints",
+                # sliding-window attention (GPT-OSS's), costed as full attention: an upper bound
+                "window_size",
                 # the experts one GEMM after another (Megatron-LM's SequentialMLP, its default without
                 # moe_grouped_gemm): every published run groups them
                 "moe_grouped_gemm")
