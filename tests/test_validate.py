@@ -255,6 +255,20 @@ def test_numbers_yaml_reads_as_text_are_numbers_as_megatron_reads_them(tmp_path)
     assert {f for v in validate(cfg) if v.rule == "field-value" for f in v.fields} == {"moe_ffn_hidden_size"}
 
 
+def test_dtypes_written_as_torch_writes_them_read_as_megatrons_short_names(tmp_path):
+    """Megatron-Core's OptimizerConfig takes torch dtypes, which Bridge's YAML writes as uncalled
+    targets and overrides as ``torch.bfloat16``: they read as the short names Megatron-LM's flags
+    take (uint8 is its stored "fp8" moment); a name no dtype field takes is still refused."""
+    path = tmp_path / "dump.yaml"
+    path.write_text("optimizer:\n  exp_avg_dtype:\n    _call_: false\n    _target_: torch.bfloat16\n"
+                    "  main_grads_dtype: torch.float32\n")
+    cfg = load_config(str(path), ["optimizer.exp_avg_sq_dtype=torch.uint8", "main_params_dtype=float16"])
+    assert (cfg["exp_avg_dtype"], cfg["main_grads_dtype"], cfg["exp_avg_sq_dtype"], cfg["main_params_dtype"]) == \
+        ("bf16", "fp32", "fp8", "fp16")
+    assert validate(cfg) == []
+    assert {v.rule for v in validate(load_config(None, ["main_grads_dtype=torch.float16"]))} == {"field-value"}
+
+
 def run_cli(capsys, *args):
     """`expertrail validate ARGS` in this process: (exit status, stdout, stderr)."""
     try:

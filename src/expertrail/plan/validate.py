@@ -209,8 +209,27 @@ def split_arguments(tokens: list) -> tuple:
     return files, pairs
 
 
+# torch's dtype names (Megatron-Core's OptimizerConfig and Bridge's YAML write them) -> Megatron-LM's
+# short names, which its dtype fields take (uint8 is how Megatron-LM stores an "fp8" Adam moment).
+TORCH_DTYPES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+                "uint8": "fp8", "float64": "fp64", "double": "fp64"}
+
+
+def _short_dtype(key: str, value):
+    """``value`` of a dtype field written as torch writes it (``torch.bfloat16``, ``bfloat16``) ->
+    the short name the field takes (``bf16``); other values as they are."""
+    choices = mf.CHOICES.get(key, ())
+    if isinstance(value, str) and ("fp32" in choices or "bf16" in choices):
+        short = TORCH_DTYPES.get(value.removeprefix("torch."))
+        if short in choices:
+            return short
+    return value
+
+
 def _flatten(data: dict, out: dict) -> dict:
     for k, v in data.items():
+        if isinstance(v, dict) and str(v.get("_target_", "")).startswith("torch.") and v.get("_call_") is False:
+            v = v["_target_"]               # Bridge's YAML writes a dtype as an uncalled target: torch.bfloat16
         if isinstance(v, dict):
             _flatten(v, out)
         else:
@@ -273,6 +292,7 @@ def _normalized(values: dict) -> dict:
     """``values`` with a Bridge mixed-precision recipe name expanded (`expand_precision_recipe`)
     and a pipeline layout given as a list of stages written as its string (`layout.layout_text`)."""
     values = expand_precision_recipe(values)
+    values = {k: _short_dtype(k, v) for k, v in values.items()}
     if isinstance(values.get("pipeline_model_parallel_layout"), (list, tuple)):
         values = dict(values, pipeline_model_parallel_layout=layout_text(values["pipeline_model_parallel_layout"]))
     return values
