@@ -259,6 +259,11 @@ def test_a_model_spelled_out_by_fields_takes_megatrons_defaults_and_its_tokenize
         "model_type": "mixtral", "hidden_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 8,
         "intermediate_size": 2048, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 50000}))
     assert from_fields(None, dict(qwen30, tokenizer_model=str(tmp_path))).vocab == 50048
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 1024, "vocab_size": 32000,
+                                                   "num_hidden_layers": 2, "num_attention_heads": 8}))
+    assert tokenizer_model_of({"tokenizer_model": str(dense)}) is None          # no MoE model to name
     # Megatron's widths where the flags leave them out.
     shape = {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "num_moe_experts": 8}
     assert (from_fields(None, dict(shape, swiglu=True)).ffn, from_fields(None, dict(shape, swiglu=True)).moe_ffn) \

@@ -359,7 +359,7 @@ def tokenizer_model_of(fields: dict) -> Architecture | None:
     """The model a Megatron-LM configuration's ``tokenizer_model`` names, as its scripts name the
     checkpoint they train (``Qwen/Qwen3-235B-A22B``, ``unsloth/DeepSeek-V3``,
     ``Qwen3-Next-80B-A3B-Instruct``): the catalog model whose name begins its last path part, or
-    the config.json of a Hugging Face model directory; None where it names neither."""
+    the MoE model of a Hugging Face model directory's config.json; None where it names neither."""
     name = fields.get("tokenizer_model")
     if not isinstance(name, str) or not name.strip():
         return None
@@ -369,8 +369,10 @@ def tokenizer_model_of(fields: dict) -> Architecture | None:
             return ARCHITECTURES[key]
     path = Path(name)
     if (path / "config.json").is_file():
-        cfg, label = hf_config(str(path))
-        return from_hf_config(cfg, label)
+        try:
+            return from_hf_config(*hf_config(str(path)))
+        except ConfigError:                         # a tokenizer directory that holds no MoE model
+            return None
     return None
 
 
