@@ -277,6 +277,63 @@ def test_a_model_spelled_out_by_fields_takes_megatrons_defaults_and_its_tokenize
     assert "vocab_size=32768 (mixtral-8x22b's, named by tokenizer_model" in out and "fine-tunes" not in out
 
 
+def test_a_modelzoo_model_file_estimates_as_the_catalog_model_it_spells_out(tmp_path):
+    """The Megatron-MoE-ModelZoo's model files spell Qwen3-235B out in Megatron-LM flags (an
+    ENV_VARS section beside MODEL_ARGS, the checkpoint named by its tokenizer, fine-tuned with
+    aux_loss): estimated from that file, the run costs as the catalog's Qwen3-235B does, its
+    vocabulary and its router's balance included, so the natural-router pair calibrated on the
+    ModelZoo's runs holds for a user who gives the file itself."""
+    path = tmp_path / "Qwen3-235B-A22B.yaml"
+    path.write_text("""ENV_VARS:
+  CUDA_DEVICE_MAX_CONNECTIONS: 1
+  NCCL_NVLS_ENABLE: 0
+MODEL_ARGS:
+  --tensor-model-parallel-size: 4
+  --pipeline-model-parallel-size: 8
+  --expert-model-parallel-size: 8
+  --expert-tensor-parallel-size: 1
+  --use-distributed-optimizer: true
+  --overlap-grad-reduce: true
+  --overlap-param-gather: true
+  --sequence-parallel: true
+  --micro-batch-size: 1
+  --global-batch-size: 256
+  --tokenizer-type: HuggingFaceTokenizer
+  --tokenizer-model: Qwen/Qwen3-235B-A22B
+  --untie-embeddings-and-output-weights: true
+  --normalization: RMSNorm
+  --swiglu: true
+  --num-layers: 94
+  --hidden-size: 4096
+  --ffn-hidden-size: 12288
+  --num-attention-heads: 64
+  --group-query-attention: true
+  --num-query-groups: 4
+  --kv-channels: 128
+  --qk-layernorm: true
+  --seq-length: 16384
+  --make-vocab-size-divisible-by: 1187
+  --num-experts: 128
+  --moe-ffn-hidden-size: 1536
+  --moe-router-topk: 8
+  --moe-router-load-balancing-type: aux_loss
+  --moe-grouped-gemm: true
+  --moe-token-dispatcher-type: alltoall
+  --finetune: true
+  --bf16: true
+""")
+    values = load_config(str(path), ["--num-layers-per-virtual-pipeline-stage", "3",
+                                     "--account-for-embedding-in-pipeline-split",
+                                     "--account-for-loss-in-pipeline-split"])
+    spelled = from_fields(None, values)
+    assert (spelled.vocab, spelled.router_balance, spelled.kv_heads) == (QWEN.vocab, QWEN.router_balance, QWEN.kv_heads)
+    layout = TrainingLayout.from_fields(values, 256)
+    ours, catalog = estimate(spelled, HARDWARE["h100"], layout), estimate(QWEN, HARDWARE["h100"], layout)
+    assert ours["step_time_s"] == pytest.approx(catalog["step_time_s"], rel=1e-3)
+    assert ours["peak_memory_GB"] == pytest.approx(catalog["peak_memory_GB"], rel=1e-3)
+    assert ours["layout"]["routing_imbalance"] == catalog["layout"]["routing_imbalance"] > 1.5
+
+
 def test_a_configuration_without_precision_or_grouped_gemm_says_what_it_was_costed_as():
     """Megatron trains in FP32 without bf16 / fp16, and Megatron-LM runs the experts one GEMM after
     another without moe_grouped_gemm: neither is costed, so a configuration that leaves them out
