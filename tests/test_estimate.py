@@ -236,13 +236,15 @@ def test_a_model_spelled_out_by_fields_takes_megatrons_defaults_and_its_tokenize
     run that fine-tunes the checkpoint keeps its router's balance; an unset ffn_hidden_size is
     Megatron's 4 x hidden (two thirds of it, to a multiple of 64, with SwiGLU), and the experts are
     as wide unless moe_ffn_hidden_size says otherwise."""
-    from expertrail.plan.architecture import padded_vocab, tokenizer_model_of, unstated_model_fields
+    from expertrail.plan.architecture import padded_vocab, tokenizer_checkpoint, unstated_model_fields
     qwen30 = {"num_layers": 48, "hidden_size": 2048, "num_attention_heads": 32, "num_moe_experts": 128,
               "moe_ffn_hidden_size": 768, "moe_router_topk": 8, "moe_router_load_balancing_type": "aux_loss"}
     named = dict(qwen30, tokenizer_model="Qwen/Qwen3-30B-A3B")
-    assert tokenizer_model_of(named) is ARCHITECTURES["qwen3-30b-a3b"]
-    assert tokenizer_model_of({"tokenizer_model": "Qwen3-Next-80B-A3B-Instruct"}) is ARCHITECTURES["qwen3-next-80b-a3b"]
-    assert tokenizer_model_of({"tokenizer_model": "deepseek-ai/DeepSeek-V2"}) is None
+    assert tokenizer_checkpoint(named) == ("qwen3-30b-a3b", 151936, "global_batch")
+    assert tokenizer_checkpoint({"tokenizer_model": "Qwen3-Next-80B-A3B-Instruct"}).name == "qwen3-next-80b-a3b"
+    assert tokenizer_checkpoint({"tokenizer_model": "deepseek-ai/DeepSeek-V2-Lite"}) == \
+        ("deepseek-v2", 102400, "micro_batch")
+    assert tokenizer_checkpoint({"tokenizer_model": "meta-llama/Llama-2-7b-hf"}) is None
     assert from_fields(None, named).vocab == 151936                     # 1187 x 128
     assert padded_vocab(151936, {"tensor_model_parallel_size": 4}) == 152064          # to 512s
     assert padded_vocab(151669, {"make_vocab_size_divisible_by": 1187, "tensor_model_parallel_size": 2}) == 151936
@@ -263,7 +265,7 @@ def test_a_model_spelled_out_by_fields_takes_megatrons_defaults_and_its_tokenize
     dense.mkdir()
     (dense / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 1024, "vocab_size": 32000,
                                                    "num_hidden_layers": 2, "num_attention_heads": 8}))
-    assert tokenizer_model_of({"tokenizer_model": str(dense)}) is None          # no MoE model to name
+    assert tokenizer_checkpoint({"tokenizer_model": str(dense)}) is None          # no MoE model to name
     # Megatron's widths where the flags leave them out.
     shape = {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "num_moe_experts": 8}
     assert (from_fields(None, dict(shape, swiglu=True)).ffn, from_fields(None, dict(shape, swiglu=True)).moe_ffn) \

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from ..errors import ConfigError
 from .catalog import MoEModel, hf_config, hf_dense_layers
@@ -355,24 +356,43 @@ def _expand_pattern(text: str, name: str = "moe_layer_freq",
 UNSTATED_VOCAB = 32000
 
 
-def tokenizer_model_of(fields: dict) -> Architecture | None:
-    """The model a Megatron-LM configuration's ``tokenizer_model`` names, as its scripts name the
-    checkpoint they train (``Qwen/Qwen3-235B-A22B``, ``unsloth/DeepSeek-V3``,
-    ``Qwen3-Next-80B-A3B-Instruct``): the catalog model whose name begins its last path part, or
-    the MoE model of a Hugging Face model directory's config.json; None where it names neither."""
+class Checkpoint(NamedTuple):
+    """A published checkpoint as far as a configuration that names it needs: its name, its
+    vocabulary (config.json's vocab_size) and how its router was trained to balance."""
+    name: str
+    vocab: int
+    router_balance: str
+
+
+# MoE checkpoints outside the catalog that Megatron-LM scripts train, by the start of their Hugging
+# Face name: their config.json's vocab_size and how their router was trained to balance (DeepSeek-V2,
+# Qwen-MoE and Llama 4 with an auxiliary loss; Moonlight and GLM-4.5 with expert biases).
+OTHER_CHECKPOINTS = {"deepseek-v2": (102400, "micro_batch"), "qwen2-57b-a14b": (151936, "micro_batch"),
+                     "qwen1.5-moe": (151936, "micro_batch"), "moonlight": (163840, "global_batch"),
+                     "glm-4.5": (151552, "global_batch"), "llama-4": (202048, "micro_batch")}
+
+
+def tokenizer_checkpoint(fields: dict) -> Checkpoint | None:
+    """The checkpoint a Megatron-LM configuration's ``tokenizer_model`` names, as its scripts name
+    the checkpoint they train (``Qwen/Qwen3-235B-A22B``, ``unsloth/DeepSeek-V3``,
+    ``Qwen3-Next-80B-A3B-Instruct``, ``deepseek-ai/DeepSeek-V2``): the catalog model or
+    `OTHER_CHECKPOINTS` entry whose name begins its last path part, or the MoE model of a Hugging
+    Face model directory's config.json; None where it names none of them."""
     name = fields.get("tokenizer_model")
     if not isinstance(name, str) or not name.strip():
         return None
     tail = name.rstrip("/").rsplit("/", 1)[-1].lower()
-    for key in sorted(ARCHITECTURES, key=len, reverse=True):       # qwen3-next-80b-a3b before a shorter name
+    known = {**{k: (a.vocab, a.router_balance) for k, a in ARCHITECTURES.items()}, **OTHER_CHECKPOINTS}
+    for key in sorted(known, key=len, reverse=True):          # qwen3-next-80b-a3b before a shorter name
         if tail.startswith(key):
-            return ARCHITECTURES[key]
+            return Checkpoint(key, *known[key])
     path = Path(name)
     if (path / "config.json").is_file():
         try:
-            return from_hf_config(*hf_config(str(path)))
+            arch = from_hf_config(*hf_config(str(path)))
         except ConfigError:                         # a tokenizer directory that holds no MoE model
             return None
+        return Checkpoint(arch.name, arch.vocab, arch.router_balance)
     return None
 
 
@@ -394,7 +414,7 @@ def unstated_model_fields(fields: dict) -> list:
     elsewhere, for the estimate's assumed line: the vocabulary, when no vocab_size is given (its
     tokenizer's model's, else `UNSTATED_VOCAB`), gated MLPs where it does not say, and the
     router's balance of a checkpoint it fine-tunes."""
-    named = tokenizer_model_of(fields)
+    named = tokenizer_checkpoint(fields)
     out = []
     if not any(fields.get(k) for k in ("vocab_size", "padded_vocab_size")):
         out.append(f"vocab_size={padded_vocab(named.vocab, fields)} ({named.name}'s, named by tokenizer_model, padded "
@@ -456,7 +476,7 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
         # Megatron-Core's reading of the deprecated device-limited routing: groups of one EP rank's experts
         given.update(group_topk=limited, num_groups=fields.get("expert_model_parallel_size") or 1)
     if base is None:
-        named = tokenizer_model_of(fields)
+        named = tokenizer_checkpoint(fields)
         if named and "vocab" not in given:
             given["vocab"] = padded_vocab(named.vocab, fields)
         if named and fine_tunes_checkpoint(fields) and "router_balance" not in given:
