@@ -267,6 +267,9 @@ def test_dtypes_written_as_torch_writes_them_read_as_megatrons_short_names(tmp_p
         ("bf16", "fp32", "fp8", "fp16")
     assert validate(cfg) == []
     assert {v.rule for v in validate(load_config(None, ["main_grads_dtype=torch.float16"]))} == {"field-value"}
+    # Bridge's random-token dataset reads as Megatron-LM's --mock-data.
+    path.write_text("dataset:\n  _target_: megatron.bridge.training.config.MockGPTDatasetConfig\n  seq_length: 4096\n")
+    assert load_config(str(path))["mock"] is True
 
 
 def run_cli(capsys, *args):

@@ -231,6 +231,8 @@ def _flatten(data: dict, out: dict) -> dict:
         if isinstance(v, dict) and str(v.get("_target_", "")).startswith("torch.") and v.get("_call_") is False:
             v = v["_target_"]               # Bridge's YAML writes a dtype as an uncalled target: torch.bfloat16
         if isinstance(v, dict):
+            if str(v.get("_target_", "")).endswith(".MockGPTDatasetConfig"):
+                out["mock"] = True          # Bridge's random-token dataset, as Megatron-LM's --mock-data
             _flatten(v, out)
         else:
             key, forced = canonical(str(k))
