@@ -336,6 +336,18 @@ MODEL_ARGS:
     assert ours["layout"]["routing_imbalance"] == catalog["layout"]["routing_imbalance"] > 1.5
 
 
+def test_estimate_names_fields_no_configuration_has(capsys, tmp_path):
+    """A mistyped flag would leave a layout at its default without a word: estimate warns of
+    each field no Megatron or Bridge configuration has, with the closest known name, and lists
+    them in its JSON."""
+    path = tmp_path / "e.json"
+    assert main(["estimate", "--hardware", "h100", "--gpus", "64", "--model", "qwen3-30b-a3b", "--bf16",
+                 "--expert-model-parallel-size", "8", "--tensor-model-paralel-size", "2", "--json", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "unknown field 'tensor_model_paralel_size' (did you mean 'tensor_model_parallel_size'?)" in err
+    assert json.loads(path.read_text())["unknown_fields"] == ["tensor_model_paralel_size"]
+
+
 def test_a_configuration_without_precision_or_grouped_gemm_says_what_it_was_costed_as():
     """Megatron trains in FP32 without bf16 / fp16, and Megatron-LM runs the experts one GEMM after
     another without moe_grouped_gemm: neither is costed, so a configuration that leaves them out

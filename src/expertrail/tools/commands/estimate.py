@@ -65,6 +65,7 @@ def run(args) -> int:
     from ...plan.estimate import estimate, format_estimate
     from ...plan.layout import TrainingLayout
     from ...plan.output import dumps
+    from ...plan.validate import unknown_fields
     arch, hw, values, violations = _estimate_inputs(args, args.config)
     layout = TrainingLayout.from_fields(values, args.gpus)
     if args.routing:
@@ -73,7 +74,15 @@ def run(args) -> int:
         layout = replace(layout, assumed=(*layout.assumed, *unstated_model_fields(values)))
     result = estimate(arch, hw, layout)
     result["violations"] = [v.__dict__ for v in violations]
+    # A field no Megatron or Bridge configuration has (a typo, another launcher's flag) changes
+    # nothing here, and would change nothing in Megatron but an error: said, not passed over.
+    unknown = unknown_fields(values)
+    result["unknown_fields"] = [w["field"] for w in unknown]
     print(format_estimate(result))
+    for w in unknown:
+        close = f" (did you mean {w['closest']!r}?)" if w["closest"] else ""
+        print(f"warning: unknown field {w['field']!r}{close}: no Megatron or Bridge configuration has it, and the "
+              "estimate leaves it out", file=sys.stderr)
     for v in violations:
         print(f"validate: {v.format()}", file=sys.stderr)
     if args.json:
