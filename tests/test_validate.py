@@ -484,3 +484,12 @@ def test_mhc_recompute_needs_hyper_connections():
     assert rules("--enable-mhc-connections") == []
     assert rules("--enable-mhc-connections", "--fine-grained-activation-offloading",
                  "--offload-modules", "moe_act") == ["mhc-recompute"]
+
+
+def test_fields_the_named_model_cannot_take_are_violations_not_errors(capsys):
+    """With --model, a field the model cannot take (a moe_layer_freq pattern of the wrong length,
+    more experts a token than it has) is reported by its rule, exit 1, as without --model."""
+    rc, out, _ = run_cli(capsys, "--model", "deepseek-v3", "--moe-layer-freq", "([0]*3+[1]*57)")
+    assert rc == 1 and "[moe-layer-pattern]" in out and "gives 60 layers, the model has 61" in out
+    rc, out, _ = run_cli(capsys, "--model", "deepseek-v3", "--moe-router-topk", "300")
+    assert rc == 1 and "[topk-within-experts]" in out

@@ -55,9 +55,15 @@ def run(args) -> int:
     if args.gpus is not None:
         values.setdefault("world_size", args.gpus)
     if args.model is not None and not value_violations(values):
+        from ...errors import ConfigError
         from ...plan.architecture import from_fields, load_architecture
         from ...plan.validate import with_model_fields
-        with_model_fields(values, from_fields(load_architecture(args.model), values))
+        base = load_architecture(args.model)
+        try:
+            arch = from_fields(base, values)
+        except ConfigError:         # fields the model cannot take: the rules below name them
+            arch = base
+        with_model_fields(values, arch)
     violations = validate(values)
     warnings = unknown_fields(values)
     failed = bool(violations) or (args.strict and bool(warnings))
