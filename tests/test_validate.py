@@ -493,3 +493,15 @@ def test_fields_the_named_model_cannot_take_are_violations_not_errors(capsys):
     assert rc == 1 and "[moe-layer-pattern]" in out and "gives 60 layers, the model has 61" in out
     rc, out, _ = run_cli(capsys, "--model", "deepseek-v3", "--moe-router-topk", "300")
     assert rc == 1 and "[topk-within-experts]" in out
+
+
+def test_hardware_names_in_any_case_and_bridges_rack_names():
+    """H100 is h100, and Megatron-Bridge's gb200 / gb300 are the NVL72 racks, for every command
+    that takes a system; a name of no system is still refused with the list."""
+    from expertrail.plan.catalog import load_hardware
+    assert load_hardware("H100").name == "h100" and load_hardware("GB200").name == "gb200-nvl72"
+    assert load_hardware("gb300").name == "gb300-nvl72" and load_hardware("GB200-NVL36").name == "gb200-nvl36"
+    assert "mxfp8-needs-blackwell" in {v.rule for v in validate({"hardware": "H100", "fp8": "e4m3",
+                                                                 "fp8_recipe": "mxfp8"})}
+    with pytest.raises(ConfigError, match="choose one of h100"):
+        load_hardware("a100")

@@ -120,10 +120,22 @@ def _check(obj, source: str) -> None:
                               f"and group_topk {obj.group_topk} must be 1..num_groups")
 
 
+# Other spellings of catalog systems: Megatron-Bridge's performance tables and scripts call the
+# NVL72 racks gb200 and gb300.
+HARDWARE_ALIASES = {"gb200": "gb200-nvl72", "gb300": "gb300-nvl72"}
+
+
+def hardware_key(name: str) -> str | None:
+    """The catalog name ``name`` spells (any case, or an alias of `HARDWARE_ALIASES`), or None."""
+    key = HARDWARE_ALIASES.get(str(name).lower(), str(name).lower())
+    return key if key in HARDWARE else None
+
+
 def load_hardware(name_or_file: str) -> Hardware:
-    """A catalog name, or a YAML/JSON file holding one entry (or ``{hardware: [...]}``)."""
-    if name_or_file in HARDWARE:
-        return HARDWARE[name_or_file]
+    """A catalog name (any case; gb200 / gb300 for the NVL72 racks), or a YAML/JSON file holding
+    one entry (or ``{hardware: [...]}``)."""
+    if hardware_key(name_or_file):
+        return HARDWARE[hardware_key(name_or_file)]
     path = Path(name_or_file)
     if not path.is_file():
         raise ConfigError(f"--hardware {name_or_file!r}: " + ("a directory; " if path.is_dir() else "")

@@ -25,7 +25,7 @@ from typing import Callable
 
 from ..errors import ConfigError
 from . import megatron_fields as mf
-from .catalog import HARDWARE, load_hardware, read_mapping
+from .catalog import HARDWARE, hardware_key, load_hardware, read_mapping
 from .architecture import GATED_DELTA_NET, dense_layers_of, width_split_problems
 from .layout import (GRAPH_MODULES_DEFAULTS, expand_layout, layout_text, name_list, pipeline_split_problems,
                      sequence_split_problems, stage_override, vpp_of_stage_layers)
@@ -925,7 +925,7 @@ def validate(values: dict) -> list:
     out = value_violations(values)
     bad = {f for v in out for f in v.fields}
     c = Config({k: v for k, v in values.items() if k not in bad})
-    if c.given("hardware") and str(c["hardware"]) not in HARDWARE and not Path(str(c["hardware"])).is_file():
+    if c.given("hardware") and not hardware_key(c["hardware"]) and not Path(str(c["hardware"])).is_file():
         raise ConfigError(f"hardware={c['hardware']!r}: choose one of {', '.join(HARDWARE)} or give a YAML/JSON file")
     for rule in RULES:
         if bad & set(rule.fields):

@@ -104,8 +104,8 @@ def workload_arguments(p) -> None:
     from ..plan.architecture import MODELS
     from ..plan.catalog import HARDWARE
     p.add_argument("--hardware", required=True, metavar="NAME|FILE",
-                   help=f"GPU system: one of {', '.join(HARDWARE)}, or a YAML/JSON file with the Hardware fields "
-                        "(required)")
+                   help=f"GPU system: one of {', '.join(HARDWARE)} (any case; gb200 and gb300, as Megatron-Bridge "
+                        "names them, are the NVL72 racks), or a YAML/JSON file with the Hardware fields (required)")
     p.add_argument("--model", required=True, metavar="NAME|FILE|DIR",
                    help=f"MoE model: one of {', '.join(MODELS)}, a YAML/JSON file with the MoEModel fields, "
                         "a Hugging Face config.json or model directory (required)")
