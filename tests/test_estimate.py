@@ -336,6 +336,21 @@ MODEL_ARGS:
     assert ours["layout"]["routing_imbalance"] == catalog["layout"]["routing_imbalance"] > 1.5
 
 
+def test_a_catalog_model_by_its_hugging_face_name():
+    """--model takes a catalog model in any case, or by its Hugging Face repository id, a variant's
+    too (Instruct, a version); a name that only begins like one (DeepSeek-V3.2, another attention)
+    is not taken for it."""
+    from expertrail.plan.architecture import load_architecture
+    from expertrail.plan.catalog import load_model
+    assert load_architecture("Qwen/Qwen3-30B-A3B") is ARCHITECTURES["qwen3-30b-a3b"]
+    assert load_architecture("QWEN3-235B-A22B") is QWEN
+    assert load_architecture("moonshotai/Kimi-K2-Instruct") is ARCHITECTURES["kimi-k2"]
+    assert load_architecture("Qwen/Qwen3-Next-80B-A3B-Instruct") is ARCHITECTURES["qwen3-next-80b-a3b"]
+    assert load_model("mistralai/Mixtral-8x7B-v0.1").num_experts == 8
+    with pytest.raises(ConfigError, match="choose one of deepseek-v3"):
+        load_architecture("deepseek-ai/DeepSeek-V3.2-Exp")
+
+
 def test_estimate_names_fields_no_configuration_has(capsys, tmp_path):
     """A mistyped flag would leave a layout at its default without a word: estimate warns of
     each field no Megatron or Bridge configuration has, with the closest known name, and lists

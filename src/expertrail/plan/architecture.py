@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import ConfigError
-from .catalog import MoEModel, hf_config, hf_dense_layers
+from .catalog import MoEModel, catalog_name, hf_config, hf_dense_layers
 from .catalog import from_hf_config as hf_moe_model
 
 
@@ -600,12 +600,14 @@ def hf_linear_attention(cfg: dict) -> dict:
 
 
 def load_architecture(name: str | None) -> Architecture | None:
-    """A catalog name, a Hugging Face config.json, or a Hugging Face model directory (its
-    config.json); None for None (the configuration spells the model out)."""
+    """A catalog name (or a Hugging Face repository id of it, `catalog.catalog_name`), a Hugging
+    Face config.json, or a Hugging Face model directory (its config.json); None for None (the
+    configuration spells the model out)."""
     if name is None:
         return None
-    if name in ARCHITECTURES:
-        return ARCHITECTURES[name]
+    key = name if name in ARCHITECTURES else catalog_name(name, ARCHITECTURES)
+    if key:
+        return ARCHITECTURES[key]
     found = hf_config(name)
     if found is None:
         raise ConfigError(f"--model {name!r}: choose one of {', '.join(ARCHITECTURES)}, a Hugging Face config.json or "

@@ -164,6 +164,20 @@ def hf_config(name_or_file: str) -> tuple[dict, str] | None:
     return None
 
 
+def catalog_name(name: str, names) -> str | None:
+    """The catalog name (one of ``names``) that ``name`` spells: itself in any case, or a Hugging
+    Face repository id of that model or of a variant of it (``Qwen/Qwen3-30B-A3B``,
+    ``moonshotai/Kimi-K2-Instruct``, ``mistralai/Mixtral-8x7B-v0.1``: the name, then ``-``
+    and anything); None for an existing path or a name of no catalog model."""
+    if Path(name).exists():
+        return None
+    tail = str(name).rstrip("/").rsplit("/", 1)[-1].lower()
+    for key in sorted(names, key=len, reverse=True):          # qwen3-next-80b-a3b before a shorter name
+        if tail == key or tail.startswith(key + "-"):
+            return key
+    return None
+
+
 def _models() -> dict:
     """The catalog's MoE models (`architecture.MODELS`: the MoE part of each whole-model shape)."""
     from .architecture import MODELS
@@ -174,8 +188,9 @@ def load_model(name_or_file: str) -> MoEModel:
     """A catalog name, a YAML/JSON file with MoEModel fields, a Hugging Face config.json, or
     a Hugging Face model directory (its config.json)."""
     models = _models()
-    if name_or_file in models:
-        return models[name_or_file]
+    key = name_or_file if name_or_file in models else catalog_name(name_or_file, models)
+    if key:
+        return models[key]
     found = hf_config(name_or_file)
     if found is not None:
         return from_hf_config(*found)
