@@ -487,6 +487,12 @@ def test_plan_fit_ranks_with_the_natural_router_on_request(capsys):
     flags = capsys.readouterr().out.replace("\\\n", " ").split()
     assert main(["estimate", "--hardware", "h100", "--gpus", "32", "--model", "qwen3-30b-a3b", *flags]) == 0
     assert f"step: {slow['step_time_s']:.2f} s" in capsys.readouterr().out
+    # A router's loads as estimate --routing takes them: a hot-expert skew favours a smaller EP still.
+    skewed = search(qwen30, h100, 32, top=1, natural_routing=True, routing="zipf:1.2")[0]
+    assert skewed[1].ep <= slow_layout.ep and skewed[0]["layout"]["routing_imbalance"] > slow["layout"][
+        "routing_imbalance"]
+    assert "--router zipf:1.2" in format_search([skewed], qwen30, h100, 32)
+    assert main([*args[:-1], "bogus"]) == 2 and "--router 'bogus'" in capsys.readouterr().err
 
 
 def test_plan_fit_searches_the_micro_batch(capsys):

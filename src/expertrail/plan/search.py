@@ -115,13 +115,15 @@ def default_global_batch(sequences: int, seq: int) -> int:
 
 def search(arch: Architecture, hw: Hardware, gpus: int, seq: int = 4096, global_batch: int | None = None,
            micro_batch: int | None = None, precision: str = "bf16", top: int = 5,
-           natural_routing: bool = False) -> list:
+           natural_routing: bool = False, routing: str | None = None, expert_loads: tuple | None = None) -> list:
     """Fitting layouts, fastest first: [(estimate, layout)]; ``micro_batch`` fixes the
     micro-batch size (default: each of `micro_batches`, smallest first: a micro-batch that does not
     fit at any recompute ends the layout's larger ones, and each starts from the recompute its
     smaller one needed, as activations only grow with the micro-batch). Each layout is costed with
     the routers forced to balance, as benchmarks run, or with ``natural_routing`` the model's
-    trained router, whose busiest EP rank waits longer at larger EP (`estimate.routing_imbalance`)."""
+    trained router, whose busiest EP rank waits longer at larger EP (`estimate.routing_imbalance`):
+    the calibrated one, or ``routing`` (a `cost.Routing` spec) / ``expert_loads`` (recorded token
+    counts [layers][experts]) as `estimate --routing` takes them."""
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: give the number of GPUs, e.g. --gpus 256")
     backend = default_flex_backend(hw.domain_size)
@@ -136,7 +138,9 @@ def search(arch: Architecture, hw: Hardware, gpus: int, seq: int = 4096, global_
                 continue
             base = TrainingLayout(gpus=gpus, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, seq=seq, micro_batch=mbs,
                                   global_batch=batch, precision=precision, dispatcher="flex", flex_backend=backend,
-                                  ep_overlap=overlap, delay_wgrad=overlap, natural_routing=natural_routing)
+                                  ep_overlap=overlap, delay_wgrad=overlap, natural_routing=natural_routing,
+                                  routing=routing if natural_routing else None,
+                                  expert_loads=expert_loads if natural_routing else None)
             best = _best_fit(arch, hw, base, lightest)
             if best is None:
                 break
@@ -277,8 +281,11 @@ def format_search(found: list, arch: Architecture, hw: Hardware, gpus: int, clos
                    f"full recompute, needs {r['peak_memory_GB']:.0f} GB of {r['usable_memory_GB']:.0f} usable")
         return (f"plan --fit: no layout of {arch.name} fits {gpus} x {hw.name} (every PP, TP, CP, EP, ETP, VPP, "
                 f"micro-batch and recompute choice tried; {why}): more GPUs, or GPUs with more memory")
-    router = ("the model's natural router, its busiest EP rank waited for" if found[0][1].natural_routing
-              else "routers forced to balance; --router natural for the model's trained router")
+    chosen = found[0][1]
+    router = ("routers forced to balance; --router natural for the model's trained router"
+              if not chosen.natural_routing else
+              f"the router's loads of --router {chosen.routing}, its busiest EP rank waited for" if chosen.routing
+              else "the model's natural router, its busiest EP rank waited for")
     lines = [f"plan --fit: {arch.name} on {gpus} x {hw.name}, fastest first (predicted, {router}; "
              "docs/planner.md)", "",
              f"  {'#':>2} {'TP':>3} {'CP':>3} {'PP':>3} {'VPP':>3} {'DP':>4} | {'EP':>4} {'ETP':>3} {'EDP':>4} "

@@ -44,10 +44,12 @@ def add_parser(sub) -> None:
     f.add_argument("--micro-batch", "--micro-batch-size", type=positive_int(1), default=None,
                    help="sequences per micro-batch (default: search 1, 2, 4 and 8, up to 32768 tokens)")
     f.add_argument("--top", type=positive_int(5), default=5, help="layouts to print (default %(default)s)")
-    f.add_argument("--router", choices=("forced", "natural"), default="forced",
+    f.add_argument("--router", default="forced", metavar="forced|natural|SPEC",
                    help="cost each layout with the routers forced to balance, as benchmarks and the published runs "
-                        "do, or with the model's trained router, whose busiest EP rank waits longer at larger EP "
-                        "(docs/cost-model.md, 'Natural routing') (default %(default)s)")
+                        "do; with the model's trained router (natural), whose busiest EP rank waits longer at larger "
+                        "EP (docs/cost-model.md, 'Natural routing'); or with a router's loads as estimate --routing "
+                        "takes them (zipf:<alpha>, uniform, a recorded topk_idx or token counts file) "
+                        "(default %(default)s)")
 
 
 def _run_fit(args) -> int:
@@ -56,11 +58,23 @@ def _run_fit(args) -> int:
     from ...plan.catalog import load_hardware
     from ...plan.output import dumps
     from ...plan.search import emit_layout, format_search, layout_fields, leanest, search
+    from .estimate import _recorded_loads
     if not args.gpus:
         raise ExpertrailError("--fit needs --gpus N, the GPUs of the run, e.g. --gpus 256")
     hw, arch = load_hardware(args.hardware), load_architecture(args.model)
+    spec = None if args.router in ("forced", "natural") else args.router
+    loads = _recorded_loads(spec, arch) if spec else None
+    if spec and loads is None:
+        from ...errors import ConfigError
+        from ...plan.cost import Routing
+        try:                                        # a spec that samples no routing, refused before the search
+            Routing(spec).sample(arch.moe_model(), 8)
+        except ConfigError as err:
+            raise ExpertrailError(f"--router {spec!r}: give forced, natural, or a router's loads as estimate "
+                                  f"--routing takes them ({err})") from None
     found = search(arch, hw, args.gpus, args.seq, args.global_batch, micro_batch=args.micro_batch,
-                   precision=args.precision, top=args.top, natural_routing=args.router == "natural")
+                   precision=args.precision, top=args.top, natural_routing=args.router != "forced",
+                   routing=spec, expert_loads=loads)
     closest = None if found else leanest(arch, hw, args.gpus, args.seq, args.precision)
     if args.emit:
         if not found:
