@@ -1302,3 +1302,52 @@ def test_dispatchers_on_gb200_rank_as_hybrid_eps_blog_publishes(run_id, faster, 
     ratio = tflops(*faster) / tflops(*slower)
     assert ratio > 1
     assert abs(ratio - published) < (0.03 if slower[0] == "alltoall" else 0.10)
+
+
+def _random_flags(rng, arch) -> list:
+    """One random Megatron-LM command line over the knobs that decide whether a layout builds."""
+    pick = rng.choice
+    tp, pp, cp = int(pick([1, 1, 2, 4, 8])), int(pick([1, 2, 4, 8, 16])), int(pick([1, 1, 1, 2, 4]))
+    ep = int(pick([e for e in (1, 2, 4, 8, 16, 32, 64) if arch.experts % e == 0]))
+    flags = ["--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp, "--context-parallel-size", cp,
+             "--expert-model-parallel-size", ep, "--micro-batch-size", pick([1, 2, 4]),
+             "--seq-length", pick([4096, 8192, 32768]), "--global-batch-size", pick([256, 1024, 4096]), "--bf16"]
+    if tp > 1:
+        flags.append("--sequence-parallel")
+    extra = [["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"],
+             ["--num-layers-per-virtual-pipeline-stage", pick([1, 2, 4])],
+             ["--num-virtual-stages-per-pipeline-rank", pick([2, 4])],
+             ["--decoder-first-pipeline-num-layers", pick([2, 4, 6]), "--decoder-last-pipeline-num-layers", pick([2, 4, 6])],
+             ["--expert-tensor-parallel-size", pick([1, 2])], ["--mtp-num-layers", 1],
+             ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", pick(["deepep", "hybridep"])],
+             ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--moe-token-dispatcher-type", "alltoall"],
+             ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1],
+             ["--moe-layer-freq", pick([1, 2, "([0]*3+[1]*58)"])], ["--cpu-offloading", "--cpu-offloading-num-layers", 2]]
+    for i in rng.choice(len(extra), size=3, replace=False):
+        flags += extra[i]
+    return [str(f) for f in flags]
+
+
+def test_validate_and_estimate_agree_on_what_is_valid():
+    """A configuration validate accepts, estimate estimates (it refuses nothing validate lets
+    through), over random layouts of every catalog model on every system; validate refuses the
+    rest with a rule. (Random flags, a fixed seed: 400 configurations, of which a few dozen build.)"""
+    rng = np.random.default_rng(37)
+    built = 0
+    for _ in range(400):
+        name, system = rng.choice(sorted(ARCHITECTURES)), rng.choice(sorted(HARDWARE))
+        gpus = int(rng.choice([16, 64, 256, 1024]))
+        values = load_config(None, _random_flags(rng, ARCHITECTURES[name]))
+        try:
+            arch = from_fields(ARCHITECTURES[name], values)
+        except ConfigError:                     # moe_layer_freq of another model's length: validate's rule too
+            assert "moe-layer-pattern" in {v.rule for v in validate(dict(values, num_layers=ARCHITECTURES[name].layers))}
+            continue
+        from expertrail.plan.validate import with_model_fields
+        with_model_fields(values, arch)
+        if validate(dict(values, hardware=system, world_size=gpus)):
+            continue
+        r = estimate(arch, HARDWARE[system], TrainingLayout.from_fields(values, gpus))
+        assert r["step_time_s"] > 0 and r["peak_memory_GB"] > 0, (name, system, gpus, values)
+        built += 1
+    assert built >= 20
