@@ -351,6 +351,20 @@ def test_a_catalog_model_by_its_hugging_face_name():
         load_architecture("deepseek-ai/DeepSeek-V3.2-Exp")
 
 
+def test_the_runs_gpus_from_gpus_or_the_configurations_world_size(capsys):
+    """--gpus may be left out where the configuration states its world size (world_size, or
+    num_nodes x gpus_per_node, as Bridge's and launchers' configurations do); given both, they
+    must agree; given neither, the error asks for --gpus."""
+    flags = ["estimate", "--hardware", "h100", "--model", "qwen3-30b-a3b", "--expert-model-parallel-size", "8", "--bf16"]
+    assert main([*flags, "num_nodes=16", "gpus_per_node=8"]) == 0
+    assert "on 128 x h100" in capsys.readouterr().out
+    assert main([*flags, "--gpus", "128", "world_size=128"]) == 0
+    capsys.readouterr()
+    assert main([*flags, "--gpus", "64", "world_size=128"]) == 2
+    assert "--gpus 64, but the configuration's world size is 128" in capsys.readouterr().err
+    assert main(flags) == 2 and "--gpus N: give the GPUs of the run" in capsys.readouterr().err
+
+
 def test_estimate_names_fields_no_configuration_has(capsys, tmp_path):
     """A mistyped flag would leave a layout at its default without a word: estimate warns of
     each field no Megatron or Bridge configuration has, with the closest known name, and lists

@@ -12,7 +12,7 @@ def add_parser(sub) -> None:
     from ...plan.architecture import ARCHITECTURES
     p = sub.add_parser(
         "estimate", help="does a training configuration fit; step time, TFLOPS per GPU and the wall it hits",
-        usage="%(prog)s [-h] --hardware NAME --gpus N [--model NAME] [--json PATH] [CONFIG.yaml] "
+        usage="%(prog)s [-h] --hardware NAME [--gpus N] [--model NAME] [--json PATH] [CONFIG.yaml] "
               "[key=value | --megatron-flag [VALUE]] ...",
         description="Reads a Megatron-Core / Megatron-Bridge training configuration (the forms `expertrail validate` "
                     "reads) and predicts memory per GPU on the busiest pipeline rank, the step time, per-GPU TFLOPS "
@@ -32,19 +32,21 @@ def add_parser(sub) -> None:
 
 
 def _fit_arguments(p, architectures) -> None:
-    """--hardware / --gpus / --model, shared by `estimate` and `plan --fit`."""
+    """--hardware / --gpus / --model of `estimate`."""
     p.add_argument("--hardware", required=True, metavar="NAME|FILE", help="GPU system (as for plan)")
-    p.add_argument("--gpus", type=positive_int(256), required=True, help="GPUs of the run")
+    p.add_argument("--gpus", type=positive_int(256), default=None,
+                   help="GPUs of the run (default: the configuration's world_size, or num_nodes x gpus_per_node)")
     p.add_argument("--model", metavar="NAME", default=None,
                    help=f"model shape: one of {', '.join(architectures)}; fields such as num_layers or hidden_size in "
                         "the configuration override it (default: the configuration spells the model out)")
 
 
 def _estimate_inputs(args, config: list) -> tuple:
-    """(architecture, hardware, layout fields, validate violations) from --model and config entries."""
+    """(architecture, hardware, layout fields, validate violations, GPUs) from --model, --gpus and
+    config entries."""
     from ...plan.architecture import from_fields, load_architecture
     from ...plan.catalog import load_hardware
-    from ...plan.validate import config_values, validate, value_violations, with_model_fields
+    from ...plan.validate import Config, config_values, validate, value_violations, with_model_fields
     values = config_values(config)
     # A value of the wrong kind (moe_ffn_hidden_size=2k) is refused as validate refuses it,
     # before the estimator would compute with it.
@@ -52,11 +54,23 @@ def _estimate_inputs(args, config: list) -> tuple:
     if wrong:
         raise ExpertrailError("\n".join(v.format() for v in wrong))
     hw = load_hardware(args.hardware)
+    gpus = _gpus(args.gpus, Config(values).world)
     arch = from_fields(load_architecture(args.model), values)
     with_model_fields(values, arch)
     checked = dict(values, hardware=hw.name if not args.hardware.endswith((".yaml", ".yml", ".json")) else args.hardware,
-                   world_size=args.gpus)
-    return arch, hw, values, validate(checked)
+                   world_size=gpus)
+    return arch, hw, values, validate(checked), gpus
+
+
+def _gpus(given: int | None, stated: int | None) -> int:
+    """The run's GPUs: --gpus, or the configuration's world size; both, only where they agree."""
+    if given is None and stated is None:
+        raise ExpertrailError("--gpus N: give the GPUs of the run (the configuration states no world_size or "
+                              "num_nodes x gpus_per_node), e.g. --gpus 256")
+    if given is not None and stated is not None and given != stated:
+        raise ExpertrailError(f"--gpus {given}, but the configuration's world size is {stated} (world_size, or "
+                              "num_nodes x gpus_per_node): give one of them, or make them agree")
+    return given or stated
 
 
 def run(args) -> int:
@@ -66,8 +80,8 @@ def run(args) -> int:
     from ...plan.layout import TrainingLayout
     from ...plan.output import dumps
     from ...plan.validate import unknown_fields
-    arch, hw, values, violations = _estimate_inputs(args, args.config)
-    layout = TrainingLayout.from_fields(values, args.gpus)
+    arch, hw, values, violations, gpus = _estimate_inputs(args, args.config)
+    layout = TrainingLayout.from_fields(values, gpus)
     if args.routing:
         layout = replace(layout, routing=args.routing, expert_loads=_recorded_loads(args.routing, arch))
     if args.model is None:
