@@ -505,3 +505,20 @@ def test_hardware_names_in_any_case_and_bridges_rack_names():
                                                                  "fp8_recipe": "mxfp8"})}
     with pytest.raises(ConfigError, match="choose one of h100"):
         load_hardware("a100")
+
+
+def test_bridges_performance_script_flags_read_as_the_fields_they_set():
+    """A layout pasted from Megatron-Bridge's performance scripts (-tp 1 -pp 4 -ep 64 -vp 4 -mb 1
+    -gb 4096 -ng 256 -c fp8_mx --moe_a2a_overlap true) reads as the fields those scripts set:
+    the parallel sizes, the world size, the mixed-precision recipe their compute dtype picks
+    (fp8_cs without BF16 first and last layers) and EP overlap with delayed weight gradients."""
+    cfg = load_config(None, ["-tp", "1", "-pp", "4", "-ep", "64", "-vp", "4", "-mb", "1", "-gb", "4096", "-ng", "256",
+                             "-sl", "4096", "-c", "fp8_mx", "--moe_a2a_overlap", "true"])
+    assert (cfg["tensor_model_parallel_size"], cfg["pipeline_model_parallel_size"], cfg["expert_model_parallel_size"],
+            cfg["virtual_pipeline_model_parallel_size"], cfg["world_size"]) == (1, 4, 64, 4, 256)
+    assert (cfg["fp8_recipe"], cfg["overlap_moe_expert_parallel_comm"], cfg["delay_wgrad_compute"]) == \
+        ("mxfp8", True, True)
+    assert not unknown_fields(cfg)
+    current = load_config(None, ["-c", "fp8_cs"])
+    assert current["fp8_recipe"] == "tensorwise" and current["first_last_layers_bf16"] is False
+    assert {v.rule for v in validate(load_config(None, ["-c", "fp9"]))} == {"field-value"}

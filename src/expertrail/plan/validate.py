@@ -62,6 +62,19 @@ PRECISION_RECIPES = {
     "bf16_with_nvfp4_mixed": {**_BF16, **_NVFP4},
 }
 
+# Megatron-Bridge's performance scripts (scripts/performance/argument_parser.py) spell a layout with
+# short flags (-tp 2 -ep 32 -mb 1 -gb 4096 -ng 256) and the precision as a compute dtype
+# (-c fp8_mx), which is the mixed-precision recipe their utils/precision.py picks; EP overlap as
+# --moe_a2a_overlap (`expand_bridge_names` expands both).
+PERF_SCRIPT_FLAGS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+                     "cp": "context_parallel_size", "vp": "virtual_pipeline_model_parallel_size",
+                     "ep": "expert_model_parallel_size", "et": "expert_tensor_parallel_size",
+                     "mb": "micro_batch_size", "gb": "global_batch_size", "sl": "seq_length",
+                     "ng": "world_size", "num_gpus": "world_size", "gn": "gpus_per_node", "c": "compute_dtype"}
+COMPUTE_DTYPES = {"bf16": "bf16_mixed", "fp8_cs": "bf16_with_fp8_current_scaling_mixed",
+                  "fp8_mx": "bf16_with_mxfp8_mixed", "fp8_sc": "bf16_with_fp8_subchannel_scaling_mixed",
+                  "nvfp4": "bf16_with_nvfp4_mixed"}
+
 # The model `--model` named (`with_model_fields`): its attention is then known, stated or not.
 MODEL_FIELD = "expertrail_model"
 # Fields the rules read that are expertrail's, not Megatron's.
@@ -78,6 +91,8 @@ def _kinds() -> dict:
     kinds.update((n.lower(), ("list_choice", c)) for n, c in mf.LIST_CHOICES.items())
     kinds.update(EXPERTRAIL_FIELDS)
     kinds["mixed_precision"] = ("choice", [n for r in PRECISION_RECIPES for n in (r, r.replace("_", "-"))])
+    kinds["compute_dtype"] = ("choice", list(COMPUTE_DTYPES))
+    kinds["moe_a2a_overlap"] = "bool"
     return kinds
 
 
@@ -130,6 +145,8 @@ def canonical(name: str) -> tuple:
         return key, None
     if key in FLAG_ALIASES:
         return FLAG_ALIASES[key]
+    if key in PERF_SCRIPT_FLAGS:
+        return PERF_SCRIPT_FLAGS[key], None
     for prefix in ("no_", "disable_"):
         if key.startswith(prefix) and KINDS.get(key[len(prefix):]) == "bool":
             return key[len(prefix):], False
@@ -263,8 +280,9 @@ def read_file(source: str) -> dict:
 
 def load_config(source: str | None = None, overrides: list | None = None) -> dict:
     """Flat config from a YAML/JSON file (optional) plus command-line entries (`split_arguments`:
-    ``key=value``, ``--flag value``, ``--flag=value``, ``--switch``), a Bridge mixed-precision
-    recipe name expanded (`expand_precision_recipe`), a list-of-stages pipeline layout as its string."""
+    ``key=value``, ``--flag value``, ``--flag=value``, ``--switch``), Bridge's recipe and
+    performance-script names expanded (`expand_bridge_names`), a list-of-stages pipeline layout
+    as its string."""
     cfg = read_file(source) if source is not None else {}
     files, pairs = split_arguments(list(overrides or []))
     if files:
@@ -291,19 +309,31 @@ def config_values(tokens: list) -> dict:
 
 
 def _normalized(values: dict) -> dict:
-    """``values`` with a Bridge mixed-precision recipe name expanded (`expand_precision_recipe`)
-    and a pipeline layout given as a list of stages written as its string (`layout.layout_text`)."""
-    values = expand_precision_recipe(values)
+    """``values`` with Bridge's recipe and performance-script names expanded (`expand_bridge_names`),
+    torch's dtype names as Megatron-LM's (`_short_dtype`) and a pipeline layout given as a list
+    of stages written as its string (`layout.layout_text`)."""
+    values = expand_bridge_names(values)
     values = {k: _short_dtype(k, v) for k, v in values.items()}
     if isinstance(values.get("pipeline_model_parallel_layout"), (list, tuple)):
         values = dict(values, pipeline_model_parallel_layout=layout_text(values["pipeline_model_parallel_layout"]))
     return values
 
 
-def expand_precision_recipe(values: dict) -> dict:
+def expand_bridge_names(values: dict) -> dict:
     """``mixed_precision: bf16_with_mxfp8_mixed`` (Megatron-Bridge names a mixed-precision recipe
     this way, in YAML or as an override) -> the fields that recipe sets, beside ``values``'s own
-    (which win where both give one). Other values are returned as they are."""
+    (which win where both give one); Bridge's performance scripts' ``compute_dtype`` as the recipe
+    they pick for it (fp8_cs without its BF16 first and last layers, as they set it), and their
+    ``moe_a2a_overlap`` as EP overlap with delayed weight gradients. Other values are returned as
+    they are."""
+    if values.get("moe_a2a_overlap"):        # as their overrides.py sets it
+        values = {"overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": True,
+                  "moe_shared_expert_overlap": False, **values}
+    dtype = values.get("compute_dtype")
+    if dtype in COMPUTE_DTYPES and not values.get("mixed_precision"):
+        values = dict(values, mixed_precision=COMPUTE_DTYPES[dtype])
+        if dtype == "fp8_cs":
+            values.setdefault("first_last_layers_bf16", False)
     name = values.get("mixed_precision")
     if not isinstance(name, str):
         return values
