@@ -70,7 +70,8 @@ PERF_SCRIPT_FLAGS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_p
                      "cp": "context_parallel_size", "vp": "virtual_pipeline_model_parallel_size",
                      "ep": "expert_model_parallel_size", "et": "expert_tensor_parallel_size",
                      "mb": "micro_batch_size", "gb": "global_batch_size", "sl": "seq_length",
-                     "ng": "world_size", "num_gpus": "world_size", "gn": "gpus_per_node", "c": "compute_dtype"}
+                     "ng": "world_size", "num_gpus": "world_size", "gn": "gpus_per_node", "c": "compute_dtype",
+                     "g": "hardware", "gpu": "hardware", "m": "model_family_name", "mr": "model_recipe_name"}
 COMPUTE_DTYPES = {"bf16": "bf16_mixed", "fp8_cs": "bf16_with_fp8_current_scaling_mixed",
                   "fp8_mx": "bf16_with_mxfp8_mixed", "fp8_sc": "bf16_with_fp8_subchannel_scaling_mixed",
                   "nvfp4": "bf16_with_nvfp4_mixed"}
@@ -79,7 +80,8 @@ COMPUTE_DTYPES = {"bf16": "bf16_mixed", "fp8_cs": "bf16_with_fp8_current_scaling
 MODEL_FIELD = "expertrail_model"
 # Fields the rules read that are expertrail's, not Megatron's.
 EXPERTRAIL_FIELDS = {"hardware": "str", "world_size": "int", "num_nodes": "int", "gpus_per_node": "int",
-                     "torch_version": "str", DOMAIN_FIELD: "int", "data_parallel_size": "int", MODEL_FIELD: "str"}
+                     "torch_version": "str", DOMAIN_FIELD: "int", "data_parallel_size": "int", MODEL_FIELD: "str",
+                     "model_family_name": "str", "model_recipe_name": "str"}
 
 
 def _kinds() -> dict:

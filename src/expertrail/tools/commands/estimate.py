@@ -12,7 +12,7 @@ def add_parser(sub) -> None:
     from ...plan.architecture import ARCHITECTURES
     p = sub.add_parser(
         "estimate", help="does a training configuration fit; step time, TFLOPS per GPU and the wall it hits",
-        usage="%(prog)s [-h] --hardware NAME [--gpus N] [--model NAME] [--json PATH] [CONFIG.yaml] "
+        usage="%(prog)s [-h] [--hardware NAME] [--gpus N] [--model NAME] [--json PATH] [CONFIG.yaml] "
               "[key=value | --megatron-flag [VALUE]] ...",
         description="Reads a Megatron-Core / Megatron-Bridge training configuration (the forms `expertrail validate` "
                     "reads) and predicts memory per GPU on the busiest pipeline rank, the step time, per-GPU TFLOPS "
@@ -33,12 +33,14 @@ def add_parser(sub) -> None:
 
 def _fit_arguments(p, architectures) -> None:
     """--hardware / --gpus / --model of `estimate`."""
-    p.add_argument("--hardware", required=True, metavar="NAME|FILE", help="GPU system (as for plan)")
+    p.add_argument("--hardware", metavar="NAME|FILE", default=None,
+                   help="GPU system (as for plan; default: the configuration's hardware, Bridge's -g)")
     p.add_argument("--gpus", type=positive_int(256), default=None,
                    help="GPUs of the run (default: the configuration's world_size, or num_nodes x gpus_per_node)")
     p.add_argument("--model", metavar="NAME", default=None,
                    help=f"model shape: one of {', '.join(architectures)}; fields such as num_layers or hidden_size in "
-                        "the configuration override it (default: the configuration spells the model out)")
+                        "the configuration override it (default: the model of Bridge's -mr recipe name, else the "
+                        "configuration spells the model out)")
 
 
 def _estimate_inputs(args, config: list) -> tuple:
@@ -53,13 +55,40 @@ def _estimate_inputs(args, config: list) -> tuple:
     wrong = value_violations(values)
     if wrong:
         raise ExpertrailError("\n".join(v.format() for v in wrong))
-    hw = load_hardware(args.hardware)
+    hardware = _one("--hardware", args.hardware, "hardware", values.get("hardware"))
+    if hardware is None:
+        raise ExpertrailError("--hardware NAME: give the GPU system of the run, e.g. --hardware h100")
+    hw = load_hardware(hardware)
     gpus = _gpus(args.gpus, Config(values).world)
-    arch = from_fields(load_architecture(args.model), values)
+    arch = from_fields(load_architecture(args.model or _recipe_model(values)), values)
     with_model_fields(values, arch)
-    checked = dict(values, hardware=hw.name if not args.hardware.endswith((".yaml", ".yml", ".json")) else args.hardware,
+    checked = dict(values, hardware=hw.name if not hardware.endswith((".yaml", ".yml", ".json")) else hardware,
                    world_size=gpus)
     return arch, hw, values, validate(checked), gpus
+
+
+def _one(flag: str, given, field: str, stated):
+    """A setting given both as an option and in the configuration must be the same system."""
+    from ...plan.catalog import hardware_key
+    if given is not None and stated is not None and (hardware_key(given) or given) != (hardware_key(stated) or stated):
+        raise ExpertrailError(f"{flag} {given}, but the configuration's {field} is {stated}: give one of them, or "
+                              "make them agree")
+    return given if given is not None else stated
+
+
+def _recipe_model(values: dict) -> str | None:
+    """The catalog model of Megatron-Bridge's performance-script recipe name (-mr qwen3_235b_a22b),
+    or None where the configuration names none."""
+    from ...plan.architecture import ARCHITECTURES
+    from ...plan.catalog import catalog_name
+    name = values.get("model_recipe_name")
+    if not name:
+        return None
+    key = catalog_name(str(name).replace("_", "-"), ARCHITECTURES)
+    if key is None:
+        raise ExpertrailError(f"-mr {name}: a Megatron-Bridge recipe of no catalog model: give --model (one of "
+                              f"{', '.join(ARCHITECTURES)}, or a Hugging Face config.json or model directory)")
+    return key
 
 
 def _gpus(given: int | None, stated: int | None) -> int:
@@ -84,8 +113,12 @@ def run(args) -> int:
     layout = TrainingLayout.from_fields(values, gpus)
     if args.routing:
         layout = replace(layout, routing=args.routing, expert_loads=_recorded_loads(args.routing, arch))
-    if args.model is None:
+    if args.model is None and not values.get("model_recipe_name"):
         layout = replace(layout, assumed=(*layout.assumed, *unstated_model_fields(values)))
+    if values.get("model_recipe_name"):
+        layout = replace(layout, assumed=(*layout.assumed, f"-mr {values['model_recipe_name']} names a Megatron-Bridge "
+                                          "performance recipe, whose own settings (dispatcher, recompute, CUDA graphs, "
+                                          "...) are not read here: give them as fields"))
     result = estimate(arch, hw, layout)
     result["violations"] = [v.__dict__ for v in violations]
     # A field no Megatron or Bridge configuration has (a typo, another launcher's flag) changes
