@@ -522,3 +522,10 @@ def test_bridges_performance_script_flags_read_as_the_fields_they_set():
     current = load_config(None, ["-c", "fp8_cs"])
     assert current["fp8_recipe"] == "tensorwise" and current["first_last_layers_bf16"] is False
     assert {v.rule for v in validate(load_config(None, ["-c", "fp9"]))} == {"field-value"}
+
+
+def test_a_bridge_performance_script_recipe_names_the_model_validate_checks(capsys):
+    """Bridge's -mr names the model for validate as for estimate: DeepSeek-V3's 61 layers are
+    checked against the pipeline split the command asks for."""
+    rc, out, _ = run_cli(capsys, "-mr", "deepseek_v3", "-g", "gb200", "-ng", "64", "-pp", "8", "-vp", "3", "-ep", "8")
+    assert rc == 1 and "[pipeline-split]" in out and "num_layers=61" in out

@@ -54,11 +54,15 @@ def run(args) -> int:
     values = config_values(args.config)
     if args.gpus is not None:
         values.setdefault("world_size", args.gpus)
-    if args.model is not None and not value_violations(values):
+    model = args.model
+    if model is None and values.get("model_recipe_name"):
+        from .estimate import _recipe_model
+        model = _recipe_model(values)          # Megatron-Bridge's -mr, as estimate reads it
+    if model is not None and not value_violations(values):
         from ...errors import ConfigError
         from ...plan.architecture import from_fields, load_architecture
         from ...plan.validate import with_model_fields
-        base = load_architecture(args.model)
+        base = load_architecture(model)
         try:
             arch = from_fields(base, values)
         except ConfigError:         # fields the model cannot take: the rules below name them
