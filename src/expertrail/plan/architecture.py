@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import ConfigError
-from .catalog import MoEModel, catalog_name, hf_config, hf_dense_layers
+from .catalog import MoEModel, catalog_name, hf_config, hf_dense_layers, leading_name
 from .catalog import from_hf_config as hf_moe_model
 
 
@@ -381,11 +381,10 @@ def tokenizer_checkpoint(fields: dict) -> Checkpoint | None:
     name = fields.get("tokenizer_model")
     if not isinstance(name, str) or not name.strip():
         return None
-    tail = name.rstrip("/").rsplit("/", 1)[-1].lower()
     known = {**{k: (a.vocab, a.router_balance) for k, a in ARCHITECTURES.items()}, **OTHER_CHECKPOINTS}
-    for key in sorted(known, key=len, reverse=True):          # qwen3-next-80b-a3b before a shorter name
-        if tail.startswith(key):
-            return Checkpoint(key, *known[key])
+    key = leading_name(name, known, joiner="")      # DeepSeek-V3.2's vocabulary is DeepSeek-V3's too
+    if key:
+        return Checkpoint(key, *known[key])
     path = Path(name)
     if (path / "config.json").is_file():
         try:
@@ -481,8 +480,9 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
             given["vocab"] = padded_vocab(named.vocab, fields)
         if named and fine_tunes_checkpoint(fields) and "router_balance" not in given:
             given["router_balance"] = named.router_balance
-        if "ffn" not in given and megatron_ffn_default(fields):
-            given["ffn"] = megatron_ffn_default(fields)
+        default_ffn = megatron_ffn_default(fields)
+        if "ffn" not in given and default_ffn:
+            given["ffn"] = default_ffn
         if "moe_ffn" not in given and "ffn" in given:
             given["moe_ffn"] = given["ffn"]      # Megatron's default: the experts as wide as ffn_hidden_size
     if base is None:

@@ -164,18 +164,23 @@ def hf_config(name_or_file: str) -> tuple[dict, str] | None:
     return None
 
 
+def leading_name(name: str, names, joiner: str = "-") -> str | None:
+    """The longest of ``names`` that begins the last path part of ``name`` (a Hugging Face
+    repository id: ``Qwen/Qwen3-30B-A3B-Instruct``), in any case, followed by nothing or by
+    ``joiner`` ("-": a variant of that model; "": any name that begins so); None for none."""
+    tail = str(name).rstrip("/").rsplit("/", 1)[-1].lower()
+    for key in sorted(names, key=len, reverse=True):          # qwen3-next-80b-a3b before a shorter name
+        if tail == key or tail.startswith(key + joiner):
+            return key
+    return None
+
+
 def catalog_name(name: str, names) -> str | None:
     """The catalog name (one of ``names``) that ``name`` spells: itself in any case, or a Hugging
     Face repository id of that model or of a variant of it (``Qwen/Qwen3-30B-A3B``,
     ``moonshotai/Kimi-K2-Instruct``, ``mistralai/Mixtral-8x7B-v0.1``: the name, then ``-``
     and anything); None for an existing path or a name of no catalog model."""
-    if Path(name).exists():
-        return None
-    tail = str(name).rstrip("/").rsplit("/", 1)[-1].lower()
-    for key in sorted(names, key=len, reverse=True):          # qwen3-next-80b-a3b before a shorter name
-        if tail == key or tail.startswith(key + "-"):
-            return key
-    return None
+    return None if Path(name).exists() else leading_name(name, names)
 
 
 def _models() -> dict:
