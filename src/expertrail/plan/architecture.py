@@ -599,6 +599,20 @@ def hf_linear_attention(cfg: dict) -> dict:
                 linear_conv=cfg.get("linear_conv_kernel_dim") or 4)
 
 
+def recipe_model(values: dict) -> str | None:
+    """The catalog model Megatron-Bridge's performance-script recipe name names
+    (``model_recipe_name``, its -mr: qwen3_235b_a22b), or None where the configuration names
+    none; a recipe of no catalog model is refused, asking for --model."""
+    name = values.get("model_recipe_name")
+    if not name:
+        return None
+    key = catalog_name(str(name).replace("_", "-"), ARCHITECTURES)
+    if key is None:
+        raise ConfigError(f"-mr {name}: a Megatron-Bridge recipe of no catalog model: give --model (one of "
+                          f"{', '.join(ARCHITECTURES)}, or a Hugging Face config.json or model directory)")
+    return key
+
+
 def load_architecture(name: str | None) -> Architecture | None:
     """A catalog name (or a Hugging Face repository id of it, `catalog.catalog_name`), a Hugging
     Face config.json, or a Hugging Face model directory (its config.json); None for None (the

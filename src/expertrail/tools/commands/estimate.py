@@ -46,7 +46,7 @@ def _fit_arguments(p, architectures) -> None:
 def _estimate_inputs(args, config: list) -> tuple:
     """(architecture, hardware, layout fields, validate violations, GPUs) from --model, --gpus and
     config entries."""
-    from ...plan.architecture import from_fields, load_architecture
+    from ...plan.architecture import from_fields, load_architecture, recipe_model
     from ...plan.catalog import load_hardware
     from ...plan.validate import Config, config_values, validate, value_violations, with_model_fields
     values = config_values(config)
@@ -55,40 +55,26 @@ def _estimate_inputs(args, config: list) -> tuple:
     wrong = value_violations(values)
     if wrong:
         raise ExpertrailError("\n".join(v.format() for v in wrong))
-    hardware = _one("--hardware", args.hardware, "hardware", values.get("hardware"))
-    if hardware is None:
-        raise ExpertrailError("--hardware NAME: give the GPU system of the run, e.g. --hardware h100")
+    hardware = _hardware(args.hardware, values.get("hardware"))
     hw = load_hardware(hardware)
     gpus = _gpus(args.gpus, Config(values).world)
-    arch = from_fields(load_architecture(args.model or _recipe_model(values)), values)
+    arch = from_fields(load_architecture(args.model or recipe_model(values)), values)
     with_model_fields(values, arch)
     checked = dict(values, hardware=hw.name if not hardware.endswith((".yaml", ".yml", ".json")) else hardware,
                    world_size=gpus)
     return arch, hw, values, validate(checked), gpus
 
 
-def _one(flag: str, given, field: str, stated):
-    """A setting given both as an option and in the configuration must be the same system."""
+def _hardware(given: str | None, stated: str | None) -> str:
+    """The run's system: --hardware, or the configuration's hardware (Bridge's -g); both, only
+    where they name one system."""
     from ...plan.catalog import hardware_key
+    if given is None and stated is None:
+        raise ExpertrailError("--hardware NAME: give the GPU system of the run, e.g. --hardware h100")
     if given is not None and stated is not None and (hardware_key(given) or given) != (hardware_key(stated) or stated):
-        raise ExpertrailError(f"{flag} {given}, but the configuration's {field} is {stated}: give one of them, or "
-                              "make them agree")
+        raise ExpertrailError(f"--hardware {given}, but the configuration's hardware is {stated}: give one of them, "
+                              "or make them agree")
     return given if given is not None else stated
-
-
-def _recipe_model(values: dict) -> str | None:
-    """The catalog model of Megatron-Bridge's performance-script recipe name (-mr qwen3_235b_a22b),
-    or None where the configuration names none."""
-    from ...plan.architecture import ARCHITECTURES
-    from ...plan.catalog import catalog_name
-    name = values.get("model_recipe_name")
-    if not name:
-        return None
-    key = catalog_name(str(name).replace("_", "-"), ARCHITECTURES)
-    if key is None:
-        raise ExpertrailError(f"-mr {name}: a Megatron-Bridge recipe of no catalog model: give --model (one of "
-                              f"{', '.join(ARCHITECTURES)}, or a Hugging Face config.json or model directory)")
-    return key
 
 
 def _gpus(given: int | None, stated: int | None) -> int:

@@ -54,10 +54,8 @@ def run(args) -> int:
     values = config_values(args.config)
     if args.gpus is not None:
         values.setdefault("world_size", args.gpus)
-    model = args.model
-    if model is None and values.get("model_recipe_name"):
-        from .estimate import _recipe_model
-        model = _recipe_model(values)          # Megatron-Bridge's -mr, as estimate reads it
+    from ...plan.architecture import recipe_model
+    model = args.model or recipe_model(values)          # Megatron-Bridge's -mr, as estimate reads it
     if model is not None and not value_violations(values):
         from ...errors import ConfigError
         from ...plan.architecture import from_fields, load_architecture
