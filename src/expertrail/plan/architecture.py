@@ -600,17 +600,24 @@ def hf_linear_attention(cfg: dict) -> dict:
 
 
 def recipe_model(values: dict) -> str | None:
-    """The catalog model Megatron-Bridge's performance-script recipe name names
-    (``model_recipe_name``, its -mr: qwen3_235b_a22b), or None where the configuration names
-    none; a recipe of no catalog model is refused, asking for --model."""
-    name = values.get("model_recipe_name")
-    if not name:
-        return None
-    key = catalog_name(str(name).replace("_", "-"), ARCHITECTURES)
-    if key is None:
-        raise ConfigError(f"-mr {name}: a Megatron-Bridge recipe of no catalog model: give --model (one of "
-                          f"{', '.join(ARCHITECTURES)}, or a Hugging Face config.json or model directory)")
-    return key
+    """The catalog model a launcher names: Megatron-Bridge's performance-script recipe
+    (``model_recipe_name``, its -mr: qwen3_235b_a22b) or a Megatron-MoE-ModelZoo launch's MODEL
+    whose model file is not at hand (``modelzoo_model``: Qwen3-235B-A22B); None where the
+    configuration names none. A name of no catalog model is refused, asking for --model."""
+    for field, said in (("model_recipe_name", "-mr {}: a Megatron-Bridge recipe"),
+                        ("modelzoo_model", "MODEL={}: its ModelZoo model file not found beside the launch "
+                                           "script, and a model")):
+        name = values.get(field)
+        if not name:
+            continue
+        # A ModelZoo name is a catalog name or another model (DeepSeek-V3-Proxy is not DeepSeek-V3).
+        key = catalog_name(str(name).replace("_", "-"), ARCHITECTURES) if field == "model_recipe_name" else \
+            str(name).lower() if str(name).lower() in ARCHITECTURES else None
+        if key is None:
+            raise ConfigError(f"{said.format(name)} of no catalog model: give --model (one of "
+                              f"{', '.join(ARCHITECTURES)}, or a Hugging Face config.json or model directory)")
+        return key
+    return None
 
 
 def load_architecture(name: str | None) -> Architecture | None:

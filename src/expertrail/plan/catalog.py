@@ -39,6 +39,9 @@ class Hardware:
     # the communication, so catalog entries leave them out.
     local_copy_GBps: float | None = None
     local_reduce_GBps: float | None = None
+    # GPUs one node holds, for a run sized in nodes (a launcher's NNODES): 8 on a DGX / HGX node,
+    # 4 on a Grace-Blackwell rack's compute tray.
+    node_gpus: int = 8
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,9 @@ HARDWARE = {h.name: h for h in [
     Hardware("h800", 8, 160, 50, 132, 80, 3.35, 989, 1979, "hopper"),
     Hardware("b200", 8, 900, 50, 148, 180, 8.0, 2250, 4500, "blackwell"),
     Hardware("b300", 8, 900, 100, 148, 288, 8.0, 2250, 4500, "blackwell"),
-    Hardware("gb200-nvl72", 72, 900, 50, 148, 186, 8.0, 2500, 5000, "blackwell"),
-    Hardware("gb300-nvl72", 72, 900, 100, 148, 288, 8.0, 2500, 5000, "blackwell"),
-    Hardware("gb200-nvl36", 36, 900, 50, 148, 186, 8.0, 2500, 5000, "blackwell"),
+    Hardware("gb200-nvl72", 72, 900, 50, 148, 186, 8.0, 2500, 5000, "blackwell", node_gpus=4),
+    Hardware("gb300-nvl72", 72, 900, 100, 148, 288, 8.0, 2500, 5000, "blackwell", node_gpus=4),
+    Hardware("gb200-nvl36", 36, 900, 50, 148, 186, 8.0, 2500, 5000, "blackwell", node_gpus=4),
 ]}
 
 def read_mapping(path: Path, what: str) -> dict:

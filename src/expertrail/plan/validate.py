@@ -30,6 +30,7 @@ from .architecture import GATED_DELTA_NET, dense_layers_of, width_split_problems
 from .layout import (GRAPH_MODULES_DEFAULTS, expand_layout, layout_text, name_list, pipeline_split_problems,
                      sequence_split_problems, stage_override, vpp_of_stage_layers)
 from .simulate import domain_for
+from .modelzoo import launch_arguments
 
 FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
 DOMAIN_FIELD = "num_of_hybrid_ep_ranks_per_nvlink_domain"
@@ -81,7 +82,7 @@ MODEL_FIELD = "expertrail_model"
 # Fields the rules read that are expertrail's, not Megatron's.
 EXPERTRAIL_FIELDS = {"hardware": "str", "world_size": "int", "num_nodes": "int", "gpus_per_node": "int",
                      "torch_version": "str", DOMAIN_FIELD: "int", "data_parallel_size": "int", MODEL_FIELD: "str",
-                     "model_family_name": "str", "model_recipe_name": "str"}
+                     "model_family_name": "str", "model_recipe_name": "str", "modelzoo_model": "str"}
 
 
 def _kinds() -> dict:
@@ -180,8 +181,10 @@ def split_arguments(tokens: list) -> tuple:
     takes no value (``true`` / ``false`` after one is read as its value). A list field
     (``--moe-router-load-balancing-type aux_loss``) takes every value up to the next flag. A
     lone ``\\`` (a line continuation split by the shell) is skipped; any other bare word is a
-    config file."""
+    config file. A Megatron-MoE-ModelZoo launch (``PR=mxfp8 TP=1 ... bash sbatch_benchmarking.sh
+    --flag ...``) is read as the arguments it starts its run with (`modelzoo.launch_arguments`)."""
     files, pairs = [], []
+    tokens = launch_arguments(tokens)
     i = 0
     while i < len(tokens):
         tok = str(tokens[i]).strip()
@@ -429,6 +432,8 @@ class Config:
             return int(self["world_size"])
         if self.given("num_nodes") and self.given("gpus_per_node"):
             return int(self["num_nodes"]) * int(self["gpus_per_node"])
+        if self.given("num_nodes") and self.given("hardware"):     # nodes of the system's own size
+            return int(self["num_nodes"]) * self.hardware.node_gpus
         return None
 
     @property

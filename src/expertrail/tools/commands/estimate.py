@@ -36,7 +36,8 @@ def _fit_arguments(p, architectures) -> None:
     p.add_argument("--hardware", metavar="NAME|FILE", default=None,
                    help="GPU system (as for plan; default: the configuration's hardware, Bridge's -g)")
     p.add_argument("--gpus", type=positive_int(256), default=None,
-                   help="GPUs of the run (default: the configuration's world_size, or num_nodes x gpus_per_node)")
+                   help="GPUs of the run (default: the configuration's world_size, or num_nodes x gpus_per_node, "
+                        "a node of the system's size where it gives no gpus_per_node)")
     p.add_argument("--model", metavar="NAME", default=None,
                    help=f"model shape: one of {', '.join(architectures)}; fields such as num_layers or hidden_size in "
                         "the configuration override it (default: the model of Bridge's -mr recipe name, else the "
@@ -57,7 +58,7 @@ def _estimate_inputs(args, config: list) -> tuple:
         raise ExpertrailError("\n".join(v.format() for v in wrong))
     hardware = _hardware(args.hardware, values.get("hardware"))
     hw = load_hardware(hardware)
-    gpus = _gpus(args.gpus, Config(values).world)
+    gpus = _gpus(args.gpus, Config(dict(values, hardware=hardware)).world)
     arch = from_fields(load_architecture(args.model or recipe_model(values)), values)
     with_model_fields(values, arch)
     checked = dict(values, hardware=hw.name if not hardware.endswith((".yaml", ".yml", ".json")) else hardware,
@@ -99,12 +100,20 @@ def run(args) -> int:
     layout = TrainingLayout.from_fields(values, gpus)
     if args.routing:
         layout = replace(layout, routing=args.routing, expert_loads=_recorded_loads(args.routing, arch))
-    if args.model is None and not values.get("model_recipe_name"):
+    if args.model is None and not values.get("model_recipe_name") and not values.get("modelzoo_model"):
         layout = replace(layout, assumed=(*layout.assumed, *unstated_model_fields(values)))
     if values.get("model_recipe_name"):
         layout = replace(layout, assumed=(*layout.assumed, f"-mr {values['model_recipe_name']} names a Megatron-Bridge "
                                           "performance recipe, whose own settings (dispatcher, recompute, CUDA graphs, "
                                           "...) are not read here: give them as fields"))
+    if values.get("modelzoo_model"):
+        layout = replace(layout, assumed=(*layout.assumed, f"MODEL={values['modelzoo_model']}: its ModelZoo model file "
+                                          "(model_configs/benchmarking/<MODEL>.yaml) is not beside the launch script, "
+                                          "so the catalog model with what every such file sets (ETP 1, sequence "
+                                          "parallel, distributed optimizer, overlapped gradient reduce and parameter "
+                                          "gather, grouped GEMM, BF16) and its file's pipeline split and MTP layers; "
+                                          "run from the ModelZoo checkout or set TRAINING_PARAMS_PATH to read the "
+                                          "file's own"))
     result = estimate(arch, hw, layout)
     result["violations"] = [v.__dict__ for v in violations]
     # A field no Megatron or Bridge configuration has (a typo, another launcher's flag) changes

@@ -1,0 +1,220 @@
+"""A Megatron-MoE-ModelZoo launch line (``PR=mxfp8 TP=1 ... bash sbatch_benchmarking.sh --flags``)
+is read as the run its scripts start: the model's file with the line's variables substituted,
+runtime.conf's defaults for what the line leaves out, the flags the variables stand for, and
+NNODES nodes of the system's size."""
+import pytest
+
+from expertrail.errors import ConfigError
+from expertrail.plan import calibration
+from expertrail.plan.modelzoo import RUNTIME_DEFAULTS, launch_arguments
+from expertrail.plan.validate import Config, config_values
+from expertrail.tools.cli import main
+
+# The ModelZoo's Qwen3-235B model file (model_configs/benchmarking/Qwen3-235B-A22B.yaml at commit
+# e8650517), its logging, data and learning-rate lines left out.
+QWEN3_235B_FILE = """ENV_VARS:
+  CUDA_DEVICE_MAX_CONNECTIONS: 1
+  TRITON_CACHE_DIR: /tmp/triton_cache_$SLURM_NODEID
+MODEL_ARGS:
+  --tensor-model-parallel-size: ${TP}
+  --pipeline-model-parallel-size: ${PP}
+  --num-layers-per-virtual-pipeline-stage: ${LAYERS_PER_VP}
+  --expert-model-parallel-size: ${EP}
+  --context-parallel-size: ${CP}
+  --expert-tensor-parallel-size: 1
+  --use-distributed-optimizer: true
+  --overlap-grad-reduce: true
+  --overlap-param-gather: true
+  --no-create-attention-mask-in-dataloader: true
+  --account-for-embedding-in-pipeline-split: true
+  --account-for-loss-in-pipeline-split: true
+  --sequence-parallel: true
+  --disable-bias-linear: true
+  --micro-batch-size: ${MBS}
+  --global-batch-size: ${GBS}
+  --cross-entropy-loss-fusion: true
+  --transformer-impl: transformer_engine
+  --tokenizer-type: HuggingFaceTokenizer 
+  --tokenizer-model: Qwen/Qwen3-235B-A22B
+  --data-path: ${DATA_PATH}
+  --untie-embeddings-and-output-weights: true
+  --position-embedding-type: rope
+  --normalization: RMSNorm
+  --swiglu: true
+  --num-layers: 94
+  --hidden-size: 4096
+  --ffn-hidden-size: 12288
+  --num-attention-heads: 64
+  --kv-channels: 128
+  --group-query-attention: true
+  --num-query-groups: 4
+  --qk-layernorm: true
+  --seq-length: ${SEQ_LEN}
+  --max-position-embeddings: ${SEQ_LEN}
+  --make-vocab-size-divisible-by: 1187
+  --num-experts: 128
+  --moe-ffn-hidden-size: 1536
+  --moe-router-load-balancing-type: aux_loss
+  --moe-router-topk: 8
+  --moe-router-pre-softmax: false # Different from Qwen2-MoE
+  --moe-grouped-gemm: ${MOE_GROUPED_GEMM}
+  --moe-router-dtype: fp32
+  --finetune: true
+  --load: ${LOAD_PATH}
+  --wandb-exp-name: Qwen3-235B-A22B-TP${TP}PP${PP}EP${EP}CP${CP}VPP${VPP}-MBS${MBS}GBS${GBS}-${COMMENT}
+  --bf16: true
+"""
+
+# run_gb200_235b.sh's MXFP8 line (919 TFLOPS published), with the script's exports before it.
+GB200_MXFP8 = ("GB200_CLUSTER=1 MODEL=Qwen3-235B-A22B PRETRAIN=0 SEQ_LEN=4096 PR=mxfp8 MBS=3 "
+               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True DISPATCHER=hybridep A2A_OVERLAP=1 TP=1 PP=4 VPP=6 "
+               "EP=64 SEGMENT=16 NNODES=64 GBS=3072 bash {script} --recompute-granularity selective "
+               "--recompute-modules moe_act layernorm --moe-router-force-load-balancing --cuda-graph-impl "
+               "transformer_engine --cuda-graph-scope attn moe_router moe_preprocess "
+               "--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act")
+RECORDED = "modelzoo gb200 qwen3-235b-a22b mxfp8 1/4/6/64 mbs3 gbs3072 ep-overlap offload"
+
+
+@pytest.fixture
+def checkout(tmp_path):
+    """A ModelZoo checkout's launch script and Qwen3-235B model file."""
+    (tmp_path / "sbatch_benchmarking.sh").write_text("#!/bin/bash\n")
+    (tmp_path / "interactive_benchmarking.sh").write_text("#!/bin/bash\n")
+    models = tmp_path / "model_configs" / "benchmarking"
+    models.mkdir(parents=True)
+    (models / "Qwen3-235B-A22B.yaml").write_text(QWEN3_235B_FILE)
+    return tmp_path
+
+
+def _values(line: str) -> dict:
+    return config_values(line.split())
+
+
+def test_a_launch_line_is_the_run_its_scripts_start(checkout):
+    """The line's variables fill the model file's ${...}, runtime.conf's row for the model what the
+    line leaves out (LAYERS_PER_VP = 96 / PP / VPP: the row counts the embedding and the loss), and
+    sbatch_benchmarking.sh's variables become its flags: MXFP8 with the precision-aware optimizer,
+    HybridEP, EP overlap with delayed weight gradients; 64 nodes of 4 GPUs."""
+    v = _values(GB200_MXFP8.format(script=checkout / "sbatch_benchmarking.sh"))
+    assert (v["tensor_model_parallel_size"], v["pipeline_model_parallel_size"], v["expert_model_parallel_size"],
+            v["context_parallel_size"]) == (1, 4, 64, 1)
+    assert v["num_layers_per_virtual_pipeline_stage"] == 4 and "num_virtual_stages_per_pipeline_rank" not in v
+    assert (v["micro_batch_size"], v["global_batch_size"], v["seq_length"]) == (3, 3072, 4096)
+    assert v["fp8_recipe"] == "mxfp8" and v["use_precision_aware_optimizer"] and v["exp_avg_dtype"] == "bf16"
+    assert v["moe_token_dispatcher_type"] == "flex" and v["moe_flex_dispatcher_backend"] == "hybridep"
+    assert v["overlap_moe_expert_parallel_comm"] and v["delay_wgrad_compute"]
+    assert "moe_router_pre_softmax" not in v and "tp_comm_overlap" not in v      # a false flag is not passed
+    assert v["account_for_embedding_in_pipeline_split"] and v["finetune"] and v["load"] == "checkpoint"
+    assert Config(v).world == 256 and "modelzoo_model" not in v
+
+
+def test_the_launch_line_estimates_as_its_published_row(checkout, capsys):
+    """run_gb200_235b.sh's MXFP8 line, given to estimate as the script has it, costs as the row the
+    calibration records for that run (which was entered from the same line by hand); outside a
+    checkout, the catalog model with what every model file sets does the same, and says so."""
+    expected = calibration.predicted(RECORDED)["tflops_per_gpu"]
+    for script, said in ((checkout / "sbatch_benchmarking.sh", False),
+                         (checkout / "elsewhere" / "sbatch_benchmarking.sh", True)):
+        assert main(["estimate", "--hardware", "gb200", *GB200_MXFP8.format(script=script).split()]) == 0
+        out = capsys.readouterr().out
+        tflops = float(out.split("throughput: ")[1].split()[0])
+        assert tflops == pytest.approx(expected, rel=0.005)
+        assert ("its ModelZoo model file (model_configs/benchmarking/<MODEL>.yaml) is not beside" in out) == said
+
+
+def test_runtime_conf_fills_what_a_line_leaves_out(checkout):
+    """MODEL alone: Qwen3-235B's runtime.conf row (TP 2, PP 8, EP 32, VPP 4, GBS 256, 32 nodes: of
+    8 GPUs on an H100 system, of 4 on a GB200 rack, where GB200_CLUSTER does not say), BF16 with TP
+    communication overlap, and DeepEP (sbatch_benchmarking.sh's DISPATCHER default, after the
+    model file's own dispatcher)."""
+    v = _values(f"MODEL=Qwen3-235B-A22B bash {checkout / 'sbatch_benchmarking.sh'}")
+    row = RUNTIME_DEFAULTS["Qwen3-235B-A22B"]
+    assert (v["tensor_model_parallel_size"], v["pipeline_model_parallel_size"], v["expert_model_parallel_size"]) \
+        == (int(row["TP"]), int(row["PP"]), int(row["EP"])) == (2, 8, 32)
+    assert v["num_layers_per_virtual_pipeline_stage"] == 3 and v["global_batch_size"] == 256
+    assert Config(dict(v, hardware="h100")).world == 256 and Config(dict(v, hardware="gb200")).world == 128
+    assert v["tp_comm_overlap"] and v["bf16"] and "fp8_recipe" not in v
+    assert v["moe_flex_dispatcher_backend"] == "deepep"
+
+
+def test_each_variable_is_the_flags_the_script_appends(checkout):
+    """PR=fp8 is blockwise FP8 with FP8 parameter gathers, but not beside the optimizer's CPU
+    offload; DISPATCHER=alltoall Megatron's all-to-all; VPP without a per-stage count in the model
+    file is stages per rank (layers per stage for interactive_benchmarking.sh) and nothing where
+    the line gives a pipeline layout; the line's own flags win over the model file's."""
+    script = checkout / "sbatch_benchmarking.sh"
+    fp8 = _values(f"MODEL=Qwen3-235B-A22B PR=fp8 DISPATCHER=alltoall bash {script} --moe-router-topk 4")
+    assert fp8["fp8_recipe"] == "blockwise" and fp8["fp8_param_gather"] and fp8["moe_router_padding_for_fp8"]
+    assert fp8["moe_token_dispatcher_type"] == "alltoall" and fp8["moe_router_topk"] == 4
+    offload = _values(f"MODEL=Qwen3-235B-A22B PR=fp8 OPTIMIZER_OFFLOAD=1 bash {script}")
+    assert offload["optimizer_cpu_offload"] and "fp8_param_gather" not in offload
+    (checkout / "model_configs" / "benchmarking" / "Qwen3-235B-A22B.yaml").write_text(
+        QWEN3_235B_FILE.replace("  --num-layers-per-virtual-pipeline-stage: ${LAYERS_PER_VP}\n", ""))
+    assert _values(f"MODEL=Qwen3-235B-A22B VPP=4 bash {script}")["num_virtual_stages_per_pipeline_rank"] == 4
+    interactive = _values(f"MODEL=Qwen3-235B-A22B VPP=4 bash {checkout / 'interactive_benchmarking.sh'}")
+    assert interactive["num_layers_per_virtual_pipeline_stage"] == 3
+    laid = _values(f"MODEL=Qwen3-235B-A22B VPP=4 bash {script} --pipeline-model-parallel-layout Et*3|(t*3|)*30tL")
+    assert "num_virtual_stages_per_pipeline_rank" not in laid and "num_layers_per_virtual_pipeline_stage" not in laid
+
+
+def test_an_uneven_split_takes_runtime_confs_first_and_last_stages(tmp_path):
+    """DeepSeek-V3's 61 layers over PP 16 without a layout: runtime.conf's 4 and 1 layers for the
+    first and last stages, as the script passes them (its model file not at hand here: the catalog
+    model)."""
+    v = _values(f"MODEL=DeepSeek-V3 bash {tmp_path / 'sbatch_benchmarking.sh'}")
+    assert (v["decoder_first_pipeline_num_layers"], v["decoder_last_pipeline_num_layers"]) == (4, 1)
+    assert v["modelzoo_model"] == "DeepSeek-V3" and Config(dict(v, hardware="h100")).world == 1024
+    laid = _values(f"MODEL=DeepSeek-V3 bash {tmp_path / 'sbatch_benchmarking.sh'} --pipeline-model-parallel-layout "
+                   "Et*4|(t*4|)*14tmL")
+    assert "decoder_first_pipeline_num_layers" not in laid
+
+
+@pytest.mark.parametrize("line, names", [
+    ("bash {script}", "the line sets no MODEL"),
+    ("MODEL=Qwen3-236B bash {script}", "MODEL=Qwen3-236B is not one of the ModelZoo's models"),
+    ("MODEL=Qwen3-30B-A3B PR=fp4 bash {script}", "PR=fp4"),
+    ("MODEL=Qwen3-30B-A3B DISPATCHER=nccl bash {script}", "DISPATCHER=nccl"),
+    ("MODEL=Qwen3-30B-A3B TP=0 bash {script}", "TP=0: a whole number >= 1"),
+    ("MODEL=Qwen3-30B-A3B NNODES=two bash {script}", "NNODES=two"),
+    ("MODEL=Qwen3-30B-A3B TRAINING_PARAMS_PATH=/nonexistent.yaml bash {script}", "TRAINING_PARAMS_PATH"),
+    ("MODEL=DeepSeek-V3-Proxy bash {script}", "MODEL=DeepSeek-V3-Proxy: its ModelZoo model file not found"),
+])
+def test_a_launch_the_scripts_would_refuse_is_refused_by_name(tmp_path, capsys, line, names):
+    """Every way a launch line is unusable names the variable and the fix; a ModelZoo model of no
+    catalog model asks for its file or --model rather than costing another model."""
+    tokens = line.format(script=tmp_path / "sbatch_benchmarking.sh").split()
+    assert main(["estimate", "--hardware", "h100", *tokens]) != 0
+    assert names in capsys.readouterr().err
+    if "Proxy" not in line:
+        with pytest.raises(ConfigError, match=names.split(":")[0].replace("(", r"\(")):
+            launch_arguments(tokens)
+
+
+def test_tokens_without_a_launch_pass_as_they_are():
+    tokens = ["--expert-model-parallel-size", "8", "TP=2", "hardware=h100"]
+    assert launch_arguments(tokens) == tokens
+
+
+def test_nodes_are_the_systems_own_size_where_the_configuration_gives_none():
+    """num_nodes without gpus_per_node: 4 GPUs a node on a Grace-Blackwell rack's compute tray,
+    8 on DGX and HGX nodes."""
+    assert Config({"num_nodes": 64, "hardware": "gb200"}).world == 256
+    assert Config({"num_nodes": 64, "hardware": "b200"}).world == 512
+    assert Config({"num_nodes": 64, "gpus_per_node": 8, "hardware": "gb200"}).world == 512
+    assert Config({"num_nodes": 64}).world is None
+
+
+@pytest.mark.parametrize("line, recorded", [
+    ("--moe-router-force-load-balancing", "modelzoo h100 mixtral-8x22b bf16 2/8/7/8 mbs1 gbs256"),
+    ("", "modelzoo h100 mixtral-8x22b bf16 2/8/7/8 mbs1 gbs256 dropless"),
+    ("--moe-router-force-load-balancing PR=fp8", "modelzoo h100 mixtral-8x22b blockwise 2/8/7/8 mbs1 gbs256"),
+])
+def test_run_mixtral_8x22b_lines_estimate_as_their_rows(tmp_path, capsys, line, recorded):
+    """run_mixtral_8x22B.sh's dropless, forced-balance and blockwise FP8 lines (445, 465 and 560
+    TFLOPS published), outside a checkout: as the rows entered from them by hand."""
+    flags, _, pr = line.partition(" PR=")
+    tokens = [*([f"PR={pr}"] if pr else []), "MODEL=Mixtral-8x22B", "MBS=1", "GBS=256", "SEQ_LEN=4096", "NNODES=16",
+              "DISPATCHER=alltoall", "bash", str(tmp_path / "sbatch_benchmarking.sh"), *flags.split()]
+    assert main(["estimate", "--hardware", "h100", *tokens]) == 0
+    tflops = float(capsys.readouterr().out.split("throughput: ")[1].split()[0])
+    assert tflops == pytest.approx(calibration.predicted(recorded)["tflops_per_gpu"], rel=0.005)
