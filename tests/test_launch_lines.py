@@ -1,12 +1,14 @@
-"""A Megatron-MoE-ModelZoo launch line (``PR=mxfp8 TP=1 ... bash sbatch_benchmarking.sh --flags``)
-is read as the run its scripts start: the model's file with the line's variables substituted,
+"""Launch lines are read as the runs they start. A Megatron-MoE-ModelZoo line (``PR=mxfp8 TP=1
+... bash sbatch_benchmarking.sh --flags``): the model's file with the line's variables substituted,
 runtime.conf's defaults for what the line leaves out, the flags the variables stand for, and
-NNODES nodes of the system's size."""
+NNODES nodes of the system's size. A torchrun line (``torchrun --nproc_per_node 8 --nnodes 4
+pretrain_gpt.py --flags``): the script's arguments on nproc_per_node x nnodes GPUs."""
 import pytest
 
 from expertrail.errors import ConfigError
 from expertrail.plan import calibration
 from expertrail.plan.modelzoo import RUNTIME_DEFAULTS, launch_arguments
+from expertrail.plan.torchrun import torchrun_arguments
 from expertrail.plan.validate import Config, config_values
 from expertrail.tools.cli import main
 
@@ -218,3 +220,32 @@ def test_run_mixtral_8x22b_lines_estimate_as_their_rows(tmp_path, capsys, line, 
     assert main(["estimate", "--hardware", "h100", *tokens]) == 0
     tflops = float(capsys.readouterr().out.split("throughput: ")[1].split()[0])
     assert tflops == pytest.approx(calibration.predicted(recorded)["tflops_per_gpu"], rel=0.005)
+
+
+def test_a_torchrun_line_is_its_scripts_arguments_on_the_gpus_it_starts(capsys):
+    """Megatron-LM's examples' launch (train_mixtral_8x7b_distributed.sh's form, with the shell's
+    variable before it): torchrun's options are not fields, the script is not a config file, and
+    8 processes a node on 4 nodes are the run's 32 GPUs; python -m torch.distributed.run alike,
+    an elastic node range at its upper bound."""
+    line = ("CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc_per_node 8 --nnodes 4 --node_rank 0 --master_addr host "
+            "--master_port 6000 pretrain_gpt.py --expert-model-parallel-size 8 --pipeline-model-parallel-size 4 "
+            "--global-batch-size 256 --bf16").split()
+    v = config_values(line)
+    assert Config(v).world == 32 and v["expert_model_parallel_size"] == 8
+    assert not {"nproc_per_node", "master_port", "cuda_device_max_connections"} & set(v)
+    assert main(["estimate", "--hardware", "h100", "--model", "mixtral-8x7b", *line]) == 0
+    captured = capsys.readouterr()
+    assert "on 32 x h100" in captured.out and "warning" not in captured.err
+    module = "python3 -m torch.distributed.run --nproc-per-node=4 --nnodes=1:2 --standalone pretrain_gpt.py --bf16"
+    assert Config(config_values(module.split())).world == 8
+
+
+def test_a_torchrun_line_states_gpus_only_where_it_counts_them():
+    """No --nproc_per_node (torchrun's default of one process), or a device word (gpu, auto):
+    the GPUs are not stated, and --gpus gives them; a line without a script is refused."""
+    assert torchrun_arguments(["torchrun", "--nnodes", "4", "pretrain_gpt.py", "--bf16"]) == ["--bf16"]
+    assert torchrun_arguments(["torchrun", "--nproc_per_node=gpu", "train.py"]) == []
+    with pytest.raises(ConfigError, match="names no training script"):
+        torchrun_arguments(["torchrun", "--nproc_per_node", "8"])
+    with pytest.raises(ConfigError, match="--nnodes many"):
+        torchrun_arguments(["torchrun", "--nproc_per_node", "8", "--nnodes", "many", "pretrain_gpt.py"])
