@@ -8,7 +8,7 @@ import pytest
 from expertrail.errors import ConfigError
 from expertrail.plan import calibration
 from expertrail.plan.modelzoo import RUNTIME_DEFAULTS, launch_arguments
-from expertrail.plan.torchrun import torchrun_arguments
+from expertrail.plan.launch_line import script_arguments
 from expertrail.plan.validate import Config, config_values
 from expertrail.tools.cli import main
 
@@ -243,9 +243,21 @@ def test_a_torchrun_line_is_its_scripts_arguments_on_the_gpus_it_starts(capsys):
 def test_a_torchrun_line_states_gpus_only_where_it_counts_them():
     """No --nproc_per_node (torchrun's default of one process), or a device word (gpu, auto):
     the GPUs are not stated, and --gpus gives them; a line without a script is refused."""
-    assert torchrun_arguments(["torchrun", "--nnodes", "4", "pretrain_gpt.py", "--bf16"]) == ["--bf16"]
-    assert torchrun_arguments(["torchrun", "--nproc_per_node=gpu", "train.py"]) == []
+    assert script_arguments(["torchrun", "--nnodes", "4", "pretrain_gpt.py", "--bf16"]) == ["--bf16"]
+    assert script_arguments(["torchrun", "--nproc_per_node=gpu", "train.py"]) == []
     with pytest.raises(ConfigError, match="names no training script"):
-        torchrun_arguments(["torchrun", "--nproc_per_node", "8"])
+        script_arguments(["torchrun", "--nproc_per_node", "8"])
     with pytest.raises(ConfigError, match="--nnodes many"):
-        torchrun_arguments(["torchrun", "--nproc_per_node", "8", "--nnodes", "many", "pretrain_gpt.py"])
+        script_arguments(["torchrun", "--nproc_per_node", "8", "--nnodes", "many", "pretrain_gpt.py"])
+
+
+def test_a_python_script_line_is_its_scripts_arguments(capsys):
+    """``python pretrain_gpt.py --flags`` and Megatron-Bridge's ``python scripts/performance/
+    setup_experiment.py`` with its short flags: the interpreter and the script are not a config
+    file; the script's -m (Bridge's model family) is its own, not Python's."""
+    assert config_values("python3 /opt/Megatron-LM/pretrain_gpt.py --expert-model-parallel-size 8".split()) \
+        == {"expert_model_parallel_size": 8}
+    bridge = ("python scripts/performance/setup_experiment.py -m qwen3 -mr qwen3_30b_a3b -g gb200 -c bf16 -ng 8 -ep 8 "
+              "-mb 4 -gb 512").split()
+    assert main(["estimate", *bridge]) == 0
+    assert "qwen3-30b-a3b on 8 x gb200-nvl72" in capsys.readouterr().out

@@ -31,7 +31,7 @@ from .layout import (GRAPH_MODULES_DEFAULTS, expand_layout, layout_text, name_li
                      sequence_split_problems, stage_override, vpp_of_stage_layers)
 from .simulate import domain_for
 from .modelzoo import launch_arguments
-from .torchrun import torchrun_arguments
+from .launch_line import script_arguments
 
 FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
 DOMAIN_FIELD = "num_of_hybrid_ep_ranks_per_nvlink_domain"
@@ -184,10 +184,11 @@ def split_arguments(tokens: list) -> tuple:
     lone ``\\`` (a line continuation split by the shell) is skipped; any other bare word is a
     config file. A Megatron-MoE-ModelZoo launch (``PR=mxfp8 TP=1 ... bash sbatch_benchmarking.sh
     --flag ...``) is read as the arguments it starts its run with (`modelzoo.launch_arguments`), a
-    torchrun launch (``torchrun --nproc_per_node 8 --nnodes 4 pretrain_gpt.py --flag ...``) as its
-    script's arguments on the GPUs it starts (`torchrun.torchrun_arguments`)."""
+    Python launch (``torchrun --nproc_per_node 8 --nnodes 4 pretrain_gpt.py --flag ...``, ``python
+    pretrain_gpt.py --flag ...``) as its script's arguments on the GPUs torchrun starts
+    (`launch_line.script_arguments`)."""
     files, pairs = [], []
-    tokens = torchrun_arguments(launch_arguments(tokens))
+    tokens = script_arguments(launch_arguments(tokens))
     i = 0
     while i < len(tokens):
         tok = str(tokens[i]).strip()

@@ -1,14 +1,17 @@
-"""A torchrun launch line read as the Megatron-LM arguments it passes and the world it starts.
+"""A Python launch line read as the Megatron arguments it passes and the world it starts.
 
 Megatron-LM's example scripts launch a run as
 
     torchrun --nproc_per_node 8 --nnodes 4 --node_rank 0 --master_addr host --master_port 6000 \\
         pretrain_gpt.py --num-layers 32 ... --expert-model-parallel-size 8
 
-(``python -m torch.distributed.run`` and the older ``torch.distributed.launch`` alike). Pasted after
-`validate` or `estimate`, the launcher's own options are not Megatron fields and the script's name
-is not a config file: `torchrun_arguments` keeps the script's arguments and turns
-``--nproc_per_node`` x ``--nnodes`` into the run's GPUs (``gpus_per_node`` and ``num_nodes``).
+(``python -m torch.distributed.run`` and the older ``torch.distributed.launch`` alike), a single
+process as ``python pretrain_gpt.py --flags``, and Megatron-Bridge's performance scripts as
+``python scripts/performance/setup_experiment.py -m qwen3 -mr qwen3_30b_a3b -ng 8 ...``. Pasted
+after `validate` or `estimate`, the interpreter, the launcher's options and the script's name are
+not Megatron fields or a config file: `script_arguments` keeps the script's arguments and turns
+torchrun's ``--nproc_per_node`` x ``--nnodes`` into the run's GPUs (``gpus_per_node`` and
+``num_nodes``).
 """
 from __future__ import annotations
 
@@ -25,35 +28,38 @@ _SHELL_VARIABLE = re.compile(r"[A-Z_][A-Z0-9_]*=")
 
 
 def launcher_at(tokens: list) -> tuple | None:
-    """(where the launch starts, where torchrun's options start) in ``tokens``, or None where
-    they hold no torchrun launch: ``torchrun``, or a Python running torch.distributed.run /
-    .launch as a module; shell variables set just before it belong to it."""
+    """(where the launch starts, where the launcher's options start, whether it is torchrun) in
+    ``tokens``, or None where they hold no Python launch: ``torchrun``, a Python running
+    torch.distributed.run / .launch as a module, or a Python running a script (``*.py``); shell
+    variables set just before it belong to it."""
     words = [str(t).strip() for t in tokens]
     for i, word in enumerate(words):
         if word.rsplit("/", 1)[-1] == "torchrun":
-            start, options = i, i + 1
+            start, options, torchrun = i, i + 1, True
         elif word in _MODULES and i >= 2 and words[i - 1] == "-m" and _PYTHON.match(words[i - 2]):
-            start, options = i - 2, i + 1
+            start, options, torchrun = i - 2, i + 1, True
+        elif _PYTHON.match(word) and i + 1 < len(words) and words[i + 1].endswith(".py"):
+            start, options, torchrun = i, i + 1, False
         else:
             continue
         while start > 0 and _SHELL_VARIABLE.match(words[start - 1]):
             start -= 1
-        return start, options
+        return start, options, torchrun
     return None
 
 
-def torchrun_arguments(tokens: list) -> list:
-    """``tokens`` with a torchrun launch replaced by its script's arguments, and the GPUs it
-    starts as ``gpus_per_node`` (its ``--nproc_per_node``, where a number) and ``num_nodes``
-    (``--nnodes``, the upper bound of an elastic range; 1 where not given); ``tokens`` as they are
-    where they hold no launch."""
+def script_arguments(tokens: list) -> list:
+    """``tokens`` with a Python launch replaced by its script's arguments, and for torchrun the
+    GPUs it starts as ``gpus_per_node`` (its ``--nproc_per_node``, where a number) and
+    ``num_nodes`` (``--nnodes``, the upper bound of an elastic range; 1 where not given);
+    ``tokens`` as they are where they hold no launch."""
     found = launcher_at(tokens)
     if found is None:
         return list(tokens)
-    start, i = found
+    start, i, torchrun = found
     words = [str(t).strip() for t in tokens]
     options = {}
-    while i < len(words) and words[i].startswith("-"):
+    while torchrun and i < len(words) and words[i].startswith("-"):
         name, eq, value = words[i].partition("=")
         i += 1
         if name in SWITCHES:
