@@ -1395,3 +1395,18 @@ def test_validate_and_estimate_agree_on_what_is_valid():
         assert r["step_time_s"] > 0 and r["peak_memory_GB"] > 0, (name, system, gpus, values)
         built += 1
     assert built >= 20
+
+
+def test_a_system_on_a_fitted_systems_gpu_takes_its_speed():
+    """H200 and H800 run H100's GPU (H200 with faster HBM, H800 with fewer NVLink lanes): their
+    GEMMs and attention take H100's fitted speed, not the unfitted default; the same layout on
+    H200 is then no slower than on H100."""
+    from expertrail.plan.catalog import HARDWARE
+    from expertrail.plan.estimate import SYSTEM_SPEED, _speed
+    assert _speed(HARDWARE["h200"]) == _speed(HARDWARE["h800"]) == SYSTEM_SPEED["h100"] != 1.0
+    assert _speed(HARDWARE["gb200-nvl36"]) == SYSTEM_SPEED["gb200-nvl72"]
+    layout = TrainingLayout.from_fields({"expert_model_parallel_size": 8, "bf16": True,
+                                         "moe_router_force_load_balancing": True}, 64)
+    arch = ARCHITECTURES["mixtral-8x7b"]
+    h100, h200 = (estimate(arch, HARDWARE[h], layout)["step_time_s"] for h in ("h100", "h200"))
+    assert h200 <= h100

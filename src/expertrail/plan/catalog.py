@@ -126,6 +126,15 @@ def _check(obj, source: str) -> None:
 # Other spellings of catalog systems: Megatron-Bridge's performance tables and scripts call the
 # NVL72 racks gb200 and gb300.
 HARDWARE_ALIASES = {"gb200": "gb200-nvl72", "gb300": "gb300-nvl72"}
+# Systems built on another catalog system's GPU at its clocks and power, which share its sustained
+# compute speed (fitted per system where published runs pin it): H200 is H100's GPU with HBM3e,
+# H800 H100's with fewer NVLink lanes, GB200 NVL36 the NVL72 rack's superchip.
+SAME_GPU = {"h200": "h100", "h800": "h100", "gb200-nvl36": "gb200-nvl72"}
+
+
+def gpu_twin(name: str) -> str:
+    """The catalog system whose GPU ``name`` runs at the same clocks and power (`SAME_GPU`), or ``name``."""
+    return SAME_GPU.get(name, name)
 
 
 def hardware_key(name: str) -> str | None:

@@ -30,7 +30,7 @@ from functools import lru_cache
 
 from ..errors import ConfigError
 from .architecture import Architecture
-from .catalog import Hardware
+from .catalog import Hardware, gpu_twin
 from .cost import NCCL_ALGORITHMS, EPLayout, Routing, link_bandwidth, predict
 from .layout import DEEPEP_LIKE, TrainingLayout, stage_layers
 from . import layout as layout_fields
@@ -261,7 +261,8 @@ def _expected_busiest(experts: int, ep: int, cv: float, cap: float | None = None
 
 
 def _speed(hw: Hardware) -> float:
-    return SYSTEM_SPEED.get(hw.name, 1.0)
+    """The system's fitted speed, or that of the system whose GPU it runs (`catalog.gpu_twin`), else 1."""
+    return SYSTEM_SPEED.get(hw.name, SYSTEM_SPEED.get(gpu_twin(hw.name), 1.0))
 
 
 def width_factor(arch: Architecture) -> float:
