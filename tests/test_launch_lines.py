@@ -143,11 +143,15 @@ def test_each_variable_is_the_flags_the_script_appends(checkout):
     """PR=fp8 is blockwise FP8 with FP8 parameter gathers, but not beside the optimizer's CPU
     offload; DISPATCHER=alltoall Megatron's all-to-all; VPP without a per-stage count in the model
     file is stages per rank (layers per stage for interactive_benchmarking.sh) and nothing where
-    the line gives a pipeline layout; the line's own flags win over the model file's."""
+    the line gives a pipeline layout; the line's own flags win over the model file's, whose win
+    over TRAINING_PARAMS (the arguments the script starts from)."""
     script = checkout / "sbatch_benchmarking.sh"
     fp8 = _values(f"MODEL=Qwen3-235B-A22B PR=fp8 DISPATCHER=alltoall bash {script} --moe-router-topk 4")
     assert fp8["fp8_recipe"] == "blockwise" and fp8["fp8_param_gather"] and fp8["moe_router_padding_for_fp8"]
     assert fp8["moe_token_dispatcher_type"] == "alltoall" and fp8["moe_router_topk"] == 4
+    before = config_values(["MODEL=Qwen3-235B-A22B", "TRAINING_PARAMS=--mtp-num-layers 1 --moe-router-topk 2", "bash",
+                            str(script)])
+    assert before["mtp_num_layers"] == 1 and before["moe_router_topk"] == 8      # the model file's come after
     offload = _values(f"MODEL=Qwen3-235B-A22B PR=fp8 OPTIMIZER_OFFLOAD=1 bash {script}")
     assert offload["optimizer_cpu_offload"] and "fp8_param_gather" not in offload
     (checkout / "model_configs" / "benchmarking" / "Qwen3-235B-A22B.yaml").write_text(

@@ -114,7 +114,7 @@ def launch_arguments(tokens: list) -> list:
         shared = {**SHARED_MODEL_ARGS, **CATALOG_MODEL_ARGS.get(env["MODEL"], {})}
         params = _arguments({k: substitute(str(v), env) if isinstance(v, str) else v for k, v in shared.items()})
         found = [f"modelzoo_model={env['MODEL']}"]
-    params += flags
+    params = env.get("TRAINING_PARAMS", "").split() + params + flags       # the script starts from TRAINING_PARAMS
     params += _script_flags(env, " ".join(params), interactive=script.name == "interactive_benchmarking.sh")
     nodes = [f"num_nodes={env['NNODES']}"]
     if "GB200_CLUSTER" in env:
