@@ -265,3 +265,14 @@ def test_a_python_script_line_is_its_scripts_arguments(capsys):
               "-mb 4 -gb 512").split()
     assert main(["estimate", *bridge]) == 0
     assert "qwen3-30b-a3b on 8 x gb200-nvl72" in capsys.readouterr().out
+
+
+def test_the_environment_the_run_reads_is_passed_on(tmp_path):
+    """HybridEP's NVLink domain set before a launch is the run's (validate reads it as a field);
+    the launch's other variables are the shell's."""
+    line = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=32 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    zoo = config_values(f"{line} MODEL=Qwen3-30B-A3B bash {tmp_path / 'sbatch_benchmarking.sh'}".split())
+    run = config_values(f"{line} torchrun --nproc_per_node 4 pretrain_gpt.py --bf16".split())
+    for values in (zoo, run):
+        assert values["num_of_hybrid_ep_ranks_per_nvlink_domain"] == 32
+        assert "pytorch_cuda_alloc_conf" not in values

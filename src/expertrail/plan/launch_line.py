@@ -18,13 +18,13 @@ from __future__ import annotations
 import re
 
 from ..errors import ConfigError
+from .modelzoo import SHELL_VARIABLE, run_environment
 
 # torchrun's options that take no value (torch.distributed.run's parser, and launch's --use_env).
 SWITCHES = {"--standalone", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
             "--use-env", "--use_env"}
 _PYTHON = re.compile(r"(.*/)?python[0-9.]*$")
 _MODULES = ("torch.distributed.run", "torch.distributed.launch")
-_SHELL_VARIABLE = re.compile(r"[A-Z_][A-Z0-9_]*=")
 
 
 def launcher_at(tokens: list) -> tuple | None:
@@ -42,7 +42,7 @@ def launcher_at(tokens: list) -> tuple | None:
             start, options, torchrun = i, i + 1, False
         else:
             continue
-        while start > 0 and _SHELL_VARIABLE.match(words[start - 1]):
+        while start > 0 and SHELL_VARIABLE.match(words[start - 1]):
             start -= 1
         return start, options, torchrun
     return None
@@ -73,7 +73,7 @@ def script_arguments(tokens: list) -> list:
     if i >= len(words):
         raise ConfigError("a torchrun launch names no training script: write torchrun [its options] pretrain_gpt.py "
                           "--megatron-flag ...")
-    out = [*words[:start], *words[i + 1:]]
+    out = [*words[:start], *run_environment(words[start:found[1]]), *words[i + 1:]]
     nproc = options.get("nproc_per_node")
     if nproc is not None and nproc.isdigit():
         out.append(f"gpus_per_node={nproc}")

@@ -75,7 +75,10 @@ _OPTIMIZER = ("--use-precision-aware-optimizer --main-grads-dtype fp32 --main-pa
               "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16")
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 
-_SHELL_VARIABLE = re.compile(r"[A-Z_][A-Z0-9_]*=")      # PR=mxfp8: the launch's environment
+SHELL_VARIABLE = re.compile(r"[A-Z_][A-Z0-9_]*=")       # PR=mxfp8: a launch's environment
+# Environment variables that shape the run and that validate reads as fields (HybridEP's NVLink
+# domain): a launch line's assignment of one is passed on, the rest are the shell's.
+RUN_ENVIRONMENT = ("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN",)
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
 
@@ -98,7 +101,7 @@ def launch_arguments(tokens: list) -> list:
     script = Path(str(tokens[at]).strip())
     start = at                                  # the launch's variables and shell, just before its script
     while start > 0 and (str(tokens[start - 1]).strip() in _SHELLS
-                         or _SHELL_VARIABLE.match(str(tokens[start - 1]).strip())):
+                         or SHELL_VARIABLE.match(str(tokens[start - 1]).strip())):
         start -= 1
     env = _launch_variables(tokens[start:at], script.name)
     flags = [str(t) for t in tokens[at + 1:]]
@@ -119,7 +122,13 @@ def launch_arguments(tokens: list) -> list:
     nodes = [f"num_nodes={env['NNODES']}"]
     if "GB200_CLUSTER" in env:
         nodes.append(f"gpus_per_node={4 if env['GB200_CLUSTER'] == '1' else 8}")
-    return [str(t) for t in tokens[:start]] + params + nodes + found
+    return [str(t) for t in tokens[:start]] + run_environment(tokens[start:at]) + params + nodes + found
+
+
+def run_environment(assignments: list) -> list:
+    """The ``NAME=value`` assignments among a launch's shell variables that the run reads as
+    fields (`RUN_ENVIRONMENT`)."""
+    return [str(t).strip() for t in assignments if str(t).strip().partition("=")[0] in RUN_ENVIRONMENT]
 
 
 def _launch_variables(before: list, script: str) -> dict:
