@@ -183,7 +183,7 @@ def test_an_uneven_split_takes_runtime_confs_first_and_last_stages(tmp_path):
     ("MODEL=Qwen3-30B-A3B TP=0 bash {script}", "TP=0: a whole number >= 1"),
     ("MODEL=Qwen3-30B-A3B NNODES=two bash {script}", "NNODES=two"),
     ("MODEL=Qwen3-30B-A3B TRAINING_PARAMS_PATH=/nonexistent.yaml bash {script}", "TRAINING_PARAMS_PATH"),
-    ("MODEL=DeepSeek-V3-Proxy bash {script}", "MODEL=DeepSeek-V3-Proxy: its ModelZoo model file not found"),
+    ("MODEL=DeepSeek-V3-Proxy bash {script}", "MODEL=DeepSeek-V3-Proxy: its ModelZoo model file is not beside"),
 ])
 def test_a_launch_the_scripts_would_refuse_is_refused_by_name(tmp_path, capsys, line, names):
     """Every way a launch line is unusable names the variable and the fix; a ModelZoo model of no

@@ -604,9 +604,10 @@ def recipe_model(values: dict) -> str | None:
     (``model_recipe_name``, its -mr: qwen3_235b_a22b) or a Megatron-MoE-ModelZoo launch's MODEL
     whose model file is not at hand (``modelzoo_model``: Qwen3-235B-A22B); None where the
     configuration names none. A name of no catalog model is refused, asking for --model."""
-    for field, said in (("model_recipe_name", "-mr {}: a Megatron-Bridge recipe"),
-                        ("modelzoo_model", "MODEL={}: its ModelZoo model file not found beside the launch "
-                                           "script, and a model")):
+    for field, said in (("model_recipe_name", "-mr {}: a Megatron-Bridge recipe of no catalog model"),
+                        ("modelzoo_model", "MODEL={}: its ModelZoo model file is not beside the launch script (run "
+                                           "from the ModelZoo checkout or set TRAINING_PARAMS_PATH), and no catalog "
+                                           "model stands in for it")):
         name = values.get(field)
         if not name:
             continue
@@ -614,8 +615,8 @@ def recipe_model(values: dict) -> str | None:
         key = catalog_name(str(name).replace("_", "-"), ARCHITECTURES) if field == "model_recipe_name" else \
             str(name).lower() if str(name).lower() in ARCHITECTURES else None
         if key is None:
-            raise ConfigError(f"{said.format(name)} of no catalog model: give --model (one of "
-                              f"{', '.join(ARCHITECTURES)}, or a Hugging Face config.json or model directory)")
+            raise ConfigError(f"{said.format(name)}: give --model (one of {', '.join(ARCHITECTURES)}, or a Hugging "
+                              "Face config.json or model directory)")
         return key
     return None
 

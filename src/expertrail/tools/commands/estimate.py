@@ -109,11 +109,11 @@ def run(args) -> int:
     if values.get("modelzoo_model"):
         layout = replace(layout, assumed=(*layout.assumed, f"MODEL={values['modelzoo_model']}: its ModelZoo model file "
                                           "(model_configs/benchmarking/<MODEL>.yaml) is not beside the launch script, "
-                                          "so the catalog model with what every such file sets (ETP 1, sequence "
-                                          "parallel, distributed optimizer, overlapped gradient reduce and parameter "
-                                          "gather, grouped GEMM, BF16) and its file's pipeline split and MTP layers; "
-                                          "run from the ModelZoo checkout or set TRAINING_PARAMS_PATH to read the "
-                                          "file's own"))
+                                          "so --model's (else the catalog's) with what every such file sets (ETP 1, "
+                                          "sequence parallel, distributed optimizer, overlapped gradient reduce and "
+                                          "parameter gather, grouped GEMM, BF16) and its file's pipeline split and MTP "
+                                          "layers; run from the ModelZoo checkout or set TRAINING_PARAMS_PATH to read "
+                                          "the file's own"))
     result = estimate(arch, hw, layout)
     result["violations"] = [v.__dict__ for v in violations]
     # A field no Megatron or Bridge configuration has (a typo, another launcher's flag) changes
