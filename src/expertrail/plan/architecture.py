@@ -604,20 +604,22 @@ def recipe_model(values: dict) -> str | None:
     (``model_recipe_name``, its -mr: qwen3_235b_a22b) or a Megatron-MoE-ModelZoo launch's MODEL
     whose model file is not at hand (``modelzoo_model``: Qwen3-235B-A22B); None where the
     configuration names none. A name of no catalog model is refused, asking for --model."""
-    for field, said in (("model_recipe_name", "-mr {}: a Megatron-Bridge recipe of no catalog model"),
-                        ("modelzoo_model", "MODEL={}: its ModelZoo model file is not beside the launch script (run "
-                                           "from the ModelZoo checkout or set TRAINING_PARAMS_PATH), and no catalog "
-                                           "model stands in for it")):
-        name = values.get(field)
-        if not name:
-            continue
-        # A ModelZoo name is a catalog name or another model (DeepSeek-V3-Proxy is not DeepSeek-V3).
-        key = catalog_name(str(name).replace("_", "-"), ARCHITECTURES) if field == "model_recipe_name" else \
-            str(name).lower() if str(name).lower() in ARCHITECTURES else None
+    give = (f"give --model (one of {', '.join(ARCHITECTURES)}, or a Hugging Face config.json or model "
+            "directory)")
+    recipe = values.get("model_recipe_name")
+    if recipe:
+        key = catalog_name(str(recipe).replace("_", "-"), ARCHITECTURES)
         if key is None:
-            raise ConfigError(f"{said.format(name)}: give --model (one of {', '.join(ARCHITECTURES)}, or a Hugging "
-                              "Face config.json or model directory)")
+            raise ConfigError(f"-mr {recipe}: a Megatron-Bridge recipe of no catalog model: {give}")
         return key
+    zoo = values.get("modelzoo_model")
+    if zoo:
+        # A ModelZoo name is a catalog name or another model (DeepSeek-V3-Proxy is not DeepSeek-V3).
+        if str(zoo).lower() not in ARCHITECTURES:
+            raise ConfigError(f"MODEL={zoo}: its ModelZoo model file is not beside the launch script (run from the "
+                              f"ModelZoo checkout or set TRAINING_PARAMS_PATH), and no catalog model stands in for "
+                              f"it: {give}")
+        return str(zoo).lower()
     return None
 
 
