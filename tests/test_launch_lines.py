@@ -276,3 +276,14 @@ def test_the_environment_the_run_reads_is_passed_on(tmp_path):
     for values in (zoo, run):
         assert values["num_of_hybrid_ep_ranks_per_nvlink_domain"] == 32
         assert "pytorch_cuda_alloc_conf" not in values
+
+
+def test_a_model_file_without_its_launch_names_the_variables_to_fill(tmp_path, capsys):
+    """The ModelZoo's model file given alone holds ${TP} and the like, which its launch script
+    fills: each is reported as a variable the launch fills, with the launch line as the fix."""
+    path = tmp_path / "Qwen3-235B-A22B.yaml"
+    path.write_text(QWEN3_235B_FILE)
+    assert main(["validate", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "tensor_model_parallel_size is ${TP}, a shell variable its launch script fills" in out
+    assert "bash sbatch_benchmarking.sh" in out

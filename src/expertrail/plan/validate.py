@@ -373,6 +373,10 @@ def _value_problem(key: str, value) -> tuple | None:
     kind = KINDS.get(key)
     if value is None or kind is None:
         return None
+    if kind in ("bool", "int", "float") and isinstance(value, str) and "$" in value:     # ${TP}: a launcher's variable
+        return (f"is {value}, a shell variable its launch script fills",
+                "give the launch line that fills it (a ModelZoo model file: MODEL=<its name> TP=... bash "
+                f"sbatch_benchmarking.sh, docs/planner.md), or {key}=<a value>")
     if key == "pipeline_model_parallel_layout" and not isinstance(value, str):    # a list was written as one
         return "must be a layout", f"write {key}='Et*4|(t*4|)*14tmL' (E, t, m, L stages between |) or a list of stages"
     if kind == "bool":
