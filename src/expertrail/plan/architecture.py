@@ -629,7 +629,7 @@ def load_architecture(name: str | None) -> Architecture | None:
     configuration spells the model out)."""
     if name is None:
         return None
-    key = name if name in ARCHITECTURES else catalog_name(name, ARCHITECTURES)
+    key = catalog_name(name, ARCHITECTURES)
     if key:
         return ARCHITECTURES[key]
     found = hf_config(name)

@@ -146,8 +146,9 @@ def hardware_key(name: str) -> str | None:
 def load_hardware(name_or_file: str) -> Hardware:
     """A catalog name (any case; gb200 / gb300 for the NVL72 racks), or a YAML/JSON file holding
     one entry (or ``{hardware: [...]}``)."""
-    if hardware_key(name_or_file):
-        return HARDWARE[hardware_key(name_or_file)]
+    key = hardware_key(name_or_file)
+    if key:
+        return HARDWARE[key]
     path = Path(name_or_file)
     if not path.is_file():
         raise ConfigError(f"--hardware {name_or_file!r}: " + ("a directory; " if path.is_dir() else "")
@@ -191,7 +192,10 @@ def catalog_name(name: str, names) -> str | None:
     """The catalog name (one of ``names``) that ``name`` spells: itself in any case, or a Hugging
     Face repository id of that model or of a variant of it (``Qwen/Qwen3-30B-A3B``,
     ``moonshotai/Kimi-K2-Instruct``, ``mistralai/Mixtral-8x7B-v0.1``: the name, then ``-``
-    and anything); None for an existing path or a name of no catalog model."""
+    and anything; a path of that name does not shadow the exact name); None for another existing
+    path or a name of no catalog model."""
+    if name in names:
+        return name
     return None if Path(name).exists() else leading_name(name, names)
 
 
@@ -205,7 +209,7 @@ def load_model(name_or_file: str) -> MoEModel:
     """A catalog name, a YAML/JSON file with MoEModel fields, a Hugging Face config.json, or
     a Hugging Face model directory (its config.json)."""
     models = _models()
-    key = name_or_file if name_or_file in models else catalog_name(name_or_file, models)
+    key = catalog_name(name_or_file, models)
     if key:
         return models[key]
     found = hf_config(name_or_file)
