@@ -889,10 +889,8 @@ RULES = [
          ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
           "data_parallel_size"), "choose sizes whose product is the number of GPUs (DP = world / (TP x PP x CP))",
          lambda c: c.world is not None,
-         lambda c: c.world % (c["tensor_model_parallel_size"] * c["pipeline_model_parallel_size"]
-                              * c["context_parallel_size"]) == 0
-         and (not c.given("data_parallel_size") or c["tensor_model_parallel_size"] * c["pipeline_model_parallel_size"]
-              * c["context_parallel_size"] * c["data_parallel_size"] == c.world)),
+         lambda c: c.world % _model_ranks(c) == 0
+         and (not c.given("data_parallel_size") or _model_ranks(c) * c["data_parallel_size"] == c.world)),
     Rule("batch-splits", "the global batch must split into whole micro-batches on every data-parallel rank "
          "(Megatron's micro-batch calculator asserts)", ("global_batch_size", "micro_batch_size", "world_size",
          "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"),
