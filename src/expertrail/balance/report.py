@@ -49,6 +49,29 @@ def check_loads(load, name: str) -> np.ndarray:
     return load
 
 
+def recorded_loads(spec: str, experts: int, model: str) -> tuple | None:
+    """Token counts [layers][experts] when a ``--routing`` spec (estimate's, plan --fit's
+    --router) is a file of them (LoadRecorder's, as `load_loads` reads), not a topk_idx
+    recording or a Routing name; else None. ``experts`` and ``model`` are the model's, whose
+    expert count the file must have."""
+    path = Path(spec)
+    if path.suffix not in (".npy", ".csv", ".json"):
+        return None
+    if path.suffix == ".npy":                          # read once: counts, or a topk_idx recording
+        try:
+            data = np.load(path)
+        except (OSError, ValueError) as err:           # missing, unreadable, or pickled objects
+            raise ExpertrailError(f"--routing {spec!r}: cannot read it as .npy ({err})") from None
+        if data.ndim == 3 or data.shape[-1] != experts:
+            return None                                # topk_idx: its last axis is top-k, not the experts
+        loads = check_loads(data, f"--routing {spec!r}")
+    else:
+        loads = load_loads(spec, "--routing")
+    if loads.shape[-1] != experts:
+        raise ExpertrailError(f"--routing {spec!r}: {loads.shape[-1]} experts' counts, but {model} has {experts}")
+    return tuple(map(tuple, loads.tolist()))
+
+
 def compare(load: np.ndarray, num_ranks: int, redundant: int, num_domains: int = 1,
             num_groups: int | None = None) -> dict:
     """Per policy: balancedness per layer (and mean, min), next to contiguous placement."""

@@ -96,10 +96,12 @@ def run(args) -> int:
     from ...plan.layout import TrainingLayout
     from ...plan.output import dumps
     from ...plan.validate import unknown_fields
+    from ...balance.report import recorded_loads
     arch, hw, values, violations, gpus = _estimate_inputs(args, args.config)
     layout = TrainingLayout.from_fields(values, gpus)
     if args.routing:
-        layout = replace(layout, routing=args.routing, expert_loads=_recorded_loads(args.routing, arch))
+        layout = replace(layout, routing=args.routing,
+                         expert_loads=recorded_loads(args.routing, arch.experts, arch.name))
     if args.model is None and not values.get("model_recipe_name") and not values.get("modelzoo_model"):
         layout = replace(layout, assumed=(*layout.assumed, *unstated_model_fields(values)))
     if values.get("model_recipe_name"):
@@ -132,28 +134,3 @@ def run(args) -> int:
             f.write(dumps(result, fallback=str))
         print(f"wrote {args.json}")
     return 0
-
-
-def _recorded_loads(spec: str, arch) -> tuple | None:
-    """Token counts [layers][experts] when ``spec`` is a file of them (LoadRecorder's, as
-    `expertrail balance --load` reads), not a topk_idx recording or a Routing name; else None."""
-    from pathlib import Path
-    import numpy as np
-    from ...balance.report import check_loads, load_loads
-    path = Path(spec)
-    if path.suffix not in (".npy", ".csv", ".json"):
-        return None
-    if path.suffix == ".npy":                          # read once: counts, or a topk_idx recording
-        try:
-            data = np.load(path)
-        except (OSError, ValueError) as err:           # missing, unreadable, or pickled objects
-            raise ExpertrailError(f"--routing {spec!r}: cannot read it as .npy ({err})") from None
-        if data.ndim == 3 or data.shape[-1] != arch.experts:
-            return None                                # topk_idx: its last axis is top-k, not the experts
-        loads = check_loads(data, f"--routing {spec!r}")
-    else:
-        loads = load_loads(spec, "--routing")
-    if loads.shape[-1] != arch.experts:
-        raise ExpertrailError(f"--routing {spec!r}: {loads.shape[-1]} experts' counts, but {arch.name} has "
-                              f"{arch.experts}")
-    return tuple(map(tuple, loads.tolist()))

@@ -58,12 +58,12 @@ def _run_fit(args) -> int:
     from ...plan.catalog import load_hardware
     from ...plan.output import dumps
     from ...plan.search import emit_layout, format_search, layout_fields, leanest, search
-    from .estimate import _recorded_loads
+    from ...balance.report import recorded_loads
     if not args.gpus:
         raise ExpertrailError("--fit needs --gpus N, the GPUs of the run, e.g. --gpus 256")
     hw, arch = load_hardware(args.hardware), load_architecture(args.model)
     spec = None if args.router in ("forced", "natural") else args.router
-    loads = _recorded_loads(spec, arch) if spec else None
+    loads = recorded_loads(spec, arch.experts, arch.name) if spec else None
     if spec and loads is None:
         from ...errors import ConfigError
         from ...plan.cost import Routing
