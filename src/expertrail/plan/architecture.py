@@ -485,7 +485,6 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
             given["ffn"] = default_ffn
         if "moe_ffn" not in given and "ffn" in given:
             given["moe_ffn"] = given["ffn"]      # Megatron's default: the experts as wide as ffn_hidden_size
-    if base is None:
         needed = ["num_layers", "hidden_size", "num_attention_heads", "num_moe_experts", "moe_ffn_hidden_size"]
         missing = [k for k in needed if FIELDS[k] not in given]
         if missing:
