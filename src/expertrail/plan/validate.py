@@ -32,6 +32,7 @@ from .layout import (GRAPH_MODULES_DEFAULTS, expand_layout, layout_text, name_li
 from .simulate import domain_for
 from .modelzoo import launch_arguments
 from .launch_line import script_arguments
+from .launch_script import script_at, script_launch
 
 FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
 DOMAIN_FIELD = "num_of_hybrid_ep_ranks_per_nvlink_domain"
@@ -187,8 +188,22 @@ def split_arguments(tokens: list) -> tuple:
     Python launch (``torchrun --nproc_per_node 8 --nnodes 4 pretrain_gpt.py --flag ...``, ``python
     pretrain_gpt.py --flag ...``) as its script's arguments on the GPUs torchrun starts
     (`launch_line.script_arguments`)."""
+    at = script_at(tokens)
+    script = None if at is None else str(tokens[at]).strip()
+    tokens = script_arguments(launch_arguments(script_launch(tokens)))
+    try:
+        return _files_and_fields(tokens)
+    except ConfigError as error:
+        if script is None:
+            raise
+        raise ConfigError(f"{error}, in the training command {script} starts (a variable it leaves empty drops a "
+                          f"value: give its arguments after it and its variables before it, NAME=value {script} "
+                          "ARG ...)") from None
+
+
+def _files_and_fields(tokens: list) -> tuple:
+    """`split_arguments` of tokens with no launch left in them."""
     files, pairs = [], []
-    tokens = script_arguments(launch_arguments(tokens))
     i = 0
     while i < len(tokens):
         tok = str(tokens[i]).strip()

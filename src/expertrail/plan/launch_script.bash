@@ -1,0 +1,76 @@
+# Read (as BASH_ENV) by the restricted bash that runs a launch script for expertrail
+# (plan/launch_script.py). No program lies on that shell's PATH, so every command the script
+# starts arrives here instead, and is recorded, not run. Shells and sbatch get one step more, as
+# on the node: the string of `bash -c STRING` (or the file of `bash FILE`), and the script sbatch
+# is given (a file, --wrap, or the here-document on its input), run here in a subshell; sbatch's
+# script is recorded too, after sbatch, as the command `#SBATCH SCRIPT`.
+
+# A record goes to the descriptor EXPERTRAIL_RECORD_FD as NUL-ended triples (this handler's
+# process id, c | w | +, text): c starts a command, w a word, + continues the word. Commands of
+# one pipeline are recorded at once by their own processes; each printf is one write of under
+# 4 KiB (1,000 characters of at most 4 bytes), which lands whole, so the process id sorts out
+# whose piece is whose.
+__expertrail_record() {
+    local word at
+    printf '%s\0c\0\0' "$BASHPID" >&"$EXPERTRAIL_RECORD_FD"
+    for word in "$@"; do
+        printf '%s\0w\0%s\0' "$BASHPID" "${word:0:1000}" >&"$EXPERTRAIL_RECORD_FD"
+        for ((at = 1000; at < ${#word}; at += 1000)); do
+            printf '%s\0+\0%s\0' "$BASHPID" "${word:at:1000}" >&"$EXPERTRAIL_RECORD_FD"
+        done
+    done
+}
+
+command_not_found_handle() {
+    __expertrail_record "$@"
+    local i j body=""
+    for ((i = 1; i <= $#; i++)); do
+        case ${!i##*/} in
+        bash | sh | dash)
+            local string=0
+            for ((j = i + 1; j <= $#; j++)); do
+                case ${!j} in
+                -o | +o | -O | +O) ((j++)) ;;       # an option that takes a value
+                --*) ;;
+                -*c* | +*c*) string=1 ;;
+                -* | +*) ;;
+                *) break ;;
+                esac
+            done
+            ((j <= $#)) || return 0
+            if ((string)); then
+                body=${!j}
+            else
+                [[ -f ${!j} ]] || return 0
+                body=$(<"${!j}")
+            fi
+            (set -- "${@:j+1}"; eval "$body")
+            return 0
+            ;;
+        sbatch)
+            for ((j = i + 1; j <= $#; j++)); do
+                case ${!j} in
+                --wrap=*) body=${!j#--wrap=}; break ;;
+                --wrap) ((j++)); body=${!j}; break ;;
+                -*) ;;
+                *) if [[ -f ${!j} ]]; then body=$(<"${!j}"); break; fi ;;
+                esac
+            done
+            if [[ -z $body && ! -t 0 ]]; then
+                IFS= read -r -d "" body || true    # sbatch <<EOF: the script is its input
+            fi
+            [[ -n $body ]] || return 0
+            __expertrail_record "#SBATCH" "$body"          # its directives give the job's size
+            (set -- "${@:j+1}"; eval "$body")
+            return 0
+            ;;
+        esac
+    done
+    return 0
+}
+
+# A directory change is refused in restricted mode; granted here, as it changes nothing that the
+# script's commands are read by, and a refusal would end a script run with `set -e`.
+cd() { return 0; }
+pushd() { return 0; }
+popd() { return 0; }

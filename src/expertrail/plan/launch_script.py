@@ -1,0 +1,233 @@
+"""A launch script read as the training command it starts.
+
+Megatron-LM's example scripts (examples/mixtral/train_mixtral_8x7b_distributed.sh,
+examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh), like most users' own, build a run's
+arguments in bash: variables with defaults (``NNODES=${SLURM_NNODES:-1}``), arithmetic, arrays
+appended to under conditions; and start it with ``torchrun``, ``python pretrain_gpt.py`` or
+``srun``, directly, through ``bash -c "..."`` or from an sbatch here-document. Rather than imitate
+bash, `recorded_commands` lets bash run the script, in its restricted mode (``bash -r``) with no
+program on its PATH: assignments, conditions, loops and functions run as they would on the node,
+and every command the script would start reaches bash's ``command_not_found_handle``
+(launch_script.bash), which records it in place of running it. Restricted bash refuses output
+redirections to files and commands named by a path, so reading a script starts nothing and writes
+nothing; a script that runs on past `TIMEOUT_S` is stopped.
+
+`script_launch` replaces ``[NAME=value ...] [bash | sh | sbatch [options]] train.sh [arguments]``
+among a command line's tokens with the arguments of the training command the script starts, and
+the GPUs it starts them on: torchrun's (`launch_line.script_arguments`), else srun's ``--nodes`` x
+``--ntasks-per-node``, else the job's allocation (the script's ``#SBATCH`` lines and sbatch's
+options, as Slurm's variables the script can read too).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+
+from ..errors import ConfigError
+from .launch_line import launcher_at, script_arguments
+from .modelzoo import LAUNCH_SCRIPTS, SHELL_VARIABLE, run_environment
+
+SUFFIXES = (".sh", ".bash", ".sbatch", ".slurm")
+TIMEOUT_S = 10.0
+_PRELUDE = Path(__file__).with_name("launch_script.bash")
+_SHELLS = {"bash", "sh", "\\"}
+_SHEBANG = re.compile(rb"#!\s*\S*(bash|/sh|env\s+(ba)?sh)\b")
+# Slurm's options for a job's size, as sbatch and srun spell them -> what they set.
+_SLURM_OPTIONS = {"-N": "nodes", "--nodes": "nodes", "--ntasks-per-node": "tasks_per_node",
+                  "--gpus-per-node": "gpus_per_node", "--gres": "gres"}
+
+
+def script_at(tokens: list) -> int | None:
+    """The index of the launch script among command-line ``tokens``, or None: a path ending in
+    .sh (.bash, .sbatch, .slurm), or, first on the line or after a shell, sbatch or a
+    ``NAME=value``, an existing file whose first line is a ``#!`` naming bash or sh. The
+    ModelZoo's benchmarking scripts are read by `modelzoo.launch_arguments` instead."""
+    words = [str(t).strip() for t in tokens]
+    for i, word in enumerate(words):
+        path = Path(word)
+        if path.name in LAUNCH_SCRIPTS or word.startswith("-") or "=" in word:
+            continue
+        if path.suffix in SUFFIXES:
+            return i
+        if i == 0 or words[i - 1] in _SHELLS | {"sbatch"} or SHELL_VARIABLE.match(words[i - 1]):
+            try:
+                with path.open("rb") as f:
+                    if _SHEBANG.match(f.readline()):
+                        return i
+            except OSError:
+                continue
+    return None
+
+
+def script_launch(tokens: list) -> list:
+    """``tokens`` with a launch script (``[NAME=value ...] [bash | sh | sbatch [options]] FILE
+    [arguments]``; the arguments are the bare words after it, up to the first flag or
+    ``key=value``) replaced by the arguments of the training command it starts and the GPUs it
+    starts it on (``gpus_per_node``, ``num_nodes``); ``tokens`` as they are where they name none."""
+    at = script_at(tokens)
+    if at is None:
+        return list(tokens)
+    words = [str(t).strip() for t in tokens]
+    path = Path(words[at])
+    if not path.is_file():
+        raise ConfigError(f"launch script {words[at]!r} not found: give the path of the script that starts the run "
+                          "(expertrail reads it with bash, running none of its commands)")
+    end = at + 1
+    while end < len(words) and not words[end].startswith("-") and "=" not in words[end]:
+        end += 1
+    start, sbatch_options = at, []
+    if "sbatch" in words[:at]:
+        start = max(i for i in range(at) if words[i] == "sbatch")
+        sbatch_options = words[start + 1:at]
+    while start > 0 and (words[start - 1] in _SHELLS or SHELL_VARIABLE.match(words[start - 1])):
+        start -= 1
+    variables = [w for w in words[start:at] if SHELL_VARIABLE.match(w)]
+    given = {name: value.strip("'\"") for name, _, value in (w.partition("=") for w in variables)}
+    job = {**_slurm_sizes(_directives(path.read_text(errors="replace"))), **_slurm_sizes(sbatch_options)}
+    environment = {**_slurm_environment(job), **given}
+    commands, said = recorded_commands(path, words[at + 1:end], environment)
+    command = training_command(path, commands, said)
+    return [*words[:start], *run_environment(variables), *_launch_arguments(command, commands, job), *words[end:]]
+
+
+def recorded_commands(path: Path, arguments: list, environment: dict, timeout: float | None = None) -> tuple:
+    """(every command the shell script at ``path`` would start given ``arguments`` and only
+    ``environment`` as its environment, in order, each as its words; what bash printed on its
+    error output): bash runs it restricted, with no program it could start (module docstring),
+    for at most ``timeout`` seconds (`TIMEOUT_S`)."""
+    timeout = TIMEOUT_S if timeout is None else timeout
+    bash = shutil.which("bash")
+    if bash is None:
+        raise ConfigError(f"reading launch script {path} needs bash, which is not on PATH: give the training command "
+                          "it runs instead (torchrun ... pretrain_gpt.py --megatron-flag ...)")
+    with tempfile.TemporaryDirectory() as nowhere, tempfile.TemporaryFile() as record:
+        env = {"PATH": nowhere, "HOME": nowhere, "BASH_ENV": str(_PRELUDE),
+               "EXPERTRAIL_RECORD_FD": str(record.fileno()), **environment}
+        shell = subprocess.Popen([bash, "-r", str(path.resolve()), *arguments], cwd=path.resolve().parent, env=env,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 pass_fds=(record.fileno(),), start_new_session=True)
+        try:
+            _, errors = shell.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(shell.pid, signal.SIGKILL)        # the script's subshells too
+            shell.communicate()
+            raise ConfigError(f"launch script {path} still ran after {timeout:g} s with none of its commands started "
+                              "(a loop that waits on a job?): give the training command it runs instead") from None
+        record.seek(0)
+        parts = record.read().split(b"\0")
+    commands, current = [], {}                  # pieces by process (launch_script.bash)
+    for pid, tag, text in zip(parts[0::3], parts[1::3], parts[2::3]):
+        if tag == b"c":
+            current[pid] = []
+            commands.append(current[pid])
+        elif tag == b"w":
+            current[pid].append(text)
+        else:
+            current[pid][-1] += text            # a piece may end inside a character: decoded whole below
+    commands = [[word.decode(errors="replace") for word in command] for command in commands]
+    return commands, errors.decode(errors="replace").strip()
+
+
+def training_command(path: Path, commands: list, said: str = "") -> list:
+    """The training run among a script's ``commands``: the Python launch among them
+    (`launch_line.launcher_at`), or where there are several, the one of a ``pretrain*.py``
+    script; a ConfigError naming what the script runs (and the last line bash ``said`` on its
+    error output) where none or several remain."""
+    launches = [c for c in commands if launcher_at(c) is not None]
+    pretrain = [c for c in launches if any(re.match(r"pretrain\w*\.py$", Path(w).name) for w in c)]
+    distinct = list(dict.fromkeys(map(tuple, pretrain or launches)))
+    if len(distinct) == 1:
+        return list(distinct[0])
+    if distinct:
+        first = next((i for i, words in enumerate(zip(*distinct)) if len(set(words)) > 1), min(map(len, distinct)) - 1)
+        shown = "; ".join("... " + " ".join(c[max(first - 1, 0):first + 1]) + " ..." for c in distinct)
+        raise ConfigError(f"launch script {path} starts {len(distinct)} training commands ({shown}): give the one "
+                          "to read as its own line (torchrun ... pretrain_gpt.py --megatron-flag ...)")
+    ran = ", ".join(dict.fromkeys(c[0] for c in commands if c)) or "no command"
+    raise ConfigError(f"launch script {path} starts no Python training command (torchrun, python ... .py): it runs "
+                      f"{ran}" + (f"; bash said: {said.splitlines()[-1]}" if said else "")
+                      + ". Give the training command it runs instead (torchrun ... pretrain_gpt.py --megatron-flag ...)")
+
+
+def _launch_arguments(command: list, commands: list, job: dict) -> list:
+    """A recorded training ``command``'s script arguments on its GPUs: torchrun's, else the nodes
+    x tasks a node of the srun that starts it (on its line, or the last srun recorded before it,
+    whose ``bash -c`` string it is in) in its job (``job``, the script's own allocation, or that
+    of an sbatch recorded before it); each Slurm task one GPU."""
+    start, _, torchrun = launcher_at(command)
+    arguments = script_arguments(command[start:])
+    if torchrun and any(a.startswith("gpus_per_node=") for a in arguments):
+        return arguments
+    before = commands[:max(i for i, c in enumerate(commands) if c == command)]
+    own = _srun(command[:start])
+    srun, sizes = own, dict(job)
+    for k, words in enumerate(before):
+        if words and Path(words[0]).name == "sbatch":
+            script = before[k + 1][1] if k + 1 < len(before) and before[k + 1][0] == "#SBATCH" else ""
+            sizes = {**job, **_slurm_sizes(_directives(script)), **_slurm_sizes(words[1:])}
+        elif own is None and _srun(words) is not None:
+            srun = _srun(words)
+    if srun is None:
+        return arguments
+    sizes.update(_slurm_sizes(srun))
+    if sizes.get("nodes") and sizes.get("tasks_per_node"):
+        arguments += [f"gpus_per_node={sizes['tasks_per_node']}", f"num_nodes={sizes['nodes']}"]
+    return arguments
+
+
+def _srun(words: list) -> list | None:
+    """The options of the srun among ``words``, or None where there is none."""
+    names = [Path(w).name for w in words]
+    return words[names.index("srun") + 1:] if "srun" in names else None
+
+
+def _directives(script: str) -> list:
+    """The options of a batch script's ``#SBATCH`` lines, which sbatch reads up to its first
+    command."""
+    options = []
+    for line in script.splitlines()[1:]:
+        line = line.strip()
+        if line and not line.startswith("#"):
+            break
+        if line.startswith("#SBATCH"):
+            options += line.split("#", 2)[1].split()[1:]
+    return options
+
+
+def _slurm_sizes(options: list) -> dict:
+    """{nodes, tasks_per_node, gpus_per_node} that sbatch or srun ``options`` give, where whole
+    numbers (``-N 4``, ``--nodes=4``, ``--ntasks-per-node 8``, ``--gpus-per-node 8``,
+    ``--gres=gpu:8``; a node range's upper end)."""
+    sizes, i = {}, 0
+    while i < len(options):
+        name, eq, value = options[i].partition("=")
+        if name.startswith("-N") and len(name) > 2 and not eq:
+            name, value, eq = "-N", name[2:], "="
+        i += 1
+        if name in _SLURM_OPTIONS:
+            if not eq and i < len(options):
+                value, i = options[i], i + 1
+            value = value.split(":")[-1].split("-")[-1]
+            if value.isdigit():
+                sizes[_SLURM_OPTIONS[name]] = int(value)
+    if "gres" in sizes:
+        sizes.setdefault("gpus_per_node", sizes.pop("gres"))
+    return sizes
+
+
+def _slurm_environment(sizes: dict) -> dict:
+    """The variables Slurm sets in a job of ``sizes``, which launch scripts read
+    (``NNODES=${SLURM_NNODES:-1}``)."""
+    env = {}
+    if "nodes" in sizes:
+        env.update(SLURM_NNODES=str(sizes["nodes"]), SLURM_JOB_NUM_NODES=str(sizes["nodes"]))
+    if "tasks_per_node" in sizes:
+        env["SLURM_NTASKS_PER_NODE"] = str(sizes["tasks_per_node"])
+    if "gpus_per_node" in sizes:
+        env.update(SLURM_GPUS_ON_NODE=str(sizes["gpus_per_node"]), SLURM_GPUS_PER_NODE=str(sizes["gpus_per_node"]))
+    return env
