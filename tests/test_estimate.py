@@ -224,6 +224,8 @@ def test_a_model_spelled_out_by_fields_says_its_vocabulary_was_assumed(capsys):
     assert main(args + ["--vocab-size", "129280", "--swiglu"]) == 0
     out = capsys.readouterr().out
     assert "vocab_size" not in out and "swiglu" not in out
+    assert main(args + ["--quick-geglu"]) == 0             # GPT-OSS's activation, gated too
+    assert "swiglu=true" not in capsys.readouterr().out
     assert main(["estimate", "--hardware", "h100", "--gpus", "8", "--model", "qwen3-30b-a3b",
                  "--expert-model-parallel-size", "8", "--moe-router-force-load-balancing"]) == 0
     assert "vocab_size" not in capsys.readouterr().out

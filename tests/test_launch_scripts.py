@@ -180,3 +180,24 @@ def test_long_words_and_pipelines_come_back_whole(tmp_path):
     runs = sorted(c for c in commands if c[0] == "python")
     assert runs == [["python", "pretrain_gpt.py", "--tokenizer-model", f"{long}{i}", "--bf16"] for i in range(8)]
     assert sorted(c for c in commands if c[0] == "tee") == [["tee", f"{i}.log"] for i in range(8)]
+
+
+def test_the_script_takes_every_word_after_it_and_runs_where_bash_would(tmp_path, monkeypatch):
+    """As Megatron-LM's examples/gptoss/02_train.sh: its own options after it, a check that the
+    training script is in the directory it is started from."""
+    script = _script(tmp_path, """#!/bin/bash
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        --experts) EXPERTS=$2; shift 2 ;;
+        *) echo "Unknown option: $1"; exit 1 ;;
+    esac
+done
+if [ ! -f pretrain_gpt.py ]; then echo "Error: run from Megatron-LM's root"; exit 1; fi
+torchrun --nproc_per_node 8 pretrain_gpt.py --num-experts ${EXPERTS:-8} "$@"
+""")
+    with pytest.raises(ConfigError, match="it printed last: Error: run from Megatron-LM's root"):
+        config_values(["bash", script, "--experts", "64"])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    values = config_values(["bash", script, "--experts", "64", "hardware=h100"])
+    assert (values["num_moe_experts"], values["hardware"]) == (64, "h100")    # key=value stays a field

@@ -411,15 +411,15 @@ def fine_tunes_checkpoint(fields: dict) -> bool:
 def unstated_model_fields(fields: dict) -> list:
     """What a model spelled out by Megatron fields (no catalog or Hugging Face base) takes from
     elsewhere, for the estimate's assumed line: the vocabulary, when no vocab_size is given (its
-    tokenizer's model's, else `UNSTATED_VOCAB`), gated MLPs where it does not say, and the
-    router's balance of a checkpoint it fine-tunes."""
+    tokenizer's model's, else `UNSTATED_VOCAB`), gated MLPs where it does not say (``swiglu``,
+    ``quick_geglu`` and ``gated_linear_unit`` say so), and the router's balance of a checkpoint it fine-tunes."""
     named = tokenizer_checkpoint(fields)
     out = []
     if not any(fields.get(k) for k in ("vocab_size", "padded_vocab_size")):
         out.append(f"vocab_size={padded_vocab(named.vocab, fields)} ({named.name}'s, named by tokenizer_model, padded "
                    "to a multiple of make_vocab_size_divisible_by x TP as Megatron-LM pads it)" if named else
                    f"vocab_size={UNSTATED_VOCAB} (Megatron sizes it from the tokenizer: give vocab_size)")
-    if not fields.get("swiglu") and fields.get("gated_linear_unit") is None:
+    if not (fields.get("swiglu") or fields.get("quick_geglu")) and fields.get("gated_linear_unit") is None:
         out.append("swiglu=true (gated MLPs, as every supported family's; Megatron-LM's default without --swiglu, "
                    "an ungated GeLU MLP, is not costed)")
     if named and fine_tunes_checkpoint(fields) and not _balances_globally(fields):

@@ -36,6 +36,7 @@ SUFFIXES = (".sh", ".bash", ".sbatch", ".slurm")
 TIMEOUT_S = 10.0
 _PRELUDE = Path(__file__).with_name("launch_script.bash")
 _SHELLS = {"bash", "sh", "\\"}
+_FIELD = re.compile(r"[a-z][a-z0-9_.]*=")        # hardware=h100: expertrail's field, not the script's argument
 _SHEBANG = re.compile(rb"#!\s*\S*(bash|/sh|env\s+(ba)?sh)\b")
 # Slurm's options for a job's size, as sbatch and srun spell them -> what they set.
 _SLURM_OPTIONS = {"-N": "nodes", "--nodes": "nodes", "--ntasks-per-node": "tasks_per_node",
@@ -66,9 +67,10 @@ def script_at(tokens: list) -> int | None:
 
 def script_launch(tokens: list) -> list:
     """``tokens`` with a launch script (``[NAME=value ...] [bash | sh | sbatch [options]] FILE
-    [arguments]``; the arguments are the bare words after it, up to the first flag or
-    ``key=value``) replaced by the arguments of the training command it starts and the GPUs it
-    starts it on (``gpus_per_node``, ``num_nodes``); ``tokens`` as they are where they name none."""
+    [arguments]``: its arguments are every word after it but a lower-case ``key=value``, which
+    stays a field, ``hardware=h100``) replaced by the arguments of the training command it starts
+    and the GPUs it starts it on (``gpus_per_node``, ``num_nodes``); ``tokens`` as they are where
+    they name none."""
     at = script_at(tokens)
     if at is None:
         return list(tokens)
@@ -77,9 +79,7 @@ def script_launch(tokens: list) -> list:
     if not path.is_file():
         raise ConfigError(f"launch script {words[at]!r} not found: give the path of the script that starts the run "
                           "(expertrail reads it with bash, running none of its commands)")
-    end = at + 1
-    while end < len(words) and not words[end].startswith("-") and "=" not in words[end]:
-        end += 1
+    arguments = [w for w in words[at + 1:] if not _FIELD.match(w)]
     start, sbatch_options = at, []
     if "sbatch" in words[:at]:
         start = max(i for i in range(at) if words[i] == "sbatch")
@@ -90,15 +90,16 @@ def script_launch(tokens: list) -> list:
     given = {name: value.strip("'\"") for name, _, value in (w.partition("=") for w in variables)}
     job = {**_slurm_sizes(_directives(path.read_text(errors="replace"))), **_slurm_sizes(sbatch_options)}
     environment = {**_slurm_environment(job), **given}
-    commands, said = recorded_commands(path, words[at + 1:end], environment)
-    command = training_command(path, commands, said)
-    return [*words[:start], *run_environment(variables), *_launch_arguments(command, commands, job), *words[end:]]
+    commands, printed = recorded_commands(path, arguments, environment)
+    command = training_command(path, commands, printed)
+    fields = [w for w in words[at + 1:] if _FIELD.match(w)]
+    return [*words[:start], *run_environment(variables), *_launch_arguments(command, commands, job), *fields]
 
 
 def recorded_commands(path: Path, arguments: list, environment: dict, timeout: float | None = None) -> tuple:
     """(every command the shell script at ``path`` would start given ``arguments`` and only
-    ``environment`` as its environment, in order, each as its words; what bash printed on its
-    error output): bash runs it restricted, with no program it could start (module docstring),
+    ``environment`` as its environment, in order, each as its words; what it printed, output
+    and errors together): bash runs it restricted, with no program it could start (module docstring),
     for at most ``timeout`` seconds (`TIMEOUT_S`)."""
     timeout = TIMEOUT_S if timeout is None else timeout
     bash = shutil.which("bash")
@@ -108,11 +109,11 @@ def recorded_commands(path: Path, arguments: list, environment: dict, timeout: f
     with tempfile.TemporaryDirectory() as nowhere, tempfile.TemporaryFile() as record:
         env = {"PATH": nowhere, "HOME": nowhere, "BASH_ENV": str(_PRELUDE),
                "EXPERTRAIL_RECORD_FD": str(record.fileno()), **environment}
-        shell = subprocess.Popen([bash, "-r", str(path.resolve()), *arguments], cwd=path.resolve().parent, env=env,
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        shell = subprocess.Popen([bash, "-r", str(path), *arguments], env=env,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  pass_fds=(record.fileno(),), start_new_session=True)
         try:
-            _, errors = shell.communicate(timeout=timeout)
+            printed, _ = shell.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(shell.pid, signal.SIGKILL)        # the script's subshells too
             shell.communicate()
@@ -130,14 +131,14 @@ def recorded_commands(path: Path, arguments: list, environment: dict, timeout: f
         else:
             current[pid][-1] += text            # a piece may end inside a character: decoded whole below
     commands = [[word.decode(errors="replace") for word in command] for command in commands]
-    return commands, errors.decode(errors="replace").strip()
+    return commands, printed.decode(errors="replace").strip()
 
 
-def training_command(path: Path, commands: list, said: str = "") -> list:
+def training_command(path: Path, commands: list, printed: str = "") -> list:
     """The training run among a script's ``commands``: the Python launch among them
     (`launch_line.launcher_at`), or where there are several, the one of a ``pretrain*.py``
-    script; a ConfigError naming what the script runs (and the last line bash ``said`` on its
-    error output) where none or several remain."""
+    script; a ConfigError naming what the script runs (and the last line it ``printed``: why it
+    stopped, where it did) where none or several remain."""
     launches = [c for c in commands if launcher_at(c) is not None]
     pretrain = [c for c in launches if any(re.match(r"pretrain\w*\.py$", Path(w).name) for w in c)]
     distinct = list(dict.fromkeys(map(tuple, pretrain or launches)))
@@ -150,7 +151,7 @@ def training_command(path: Path, commands: list, said: str = "") -> list:
                           "to read as its own line (torchrun ... pretrain_gpt.py --megatron-flag ...)")
     ran = ", ".join(dict.fromkeys(c[0] for c in commands if c)) or "no command"
     raise ConfigError(f"launch script {path} starts no Python training command (torchrun, python ... .py): it runs "
-                      f"{ran}" + (f"; bash said: {said.splitlines()[-1]}" if said else "")
+                      f"{ran}" + (f"; it printed last: {printed.splitlines()[-1]}" if printed else "")
                       + ". Give the training command it runs instead (torchrun ... pretrain_gpt.py --megatron-flag ...)")
 
 
