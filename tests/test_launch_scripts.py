@@ -201,3 +201,28 @@ torchrun --nproc_per_node 8 pretrain_gpt.py --num-experts ${EXPERTS:-8} "$@"
     (tmp_path / "pretrain_gpt.py").write_text("")
     values = config_values(["bash", script, "--experts", "64", "hardware=h100"])
     assert (values["num_moe_experts"], values["hardware"]) == (64, "h100")    # key=value stays a field
+
+
+def test_a_script_finds_and_sources_its_own_files(tmp_path, monkeypatch):
+    """`SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd); source "$SCRIPT_DIR/..."`, which
+    restricted bash would refuse (cd, source of a path) or could not run (dirname): done on the
+    path's text, from wherever the script is started."""
+    (tmp_path / "scripts" / "conf").mkdir(parents=True)
+    (tmp_path / "scripts" / "conf" / "model.sh").write_text(
+        "MODEL_ARGS=(--num-layers 4 --num-experts 16 --moe-router-topk 2)\n")
+    script = tmp_path / "scripts" / "train.sh"
+    script.write_text("""#!/bin/bash
+set -euo pipefail
+SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+source "${SCRIPT_DIR}/conf/model.sh"
+. $SCRIPT_DIR/../scripts/conf/model.sh
+ROOT=$(realpath "$SCRIPT_DIR/..")
+torchrun --nproc_per_node 8 pretrain_gpt.py "${MODEL_ARGS[@]}" --wandb-exp-name $(basename "$0" .sh) --save "$ROOT/ckpt"
+""")
+    monkeypatch.chdir(tmp_path.parent)
+    for path in (script, script.relative_to(tmp_path.parent)):
+        commands, printed = launch_script.recorded_commands(path, [], {})
+        assert printed == ""
+        assert commands == [["torchrun", "--nproc_per_node", "8", "pretrain_gpt.py", "--num-layers", "4",
+                             "--num-experts", "16", "--moe-router-topk", "2", "--wandb-exp-name", "train",
+                             "--save", f"{tmp_path}/ckpt"]]

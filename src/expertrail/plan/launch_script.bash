@@ -69,8 +69,54 @@ command_not_found_handle() {
     return 0
 }
 
-# A directory change is refused in restricted mode; granted here, as it changes nothing that the
-# script's commands are read by, and a refusal would end a script run with `set -e`.
-cd() { return 0; }
-pushd() { return 0; }
+# What a script uses to find its own files, which restricted mode refuses (cd, source and . of a
+# path) or which are programs (dirname, basename, realpath): done here, on the path's text, as
+# `SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd); source "$SCRIPT_DIR/common.sh"`
+# needs them. The directory a cd goes to is kept in PWD (and read by pwd); the process itself
+# stays where it started, so relative paths in the script's own tests ([ -f FILE ]) still read
+# from there. A file sourced is read in a function: its `declare`s are local to that read.
+__expertrail_absolute() {
+    local path=$1 part
+    local -a parts=()
+    [[ $path == /* ]] || path=$PWD/$path
+    local IFS=/
+    for part in $path; do
+        case $part in
+        '' | .) ;;
+        ..) ((${#parts[@]})) && unset 'parts[${#parts[@]}-1]' ;;
+        *) parts+=("$part") ;;
+        esac
+    done
+    printf '/%s\n' "${parts[*]}"
+}
+cd() {
+    while [[ ${1-} == -[LPe@]* ]]; do shift; done
+    PWD=$(__expertrail_absolute "${1:-$HOME}")
+    return 0
+}
+pushd() { cd "$@"; }
 popd() { return 0; }
+pwd() { printf '%s\n' "$PWD"; }
+dirname() {
+    local path=${1:-.}
+    while [[ $path == */ && $path != / ]]; do path=${path%/}; done
+    if [[ $path != */* ]]; then path=.; else path=${path%/*}; fi
+    printf '%s\n' "${path:-/}"
+}
+basename() {
+    local path=${1%/}
+    path=${path##*/}
+    [[ -n ${2-} && $path != "$2" ]] && path=${path%"$2"}
+    printf '%s\n' "$path"
+}
+realpath() {
+    local path
+    for path in "$@"; do [[ $path == -* ]] || __expertrail_absolute "$path"; done
+}
+source() {
+    local __expertrail_file=$1
+    shift
+    [[ $__expertrail_file == /* ]] || __expertrail_file=$PWD/$__expertrail_file
+    eval "$(<"$__expertrail_file")"
+}
+. () { source "$@"; }

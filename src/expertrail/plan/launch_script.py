@@ -10,7 +10,8 @@ program on its PATH: assignments, conditions, loops and functions run as they wo
 and every command the script would start reaches bash's ``command_not_found_handle``
 (launch_script.bash), which records it in place of running it. Restricted bash refuses output
 redirections to files and commands named by a path, so reading a script starts nothing and writes
-nothing; a script that runs on past `TIMEOUT_S` is stopped.
+nothing; a script that runs on past `TIMEOUT_S` is stopped. What scripts use to find their own
+files (cd, source, dirname, ...) is done there on the paths' text.
 
 `script_launch` replaces ``[NAME=value ...] [bash | sh | sbatch [options]] train.sh [arguments]``
 among a command line's tokens with the arguments of the training command the script starts, and
