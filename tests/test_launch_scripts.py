@@ -226,3 +226,15 @@ torchrun --nproc_per_node 8 pretrain_gpt.py "${MODEL_ARGS[@]}" --wandb-exp-name 
         assert commands == [["torchrun", "--nproc_per_node", "8", "pretrain_gpt.py", "--num-layers", "4",
                              "--num-experts", "16", "--moe-router-topk", "2", "--wandb-exp-name", "train",
                              "--save", f"{tmp_path}/ckpt"]]
+
+
+def test_an_old_or_missing_bash_is_named(tmp_path, monkeypatch):
+    """macOS's /bin/bash is 3.2, which has no command_not_found_handle: refused by name, not read
+    as a script that starts nothing."""
+    script = _script(tmp_path, "torchrun --nproc_per_node 8 pretrain_gpt.py --num-experts 8\n")
+    monkeypatch.setattr(launch_script, "_bash_version", lambda bash: 3)
+    with pytest.raises(ConfigError, match=r"needs bash 4 or newer, and .* is 3.x"):
+        config_values([script])
+    monkeypatch.setattr(launch_script.shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match="needs bash, which is not on PATH"):
+        config_values([script])

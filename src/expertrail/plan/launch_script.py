@@ -27,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -103,10 +104,7 @@ def recorded_commands(path: Path, arguments: list, environment: dict, timeout: f
     and errors together): bash runs it restricted, with no program it could start (module docstring),
     for at most ``timeout`` seconds (`TIMEOUT_S`)."""
     timeout = TIMEOUT_S if timeout is None else timeout
-    bash = shutil.which("bash")
-    if bash is None:
-        raise ConfigError(f"reading launch script {path} needs bash, which is not on PATH: give the training command "
-                          "it runs instead (torchrun ... pretrain_gpt.py --megatron-flag ...)")
+    bash = _bash(path)
     with tempfile.TemporaryDirectory() as nowhere, tempfile.TemporaryFile() as record:
         env = {"PATH": nowhere, "HOME": nowhere, "BASH_ENV": str(_PRELUDE),
                "EXPERTRAIL_RECORD_FD": str(record.fileno()), **environment}
@@ -133,6 +131,26 @@ def recorded_commands(path: Path, arguments: list, environment: dict, timeout: f
             current[pid][-1] += text            # a piece may end inside a character: decoded whole below
     commands = [[word.decode(errors="replace") for word in command] for command in commands]
     return commands, printed.decode(errors="replace").strip()
+
+
+@lru_cache(maxsize=1)
+def _bash_version(bash: str) -> int:
+    """The major version of the bash at ``bash``."""
+    out = subprocess.run([bash, "-c", "echo ${BASH_VERSINFO[0]}"], capture_output=True, text=True, timeout=10)
+    return int(out.stdout.strip() or 0)
+
+
+def _bash(path: Path) -> str:
+    """The bash that reads launch scripts: one on PATH, version 4 or newer (its
+    command_not_found_handle and BASHPID), else a ConfigError saying so."""
+    bash = shutil.which("bash")
+    instead = "give the training command it runs instead (torchrun ... pretrain_gpt.py --megatron-flag ...)"
+    if bash is None:
+        raise ConfigError(f"reading launch script {path} needs bash, which is not on PATH: {instead}")
+    if _bash_version(bash) < 4:
+        raise ConfigError(f"reading launch script {path} needs bash 4 or newer, and {bash} is "
+                          f"{_bash_version(bash)}.x (macOS's own): put a newer bash first on PATH, or {instead}")
+    return bash
 
 
 def training_command(path: Path, commands: list, printed: str = "") -> list:
