@@ -242,6 +242,11 @@ def test_a_torchrun_line_is_its_scripts_arguments_on_the_gpus_it_starts(capsys):
     assert "on 32 x h100" in captured.out and "warning" not in captured.err
     module = "python3 -m torch.distributed.run --nproc-per-node=4 --nnodes=1:2 --standalone pretrain_gpt.py --bf16"
     assert Config(config_values(module.split())).world == 8
+    # The interpreter's own options before the module or the script.
+    module = "python -X faulthandler -u -m torch.distributed.run --nproc_per_node 8 pretrain_gpt.py --bf16"
+    assert Config(config_values(module.split())).world == 8
+    assert script_arguments("python -u -W ignore pretrain_gpt.py --bf16".split()) == ["--bf16"]
+    assert script_arguments("python -c print(1) --bf16".split()) == "python -c print(1) --bf16".split()
 
 
 def test_a_torchrun_line_states_gpus_only_where_it_counts_them():

@@ -25,21 +25,29 @@ SWITCHES = {"--standalone", "--no-python", "--no_python", "--run-path", "--run_p
             "--use-env", "--use_env"}
 _PYTHON = re.compile(r"(.*/)?python[0-9.]*$")
 _MODULES = ("torch.distributed.run", "torch.distributed.launch")
+_PYTHON_VALUED = ("-W", "-X", "-Q")             # the interpreter's options that take a value
 
 
 def launcher_at(tokens: list) -> tuple | None:
-    """(where the launch starts, where the launcher's options start, whether it is torchrun) in
-    ``tokens``, or None where they hold no Python launch: ``torchrun``, a Python running
-    torch.distributed.run / .launch as a module, or a Python running a script (``*.py``); shell
-    variables set just before it belong to it."""
+    """(where the launch starts, where the launcher's options start (a Python script's name, for
+    a plain Python), whether it is torchrun) in ``tokens``, or None where they hold no Python
+    launch: ``torchrun``, a Python running torch.distributed.run / .launch as a module, or a
+    Python running a script (``*.py``), the interpreter's own options (``-u``, ``-X dev``)
+    before either; shell variables set just before it belong to it."""
     words = [str(t).strip() for t in tokens]
     for i, word in enumerate(words):
         if word.rsplit("/", 1)[-1] == "torchrun":
             start, options, torchrun = i, i + 1, True
-        elif word in _MODULES and i >= 2 and words[i - 1] == "-m" and _PYTHON.match(words[i - 2]):
-            start, options, torchrun = i - 2, i + 1, True
-        elif _PYTHON.match(word) and i + 1 < len(words) and words[i + 1].endswith(".py"):
-            start, options, torchrun = i, i + 1, False
+        elif _PYTHON.match(word):
+            j = i + 1
+            while j < len(words) and words[j].startswith("-") and words[j] not in ("-m", "-c"):
+                j += 2 if words[j] in _PYTHON_VALUED else 1
+            if j < len(words) and words[j].endswith(".py"):
+                start, options, torchrun = i, j, False
+            elif j + 1 < len(words) and words[j] == "-m" and words[j + 1] in _MODULES:
+                start, options, torchrun = i, j + 2, True
+            else:
+                continue
         else:
             continue
         while start > 0 and SHELL_VARIABLE.match(words[start - 1]):
