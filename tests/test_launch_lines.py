@@ -249,6 +249,17 @@ def test_a_torchrun_line_is_its_scripts_arguments_on_the_gpus_it_starts(capsys):
     assert script_arguments("python -c print(1) --bf16".split()) == "python -c print(1) --bf16".split()
 
 
+def test_an_srun_line_is_its_scripts_arguments_one_gpu_a_task():
+    """Slurm starting Python itself, one process a task: srun's options are not fields, and its
+    nodes x tasks a node are the GPUs; torchrun under srun counts its own."""
+    line = "srun -N4 --ntasks-per-node=8 --container-image=img python -u pretrain_gpt.py --bf16".split()
+    assert script_arguments(line) == ["--bf16", "gpus_per_node=8", "num_nodes=4"]
+    assert Config(config_values(line)).world == 32
+    line = "srun --nodes 2 --ntasks-per-node 1 torchrun --nproc_per_node 4 --nnodes 2 pretrain_gpt.py".split()
+    assert script_arguments(line) == ["gpus_per_node=4", "num_nodes=2"]
+    assert script_arguments("srun --mpi=pmix python pretrain_gpt.py --bf16".split()) == ["--bf16"]
+
+
 def test_a_torchrun_line_states_gpus_only_where_it_counts_them():
     """No --nproc_per_node (torchrun's default of one process), or a device word (gpu, auto):
     the GPUs are not stated, and --gpus gives them; a line without a script is refused."""

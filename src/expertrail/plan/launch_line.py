@@ -11,7 +11,8 @@ process as ``python pretrain_gpt.py --flags``, and Megatron-Bridge's performance
 after `validate` or `estimate`, the interpreter, the launcher's options and the script's name are
 not Megatron fields or a config file: `script_arguments` keeps the script's arguments and turns
 torchrun's ``--nproc_per_node`` x ``--nnodes`` into the run's GPUs (``gpus_per_node`` and
-``num_nodes``).
+``num_nodes``); for a Python started by Slurm (``srun --nodes 4 --ntasks-per-node 8 python
+pretrain_gpt.py ...``), one process a task, srun's ``--nodes`` x ``--ntasks-per-node``.
 """
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ SWITCHES = {"--standalone", "--no-python", "--no_python", "--run-path", "--run_p
 _PYTHON = re.compile(r"(.*/)?python[0-9.]*$")
 _MODULES = ("torch.distributed.run", "torch.distributed.launch")
 _PYTHON_VALUED = ("-W", "-X", "-Q")             # the interpreter's options that take a value
+# Slurm's options for a job's size, as sbatch and srun spell them -> what they set.
+_SLURM_OPTIONS = {"-N": "nodes", "--nodes": "nodes", "--ntasks-per-node": "tasks_per_node",
+                  "--gpus-per-node": "gpus_per_node", "--gres": "gres"}
 
 
 def launcher_at(tokens: list) -> tuple | None:
@@ -56,11 +60,13 @@ def launcher_at(tokens: list) -> tuple | None:
     return None
 
 
-def script_arguments(tokens: list) -> list:
-    """``tokens`` with a Python launch replaced by its script's arguments, and for torchrun the
-    GPUs it starts as ``gpus_per_node`` (its ``--nproc_per_node``, where a number) and
-    ``num_nodes`` (``--nnodes``, the upper bound of an elastic range; 1 where not given);
-    ``tokens`` as they are where they hold no launch."""
+def script_arguments(tokens: list, job: dict | None = None) -> list:
+    """``tokens`` with a Python launch replaced by its script's arguments, and the GPUs it starts
+    (``gpus_per_node``, ``num_nodes``): for torchrun, its ``--nproc_per_node`` (where a number) x
+    ``--nnodes`` (the upper bound of an elastic range; 1 where not given); else, for a launch an
+    srun starts (on its line, or, as ``job``, the `slurm_sizes` of the srun and allocation that
+    start it), srun's nodes x tasks a node, over ``job``'s; ``tokens`` as they are where they
+    hold no launch."""
     found = launcher_at(tokens)
     if found is None:
         return list(tokens)
@@ -81,7 +87,11 @@ def script_arguments(tokens: list) -> list:
     if i >= len(words):
         raise ConfigError("a torchrun launch names no training script: write torchrun [its options] pretrain_gpt.py "
                           "--megatron-flag ...")
-    out = [*words[:start], *run_environment(words[start:found[1]]), *words[i + 1:]]
+    before, srun = words[:start], srun_options(words[:start])
+    if srun is not None:
+        before = before[:len(before) - len(srun) - 1]
+        job = {**(job or {}), **slurm_sizes(srun)}
+    out = [*before, *run_environment(words[start:found[1]]), *words[i + 1:]]
     nproc = options.get("nproc_per_node")
     if nproc is not None and nproc.isdigit():
         out.append(f"gpus_per_node={nproc}")
@@ -90,4 +100,33 @@ def script_arguments(tokens: list) -> list:
             raise ConfigError(f"torchrun --nnodes {options['nnodes']}: a whole number of nodes (or MIN:MAX), e.g. "
                               "--nnodes 4")
         out.append(f"num_nodes={nodes}")
+    elif not torchrun and job and job.get("nodes") and job.get("tasks_per_node"):
+        out += [f"gpus_per_node={job['tasks_per_node']}", f"num_nodes={job['nodes']}"]
     return out
+
+
+def srun_options(words: list) -> list | None:
+    """The options of the srun among ``words`` (the words after it), or None where there is none."""
+    names = [w.rsplit("/", 1)[-1] for w in words]
+    return words[names.index("srun") + 1:] if "srun" in names else None
+
+
+def slurm_sizes(options: list) -> dict:
+    """{nodes, tasks_per_node, gpus_per_node} that sbatch or srun ``options`` give, where whole
+    numbers (``-N 4``, ``-N4``, ``--nodes=4``, ``--ntasks-per-node 8``, ``--gpus-per-node 8``,
+    ``--gres=gpu:8``; a node range's upper end)."""
+    sizes, i = {}, 0
+    while i < len(options):
+        name, eq, value = options[i].partition("=")
+        if name.startswith("-N") and len(name) > 2 and not eq:
+            name, value, eq = "-N", name[2:], "="
+        i += 1
+        if name in _SLURM_OPTIONS:
+            if not eq and i < len(options):
+                value, i = options[i], i + 1
+            value = value.split(":")[-1].split("-")[-1]
+            if value.isdigit():
+                sizes[_SLURM_OPTIONS[name]] = int(value)
+    if "gres" in sizes:
+        sizes.setdefault("gpus_per_node", sizes.pop("gres"))
+    return sizes

@@ -31,7 +31,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..errors import ConfigError
-from .launch_line import launcher_at, script_arguments
+from .launch_line import launcher_at, script_arguments, slurm_sizes, srun_options
 from .modelzoo import LAUNCH_SCRIPTS, SHELL_VARIABLE, run_environment
 
 SUFFIXES = (".sh", ".bash", ".sbatch", ".slurm")
@@ -40,9 +40,6 @@ _PRELUDE = Path(__file__).with_name("launch_script.bash")
 _SHELLS = {"bash", "sh", "\\"}
 _FIELD = re.compile(r"[a-z][a-z0-9_.]*=")        # hardware=h100: expertrail's field, not the script's argument
 _SHEBANG = re.compile(rb"#!\s*\S*(bash|/sh|env\s+(ba)?sh)\b")
-# Slurm's options for a job's size, as sbatch and srun spell them -> what they set.
-_SLURM_OPTIONS = {"-N": "nodes", "--nodes": "nodes", "--ntasks-per-node": "tasks_per_node",
-                  "--gpus-per-node": "gpus_per_node", "--gres": "gres"}
 
 
 def script_at(tokens: list) -> int | None:
@@ -90,7 +87,7 @@ def script_launch(tokens: list) -> list:
         start -= 1
     variables = [w for w in words[start:at] if SHELL_VARIABLE.match(w)]
     given = {name: value.strip("'\"") for name, _, value in (w.partition("=") for w in variables)}
-    job = {**_slurm_sizes(_directives(path.read_text(errors="replace"))), **_slurm_sizes(sbatch_options)}
+    job = {**slurm_sizes(_directives(path.read_text(errors="replace"))), **slurm_sizes(sbatch_options)}
     environment = {**_slurm_environment(job), **given}
     commands, printed = recorded_commands(path, arguments, environment)
     command = training_command(path, commands, printed)
@@ -175,35 +172,22 @@ def training_command(path: Path, commands: list, printed: str = "") -> list:
 
 
 def _launch_arguments(command: list, commands: list, job: dict) -> list:
-    """A recorded training ``command``'s script arguments on its GPUs: torchrun's, else the nodes
-    x tasks a node of the srun that starts it (on its line, or the last srun recorded before it,
-    whose ``bash -c`` string it is in) in its job (``job``, the script's own allocation, or that
-    of an sbatch recorded before it); each Slurm task one GPU."""
-    start, _, torchrun = launcher_at(command)
-    arguments = script_arguments(command[start:])
-    if torchrun and any(a.startswith("gpus_per_node=") for a in arguments):
-        return arguments
+    """A recorded training ``command``'s script arguments on its GPUs (`launch_line.
+    script_arguments`): an srun starts it on its line, or it runs in the ``bash -c`` string of the
+    last srun recorded before it; its job is ``job`` (the script's own allocation) or that of an
+    sbatch recorded before it. A Python no srun starts is one process: no GPUs stated."""
+    start = launcher_at(command)[0]
     before = commands[:max(i for i, c in enumerate(commands) if c == command)]
-    own = _srun(command[:start])
-    srun, sizes = own, dict(job)
+    sizes, srun = dict(job), srun_options(command[:start])
     for k, words in enumerate(before):
         if words and Path(words[0]).name == "sbatch":
             script = before[k + 1][1] if k + 1 < len(before) and before[k + 1][0] == "#SBATCH" else ""
-            sizes = {**job, **_slurm_sizes(_directives(script)), **_slurm_sizes(words[1:])}
-        elif own is None and _srun(words) is not None:
-            srun = _srun(words)
+            sizes = {**job, **slurm_sizes(_directives(script)), **slurm_sizes(words[1:])}
+        elif srun_options(words) is not None and srun_options(command[:start]) is None:
+            srun = srun_options(words)
     if srun is None:
-        return arguments
-    sizes.update(_slurm_sizes(srun))
-    if sizes.get("nodes") and sizes.get("tasks_per_node"):
-        arguments += [f"gpus_per_node={sizes['tasks_per_node']}", f"num_nodes={sizes['nodes']}"]
-    return arguments
-
-
-def _srun(words: list) -> list | None:
-    """The options of the srun among ``words``, or None where there is none."""
-    names = [Path(w).name for w in words]
-    return words[names.index("srun") + 1:] if "srun" in names else None
+        return script_arguments(command[start:])
+    return script_arguments(command[start:], job={**sizes, **slurm_sizes(srun)})
 
 
 def _directives(script: str) -> list:
@@ -217,27 +201,6 @@ def _directives(script: str) -> list:
         if line.startswith("#SBATCH"):
             options += line.split("#", 2)[1].split()[1:]
     return options
-
-
-def _slurm_sizes(options: list) -> dict:
-    """{nodes, tasks_per_node, gpus_per_node} that sbatch or srun ``options`` give, where whole
-    numbers (``-N 4``, ``--nodes=4``, ``--ntasks-per-node 8``, ``--gpus-per-node 8``,
-    ``--gres=gpu:8``; a node range's upper end)."""
-    sizes, i = {}, 0
-    while i < len(options):
-        name, eq, value = options[i].partition("=")
-        if name.startswith("-N") and len(name) > 2 and not eq:
-            name, value, eq = "-N", name[2:], "="
-        i += 1
-        if name in _SLURM_OPTIONS:
-            if not eq and i < len(options):
-                value, i = options[i], i + 1
-            value = value.split(":")[-1].split("-")[-1]
-            if value.isdigit():
-                sizes[_SLURM_OPTIONS[name]] = int(value)
-    if "gres" in sizes:
-        sizes.setdefault("gpus_per_node", sizes.pop("gres"))
-    return sizes
 
 
 def _slurm_environment(sizes: dict) -> dict:
