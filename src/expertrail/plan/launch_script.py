@@ -178,12 +178,13 @@ def _launch_arguments(command: list, commands: list, job: dict) -> list:
     sbatch recorded before it. A Python no srun starts is one process: no GPUs stated."""
     start = launcher_at(command)[0]
     before = commands[:max(i for i, c in enumerate(commands) if c == command)]
-    sizes, srun = dict(job), srun_options(command[:start])
+    own = srun_options(command[:start])
+    sizes, srun = dict(job), own
     for k, words in enumerate(before):
         if words and Path(words[0]).name == "sbatch":
             script = before[k + 1][1] if k + 1 < len(before) and before[k + 1][0] == "#SBATCH" else ""
             sizes = {**job, **slurm_sizes(_directives(script)), **slurm_sizes(words[1:])}
-        elif srun_options(words) is not None and srun_options(command[:start]) is None:
+        elif own is None and srun_options(words) is not None:
             srun = srun_options(words)
     if srun is None:
         return script_arguments(command[start:])
