@@ -412,7 +412,8 @@ def unstated_model_fields(fields: dict) -> list:
     """What a model spelled out by Megatron fields (no catalog or Hugging Face base) takes from
     elsewhere, for the estimate's assumed line: the vocabulary, when no vocab_size is given (its
     tokenizer's model's, else `UNSTATED_VOCAB`), gated MLPs where it does not say (``swiglu``,
-    ``quick_geglu`` and ``gated_linear_unit`` say so), and the router's balance of a checkpoint it fine-tunes."""
+    ``quick_geglu`` and ``gated_linear_unit`` say so), and the router's balance of a checkpoint
+    it fine-tunes."""
     named = tokenizer_checkpoint(fields)
     out = []
     if not any(fields.get(k) for k in ("vocab_size", "padded_vocab_size")):
