@@ -80,7 +80,10 @@ def test_megatron_lm_script_reads_as_the_torchrun_line_it_starts(tmp_path):
     # The same as the torchrun line pasted, which is what bash runs.
     commands, _ = launch_script.recorded_commands(tmp_path / "train.sh", ["tok"], {"SLURM_NNODES": "4"})
     torchrun = next(c for c in commands if c[0] == "torchrun")
-    assert config_values(torchrun) == config_values(["SLURM_NNODES=4", script, "tok"])
+    read = config_values(["SLURM_NNODES=4", script, "tok"])
+    assert config_values(torchrun) == {k: v for k, v in read.items() if k != "launch_script"}
+    arguments = len(torchrun) - torchrun.index("pretrain_gpt.py") - 1
+    assert read["launch_script"].endswith(f"pretrain_gpt.py with {arguments} arguments")
     assert sorted(c[0] for c in commands) == ["tee", "torchrun"]        # one pipeline: either first
 
 
@@ -89,6 +92,10 @@ def test_estimate_reads_a_launch_script(tmp_path, capsys):
     assert main(["estimate", "--hardware", "h100", "SLURM_NNODES=4", script, "tok"]) == 0
     out = capsys.readouterr().out
     assert "on 32 x h100: TP 1 PP 4" in out and "EP 8" in out and "dispatcher alltoall" in out
+    launch = "torchrun --nproc_per_node 8 --nnodes 4 --master_addr localhost pretrain_gpt.py"
+    assert out.startswith(f"read: {script} starts {launch} with 44 arguments\n")
+    assert main(["validate", "--json", "SLURM_NNODES=4", script, "tok"]) == 0
+    assert f'"launch_script": "{script} starts {launch} with 44 arguments"' in capsys.readouterr().out
 
 
 def test_sbatch_here_document_srun_and_bash_c_give_the_run_and_its_job(tmp_path):

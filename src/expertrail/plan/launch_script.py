@@ -35,6 +35,7 @@ from .launch_line import launcher_at, script_arguments, slurm_sizes, srun_option
 from .modelzoo import LAUNCH_SCRIPTS, SHELL_VARIABLE, run_environment
 
 SUFFIXES = (".sh", ".bash", ".sbatch", ".slurm")
+LAUNCH_FIELD = "launch_script"                   # what was read, for the commands to say: expertrail's field
 TIMEOUT_S = 10.0
 _PRELUDE = Path(__file__).with_name("launch_script.bash")
 _SHELLS = {"bash", "sh", "\\"}
@@ -68,8 +69,8 @@ def script_launch(tokens: list) -> list:
     """``tokens`` with a launch script (``[NAME=value ...] [bash | sh | sbatch [options]] FILE
     [arguments]``: its arguments are every word after it but a lower-case ``key=value``, which
     stays a field, ``hardware=h100``) replaced by the arguments of the training command it starts
-    and the GPUs it starts it on (``gpus_per_node``, ``num_nodes``); ``tokens`` as they are where
-    they name none."""
+    and the GPUs it starts it on (``gpus_per_node``, ``num_nodes``), and `LAUNCH_FIELD` saying what
+    was read; ``tokens`` as they are where they name none."""
     at = script_at(tokens)
     if at is None:
         return list(tokens)
@@ -92,7 +93,11 @@ def script_launch(tokens: list) -> list:
     commands, printed = recorded_commands(path, arguments, environment)
     command = training_command(path, commands, printed)
     fields = [w for w in words[at + 1:] if _FIELD.match(w)]
-    return [*words[:start], *run_environment(variables), *_launch_arguments(command, commands, job), *fields]
+    begin, options, _ = launcher_at(command)
+    script = next((k for k in range(options, len(command)) if command[k].endswith(".py")), options - 1)
+    read = (f"{LAUNCH_FIELD}={path} starts {' '.join(command[begin:script + 1])} with {len(command) - script - 1} "
+            "arguments")
+    return [*words[:start], *run_environment(variables), *_launch_arguments(command, commands, job), read, *fields]
 
 
 def recorded_commands(path: Path, arguments: list, environment: dict, timeout: float | None = None) -> tuple:

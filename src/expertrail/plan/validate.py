@@ -84,7 +84,8 @@ MODEL_FIELD = "expertrail_model"
 # Fields the rules read that are expertrail's, not Megatron's.
 EXPERTRAIL_FIELDS = {"hardware": "str", "world_size": "int", "num_nodes": "int", "gpus_per_node": "int",
                      "torch_version": "str", DOMAIN_FIELD: "int", "data_parallel_size": "int", MODEL_FIELD: "str",
-                     "model_family_name": "str", "model_recipe_name": "str", "modelzoo_model": "str"}
+                     "model_family_name": "str", "model_recipe_name": "str", "modelzoo_model": "str",
+                     "launch_script": "str"}
 
 
 def _kinds() -> dict:

@@ -122,6 +122,9 @@ def run(args) -> int:
     # nothing here, and would change nothing in Megatron but an error: said, not passed over.
     unknown = unknown_fields(values)
     result["unknown_fields"] = [w["field"] for w in unknown]
+    if values.get("launch_script"):
+        result["launch_script"] = values["launch_script"]
+        print(f"read: {values['launch_script']}")
     print(format_estimate(result))
     for w in unknown:
         close = f" (did you mean {w['closest']!r}?)" if w["closest"] else ""

@@ -71,8 +71,12 @@ def run(args) -> int:
     failed = bool(violations) or (args.strict and bool(warnings))
     if args.json:
         print(dumps({"valid": not failed, "rules_checked": len(RULES), "fields_checked": len(values),
-                     "warnings": warnings, "violations": [v.__dict__ for v in violations]}, fallback=str))
+                     "warnings": warnings, "violations": [v.__dict__ for v in violations],
+                     **({"launch_script": values["launch_script"]} if values.get("launch_script") else {})},
+                    fallback=str))
         return 1 if failed else 0
+    if values.get("launch_script"):
+        print(f"read: {values['launch_script']}")
     for w in warnings:
         print(f"warning: {w['message']}")
     if violations:
