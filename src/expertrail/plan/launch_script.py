@@ -32,13 +32,12 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .launch_line import launcher_at, script_arguments, slurm_sizes, srun_options
-from .modelzoo import LAUNCH_SCRIPTS, SHELL_VARIABLE, run_environment
+from .modelzoo import LAUNCH_SCRIPTS, SHELL_VARIABLE, SHELLS, launch_start, run_environment, shell_variables
 
 SUFFIXES = (".sh", ".bash", ".sbatch", ".slurm")
 LAUNCH_FIELD = "launch_script"                   # what was read, for the commands to say: expertrail's field
 TIMEOUT_S = 10.0
 _PRELUDE = Path(__file__).with_name("launch_script.bash")
-_SHELLS = {"bash", "sh", "\\"}
 _FIELD = re.compile(r"[a-z][a-z0-9_.]*=")        # hardware=h100: expertrail's field, not the script's argument
 _SHEBANG = re.compile(rb"#!\s*\S*(bash|/sh|env\s+(ba)?sh)\b")
 
@@ -55,7 +54,7 @@ def script_at(tokens: list) -> int | None:
             continue
         if path.suffix in SUFFIXES:
             return i
-        if i == 0 or words[i - 1] in _SHELLS | {"sbatch"} or SHELL_VARIABLE.match(words[i - 1]):
+        if i == 0 or words[i - 1] in SHELLS | {"sbatch"} or SHELL_VARIABLE.match(words[i - 1]):
             try:
                 with path.open("rb") as f:
                     if _SHEBANG.match(f.readline()):
@@ -80,14 +79,13 @@ def script_launch(tokens: list) -> list:
         raise ConfigError(f"launch script {words[at]!r} not found: give the path of the script that starts the run "
                           "(expertrail reads it with bash, running none of its commands)")
     arguments = [w for w in words[at + 1:] if not _FIELD.match(w)]
-    start, sbatch_options = at, []
+    launched, sbatch_options = at, []
     if "sbatch" in words[:at]:
-        start = max(i for i in range(at) if words[i] == "sbatch")
-        sbatch_options = words[start + 1:at]
-    while start > 0 and (words[start - 1] in _SHELLS or SHELL_VARIABLE.match(words[start - 1])):
-        start -= 1
+        launched = max(i for i in range(at) if words[i] == "sbatch")
+        sbatch_options = words[launched + 1:at]
+    start = launch_start(words, launched)
     variables = [w for w in words[start:at] if SHELL_VARIABLE.match(w)]
-    given = {name: value.strip("'\"") for name, _, value in (w.partition("=") for w in variables)}
+    given = shell_variables(variables)
     job = {**slurm_sizes(_directives(path.read_text(errors="replace"))), **slurm_sizes(sbatch_options)}
     environment = {**_slurm_environment(job), **given}
     commands, printed = recorded_commands(path, arguments, environment)

@@ -26,7 +26,7 @@ from pathlib import Path
 from ..errors import ConfigError
 
 LAUNCH_SCRIPTS = ("sbatch_benchmarking.sh", "interactive_benchmarking.sh")
-_SHELLS = {"bash", "sh", "env", "\\"}
+SHELLS = {"bash", "sh", "env", "\\"}              # words between a launch's variables and its script
 
 # runtime_configs/benchmarking/runtime.conf at the ModelZoo's commit e8650517 (2026-05): per model,
 # what a launch line leaves unset. NUM_LAYERS is the script's count for the pipeline split (Qwen3-235B's
@@ -99,10 +99,7 @@ def launch_arguments(tokens: list) -> list:
     if at is None:
         return list(tokens)
     script = Path(str(tokens[at]).strip())
-    start = at                                  # the launch's variables and shell, just before its script
-    while start > 0 and (str(tokens[start - 1]).strip() in _SHELLS
-                         or SHELL_VARIABLE.match(str(tokens[start - 1]).strip())):
-        start -= 1
+    start = launch_start([str(t).strip() for t in tokens], at)
     env = _launch_variables(tokens[start:at], script.name)
     flags = [str(t) for t in tokens[at + 1:]]
     model_file = Path(env["TRAINING_PARAMS_PATH"]) if env.get("TRAINING_PARAMS_PATH") else \
@@ -125,6 +122,22 @@ def launch_arguments(tokens: list) -> list:
     return [str(t) for t in tokens[:start]] + run_environment(tokens[start:at]) + params + nodes + found
 
 
+def launch_start(words: list, at: int) -> int:
+    """Where the launch of the script ``words[at]`` starts: the shell variables it sets and the
+    shell it names just before it (``PR=mxfp8 TP=1 bash``)."""
+    start = at
+    while start > 0 and (words[start - 1] in SHELLS or SHELL_VARIABLE.match(words[start - 1])):
+        start -= 1
+    return start
+
+
+def shell_variables(words: list) -> dict:
+    """{NAME: value} of the ``NAME=value`` assignments among a launch's ``words``, the shell's
+    quotes taken off."""
+    return {name: value.strip().strip("'\"")
+            for name, _, value in (str(w).strip().partition("=") for w in words if SHELL_VARIABLE.match(str(w).strip()))}
+
+
 def run_environment(assignments: list) -> list:
     """The ``NAME=value`` assignments among a launch's shell variables that the run reads as
     fields (`RUN_ENVIRONMENT`)."""
@@ -135,11 +148,7 @@ def _launch_variables(before: list, script: str) -> dict:
     """The shell variables a launch line sets before its script (``NAME=value``), over its
     model's runtime.conf row and the scripts' own defaults (as common.conf and runtime.conf fill
     them)."""
-    given = {}
-    for tok in map(str, before):
-        name, eq, value = tok.strip().partition("=")
-        if eq:
-            given[name] = value.strip().strip("'\"")
+    given = shell_variables(before)
     model = given.get("MODEL")
     if model not in RUNTIME_DEFAULTS:
         what = f"MODEL={model} is not one of the ModelZoo's models" if model else "the line sets no MODEL"

@@ -32,7 +32,7 @@ from .layout import (GRAPH_MODULES_DEFAULTS, expand_layout, layout_text, name_li
 from .simulate import domain_for
 from .modelzoo import launch_arguments
 from .launch_line import script_arguments
-from .launch_script import script_at, script_launch
+from .launch_script import LAUNCH_FIELD, script_at, script_launch
 
 FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
 DOMAIN_FIELD = "num_of_hybrid_ep_ranks_per_nvlink_domain"
@@ -85,7 +85,7 @@ MODEL_FIELD = "expertrail_model"
 EXPERTRAIL_FIELDS = {"hardware": "str", "world_size": "int", "num_nodes": "int", "gpus_per_node": "int",
                      "torch_version": "str", DOMAIN_FIELD: "int", "data_parallel_size": "int", MODEL_FIELD: "str",
                      "model_family_name": "str", "model_recipe_name": "str", "modelzoo_model": "str",
-                     "launch_script": "str"}
+                     LAUNCH_FIELD: "str"}
 
 
 def _kinds() -> dict:
@@ -188,7 +188,8 @@ def split_arguments(tokens: list) -> tuple:
     --flag ...``) is read as the arguments it starts its run with (`modelzoo.launch_arguments`), a
     Python launch (``torchrun --nproc_per_node 8 --nnodes 4 pretrain_gpt.py --flag ...``, ``python
     pretrain_gpt.py --flag ...``) as its script's arguments on the GPUs torchrun starts
-    (`launch_line.script_arguments`)."""
+    (`launch_line.script_arguments`), and a launch script (``NNODES=4 bash train.sh``) as the
+    training command it starts (`launch_script.script_launch`)."""
     at = script_at(tokens)
     script = None if at is None else str(tokens[at]).strip()
     tokens = script_arguments(launch_arguments(script_launch(tokens)))
