@@ -680,12 +680,16 @@ def test_plan_fit_tries_ep_overlap_where_megatron_allows_it(capsys):
 def test_terms_add_up_to_the_step():
     """estimate --json's terms_s: GEMM, attention, elementwise, recompute, EP, TP, pipeline, bubble,
     DP, optimizer (and FSDP, offload where set) sum to the step."""
+    every = {"gemm", "attention", "elementwise", "recompute", "host_sync", "ep", "tp", "cp", "pipeline", "fsdp",
+             "offload", "pp_bubble", "host_bound", "dp", "optimizer", "optimizer_offload"}
     for fields in (dict(tp=2, pp=8, vpp=4, ep=32, global_batch=2048, precision="fp8"),
                    dict(pp=4, ep=8, global_batch=1024, fsdp="optim_grads_params", offload_modules=("moe_act",),
                         optimizer_offload=1.0, ep_overlap=True, delay_wgrad=True)):
         r = run("h100", QWEN, **fields)
         assert sum(r["terms_s"].values()) == pytest.approx(r["step_time_s"], rel=1e-9)
-        assert {"gemm", "attention", "elementwise", "host_sync", "ep", "pp_bubble", "dp", "optimizer"} <= set(r["terms_s"])
+        assert set(r["terms_s"]) == every                  # one shape, 0.0 for what a layout has none of
+        assert all(type(v) is float for v in r["terms_s"].values())
+    assert r["terms_s"]["tp"] == 0.0 and r["terms_s"]["cp"] == 0.0
     assert r["terms_s"]["fsdp"] >= 0 and r["terms_s"]["offload"] >= 0 and r["terms_s"]["optimizer_offload"] > 0
 
 

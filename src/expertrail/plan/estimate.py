@@ -543,12 +543,13 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     parts = slowest["parts"]
     # The step by term: each micro-batch part over every micro-batch, then the bubble, the
     # host's excess over the GPU where launches set the pace, data-parallel traffic, optimizer.
-    terms = {k: m * v for k, v in parts.items()}
+    terms = {k: m * parts.get(k, 0.0) for k in dict.fromkeys(MICRO_BATCH_TERMS + tuple(parts))}
     terms["pp_bubble"] = bubble
     terms["host_bound"] = m * max(0.0, slowest["host_s"] - slowest["gpu_s"])
     terms["dp"] = dp_s
     terms["optimizer"] = optimizer_s - offload_optimizer_s
     terms["optimizer_offload"] = offload_optimizer_s
+    terms = {k: float(v) for k, v in terms.items()}
     result = {
         "model": arch.name, "hardware": hw.name, "gpus": layout.gpus,
         "layout": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": layout.cp, "dp": layout.dp,
@@ -579,6 +580,12 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     }
     result["wall"], result["wall_reason"] = wall(result, busiest, usable)
     return result
+
+
+# A micro-batch's parts, as `layer_seconds` and the pipeline rank add them: every one is a key of
+# `terms_s` (0.0 where the layout has none), so --json has one shape whatever the layout.
+MICRO_BATCH_TERMS = ("gemm", "attention", "elementwise", "recompute", "host_sync", "ep", "tp", "cp", "pipeline",
+                     "fsdp", "offload")
 
 
 def routing_assumption(arch: Architecture, layout: TrainingLayout) -> list:
@@ -697,3 +704,4 @@ def format_estimate(r: dict) -> str:
     if r.get("not_modelled"):
         lines.append(f"not modelled (set, but the estimate leaves them out): {', '.join(r['not_modelled'])}")
     return "\n".join(lines)
+
