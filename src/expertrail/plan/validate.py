@@ -659,6 +659,19 @@ RULES = [
          "recompute_num_layers", _overlap,
          lambda c: c["recompute_granularity"] != "full" and c["recompute_method"] is None
          and c["recompute_num_layers"] is None),
+    # Megatron-Core's TransformerConfig raises on these (and Megatron-LM's arguments on a selective method).
+    Rule("recompute-full-method", "full recompute needs recompute_method (uniform or block) and recompute_num_layers "
+         "(Megatron-Core raises)", ("recompute_granularity", "recompute_method", "recompute_num_layers"),
+         "set recompute_method=uniform and recompute_num_layers=1 (every layer recomputed alone), or "
+         "recompute_method=block with recompute_num_layers the layers of each pipeline stage to recompute",
+         lambda c: c["recompute_granularity"] == "full",
+         lambda c: c["recompute_method"] in ("uniform", "block") and c.given("recompute_num_layers")),
+    Rule("recompute-selective-fields", "selective recompute takes recompute_modules, not recompute_method or "
+         "recompute_num_layers (Megatron-Core raises)", ("recompute_granularity", "recompute_method",
+                                                          "recompute_num_layers"),
+         "unset recompute_method and recompute_num_layers (recompute_modules picks what is recomputed), or use "
+         "recompute_granularity=full", lambda c: c["recompute_granularity"] == "selective",
+         lambda c: not c.given("recompute_method") and not c.given("recompute_num_layers")),
     Rule("ep-overlap-shared", "EP overlap needs the shared-expert overlap off", ("moe_shared_expert_overlap",),
          "set moe_shared_expert_overlap=false", _overlap, lambda c: not c["moe_shared_expert_overlap"]),
     Rule("ep-overlap-mtp", "EP overlap supports at most one MTP layer", ("mtp_num_layers",),
