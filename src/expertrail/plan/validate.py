@@ -559,6 +559,11 @@ def _recompute_modules(c) -> list:
     return name_list(c["recompute_modules"])
 
 
+def _offload_modules(c) -> set:
+    """offload_modules under fine-grained activation offloading (a list, or names split by spaces or commas)."""
+    return set(name_list(c["offload_modules"])) if c["fine_grained_activation_offloading"] else set()
+
+
 def _graph_modules(c) -> set:
     """`_graph_names` under the per-layer implementations (local, Transformer Engine)."""
     return _graph_names(c) if _graph_impl(c) in ("local", "transformer_engine") else set()
@@ -672,6 +677,29 @@ RULES = [
          "unset recompute_method and recompute_num_layers (recompute_modules picks what is recomputed), or use "
          "recompute_granularity=full", lambda c: c["recompute_granularity"] == "selective",
          lambda c: not c.given("recompute_method") and not c.given("recompute_num_layers")),
+    Rule("layout-vpp", "virtual_pipeline_model_parallel_size must match the virtual stages "
+         "pipeline_model_parallel_layout gives (its stages over PP; Megatron-Core asserts)",
+         ("pipeline_model_parallel_layout", "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size"),
+         lambda c: f"unset virtual_pipeline_model_parallel_size (the layout sets it), or set it to "
+                   f"{_layout_stages(c) // int(c['pipeline_model_parallel_size'])}",
+         lambda c: c.given("virtual_pipeline_model_parallel_size") and _layout_stages(c) is not None
+         and _layout_stages(c) % int(c["pipeline_model_parallel_size"]) == 0,
+         lambda c: _layout_stages(c) == int(c["pipeline_model_parallel_size"])
+         * int(c["virtual_pipeline_model_parallel_size"])),
+    Rule("shared-experts-recompute-overlap", "recomputing shared_experts does not work with the shared-expert "
+         "overlap (Megatron-Core raises)", ("recompute_modules", "moe_shared_expert_overlap"),
+         "drop shared_experts from recompute_modules, or set moe_shared_expert_overlap=false",
+         lambda c: "shared_experts" in _recompute_modules(c) and c.given("moe_shared_expert_intermediate_size"),
+         lambda c: not c["moe_shared_expert_overlap"]),
+    Rule("moe-act-needs-grouped-gemm", "recompute_modules moe_act needs the grouped GEMM experts (Megatron-Core "
+         "raises)", ("recompute_modules", "moe_grouped_gemm"), "set moe_grouped_gemm=true, or drop moe_act",
+         lambda c: "moe_act" in _recompute_modules(c) and c.given("moe_grouped_gemm"),
+         lambda c: bool(c["moe_grouped_gemm"])),
+    Rule("delayed-fp8-recompute", "FP8 delayed scaling (Megatron-LM's default fp8_recipe) does not support "
+         "moe_act or layernorm recompute (Megatron-Core raises)", ("fp8", "fp8_recipe", "recompute_modules"),
+         "set fp8_recipe to tensorwise, blockwise or mxfp8, or drop moe_act and layernorm from recompute_modules",
+         lambda c: bool(c["fp8"]) and bool({"moe_act", "layernorm"} & set(_recompute_modules(c))),
+         lambda c: c.given("fp8_recipe") and c["fp8_recipe"] != "delayed"),
     Rule("ep-overlap-shared", "EP overlap needs the shared-expert overlap off", ("moe_shared_expert_overlap",),
          "set moe_shared_expert_overlap=false", _overlap, lambda c: not c["moe_shared_expert_overlap"]),
     Rule("ep-overlap-mtp", "EP overlap supports at most one MTP layer", ("mtp_num_layers",),
@@ -858,6 +886,26 @@ RULES = [
          "set pipeline_model_parallel_size=1, or offload with fine_grained_activation_offloading (works with PP) or "
          "optimizer_cpu_offload", lambda c: bool(c["cpu_offloading"]),
          lambda c: int(c["pipeline_model_parallel_size"]) == 1),
+    Rule("offload-inside-moe-recompute", "offloading expert_fc1, moe_act or fused_group_mlp does not work while "
+         "recompute_modules recomputes the whole moe module (Megatron-Core raises)",
+         ("offload_modules", "recompute_modules"),
+         "drop moe from recompute_modules (moe_act recomputes the activation alone), or drop those offload_modules",
+         lambda c: "moe" in _recompute_modules(c),
+         lambda c: not _offload_modules(c) & {"expert_fc1", "moe_act", "fused_group_mlp"}),
+    Rule("offload-attn-proj-alone", "offloading attn_proj needs core_attn offloaded too: attn_proj's input is "
+         "core_attn's output, which core_attn's backward needs (Megatron-Core raises)", ("offload_modules",),
+         "add core_attn to offload_modules, or drop attn_proj", lambda c: "attn_proj" in _offload_modules(c),
+         lambda c: "core_attn" in _offload_modules(c)),
+    Rule("paged-stash-needs-rank-capacity", "moe_paged_stash needs moe_expert_rank_capacity_factor (Megatron-Core "
+         "raises)", ("moe_paged_stash", "moe_expert_rank_capacity_factor"),
+         "set moe_expert_rank_capacity_factor (e.g. 1.5, with the hybridep backend), or drop moe_paged_stash",
+         lambda c: bool(c["moe_paged_stash"]), lambda c: c.given("moe_expert_rank_capacity_factor")),
+    Rule("padding-for-quantization-dispatcher", "moe_router_padding_for_quantization does not work with the "
+         "allgather dispatcher (Megatron-Core raises)",
+         ("moe_router_padding_for_quantization", "moe_token_dispatcher_type"),
+         "set moe_token_dispatcher_type to alltoall or flex, or drop moe_router_padding_for_quantization",
+         lambda c: bool(c["moe_router_padding_for_quantization"]),
+         lambda c: c["moe_token_dispatcher_type"] not in ("allgather", "alltoall_seq")),
     Rule("gdn-norm-out-needs-gdn", "recompute_modules gdn_norm_out recomputes Gated DeltaNet's output norm: the "
          "attention variant must be Gated DeltaNet (Megatron-Core raises)",
          ("recompute_modules", "experimental_attention_variant"),
