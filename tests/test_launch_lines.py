@@ -124,6 +124,48 @@ def test_the_launch_line_estimates_as_its_published_row(checkout, capsys):
         assert ("its ModelZoo model file (model_configs/benchmarking/<MODEL>.yaml) is not beside" in out) == said
 
 
+# A best_practice/ run script as the ModelZoo writes them: exports, then a menu of launches, run
+# from the checkout's root ("bash best_practice/qwen3/run_gb200_235b.sh").
+RUN_SCRIPT = """# cluster setup
+export MODEL=Qwen3-235B-A22B
+export GB200_CLUSTER=1
+export VPP=
+export SEQ_LEN=4096
+PR=bf16 TP=1 PP=8 EP=32 NNODES=64 GBS=8192 bash sbatch_benchmarking.sh --moe-router-force-load-balancing
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+PRETRAIN=0 PR=mxfp8 MBS=3 DISPATCHER=hybridep A2A_OVERLAP=1 TP=1 PP=4 VPP=6 EP=64 SEGMENT=16 NNODES=64 GBS=3072 \\
+    bash sbatch_benchmarking.sh --recompute-granularity selective --recompute-modules moe_act layernorm \\
+    --moe-router-force-load-balancing --cuda-graph-impl transformer_engine --cuda-graph-scope attn moe_router \\
+    moe_preprocess --fine-grained-activation-offloading --offload-modules expert_fc1 moe_act
+"""
+
+
+def test_a_run_script_hands_its_launch_to_the_modelzoo_reader(checkout, monkeypatch, capsys):
+    """A ModelZoo run script is read with bash up to its `bash sbatch_benchmarking.sh`, which is
+    not followed (it writes files as it builds the command) but handed on with the variables set
+    for it: its second launch (launch=2) reads as the pasted line does and estimates as the row
+    recorded from it; with no launch= the script's two launches are listed, and none is run."""
+    (checkout / "sbatch_benchmarking.sh").write_text("#!/bin/bash\necho ran > ran.txt\n")
+    (checkout / "best_practice" / "qwen3").mkdir(parents=True)
+    (checkout / "best_practice" / "qwen3" / "run_gb200_235b.sh").write_text(RUN_SCRIPT)
+    monkeypatch.chdir(checkout)
+    script = "best_practice/qwen3/run_gb200_235b.sh"
+    v = config_values([script, "launch=2"])
+    assert v.pop("launch_script") == f"{script} starts sbatch_benchmarking.sh (the ModelZoo's) with 16 arguments"
+    assert v == _values(GB200_MXFP8.format(script=checkout / "sbatch_benchmarking.sh"))
+    assert main(["estimate", "--hardware", "gb200", script, "launch=2"]) == 0
+    tflops = float(capsys.readouterr().out.split("throughput: ")[1].split()[0])
+    assert tflops == pytest.approx(calibration.predicted(RECORDED)["tflops_per_gpu"], rel=0.005)
+    first = config_values([script, "launch=1"])
+    assert (first["pipeline_model_parallel_size"], first["expert_model_parallel_size"]) == (8, 32)
+    assert "num_virtual_stages_per_pipeline_rank" not in first          # VPP= empty: runtime.conf's 4 is not
+    with pytest.raises(ConfigError, match=r"starts 2 training commands \(1: .*; 2: .*\): give launch=N"):
+        config_values([script])
+    with pytest.raises(ConfigError, match="launch=3: .* give launch=N with N from 1 to 2"):
+        config_values([script, "launch=3"])
+    assert not (checkout / "ran.txt").exists()
+
+
 def test_runtime_conf_fills_what_a_line_leaves_out(checkout):
     """MODEL alone: Qwen3-235B's runtime.conf row (TP 2, PP 8, EP 32, VPP 4, GBS 256, 32 nodes: of
     8 GPUs on an H100 system, of 4 on a GB200 rack, where GB200_CLUSTER does not say), BF16 with TP

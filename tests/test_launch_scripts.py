@@ -157,7 +157,8 @@ def test_modelzoo_scripts_are_left_to_their_own_reader():
     ("mkdir -p logs\nsbatch job.sh\n", "starts no Python training command (torchrun, python ... .py): it runs mkdir, sbatch"),
     ("/usr/bin/python pretrain_gpt.py --bf16\n", "cannot specify `/' in command names"),
     ("for ep in 8 16; do torchrun --nproc_per_node 8 pretrain_gpt.py --expert-model-parallel-size $ep; done\n",
-     "starts 2 training commands (... --expert-model-parallel-size 8 ...; ... --expert-model-parallel-size 16 ...)"),
+     "starts 2 training commands (1: ... --expert-model-parallel-size 8 ...; 2: ... --expert-model-parallel-size 16 "
+     "...): give launch=N after the script"),
     ("torchrun --nproc_per_node 8 pretrain_gpt.py --tokenizer-model $1 --bf16\n",
      "--tokenizer-model needs a value"),
 ])
@@ -166,6 +167,16 @@ def test_a_script_that_starts_no_single_run_is_refused_by_what_it_does(tmp_path,
     with pytest.raises(ConfigError) as error:
         config_values([script])
     assert message in str(error.value) and "train.sh" in str(error.value)
+
+
+def test_launch_picks_one_of_the_runs_a_script_starts(tmp_path):
+    """launch=N (an expertrail field after the script) reads the N-th of the training commands a
+    script starts, and is refused by name outside 1..N."""
+    script = _script(tmp_path, "for ep in 8 16; do torchrun --nproc_per_node 8 pretrain_gpt.py --num-experts 64 "
+                               "--expert-model-parallel-size $ep; done\n")
+    assert [config_values([script, f"launch={n}"])["expert_model_parallel_size"] for n in (1, 2)] == [8, 16]
+    with pytest.raises(ConfigError, match="launch=0: .* give launch=N with N from 1 to 2"):
+        config_values([script, "launch=0"])
 
 
 def test_a_missing_script_and_one_that_never_ends(tmp_path, monkeypatch):

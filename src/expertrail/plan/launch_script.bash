@@ -21,6 +21,20 @@ __expertrail_record() {
     done
 }
 
+# A script whose run expertrail reads itself (EXPERTRAIL_HANDED_ON: the ModelZoo's
+# sbatch_benchmarking.sh, which writes files as it builds the command) is not followed: it is
+# recorded as the command `#HANDED_ON NAME=value ... bash SCRIPT ARGS`: the variables it reads
+# (EXPERTRAIL_HANDED_ON_VARIABLES) that are set and not empty, and the script's absolute path.
+__expertrail_hand_on() {
+    local j=$1 name
+    shift
+    local -a line=("#HANDED_ON")
+    for name in $EXPERTRAIL_HANDED_ON_VARIABLES; do
+        [[ -n ${!name-} ]] && line+=("$name=${!name}")     # empty is unset to the scripts' ${NAME:-default}
+    done
+    __expertrail_record "${line[@]}" bash "$(__expertrail_absolute "${!j}")" "${@:j+1}"
+}
+
 command_not_found_handle() {
     __expertrail_record "$@"
     local i j body=""
@@ -38,6 +52,10 @@ command_not_found_handle() {
                 esac
             done
             ((j <= $#)) || return 0
+            if ((!string)) && [[ " $EXPERTRAIL_HANDED_ON " == *" ${!j##*/} "* ]]; then
+                __expertrail_hand_on "$j" "$@"
+                return 0
+            fi
             if ((string)); then
                 body=${!j}
             else

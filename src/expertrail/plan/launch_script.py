@@ -17,7 +17,10 @@ files (cd, source, dirname, ...) is done there on the paths' text.
 among a command line's tokens with the arguments of the training command the script starts, and
 the GPUs it starts them on: torchrun's (`launch_line.script_arguments`), else srun's ``--nodes`` x
 ``--ntasks-per-node``, else the job's allocation (the script's ``#SBATCH`` lines and sbatch's
-options, as Slurm's variables the script can read too).
+options, as Slurm's variables the script can read too). A Megatron-MoE-ModelZoo run script's
+``bash sbatch_benchmarking.sh`` is not followed but handed on (`HANDED_ON`) with the variables
+it reads, as the pasted line the ModelZoo reader (modelzoo.py) reads. ``launch=N`` after the
+script picks one of several training commands (`CHOICE_FIELD`).
 """
 from __future__ import annotations
 
@@ -32,11 +35,14 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .launch_line import launcher_at, script_arguments, slurm_sizes, srun_options
-from .modelzoo import LAUNCH_SCRIPTS, SHELL_VARIABLE, SHELLS, launch_start, run_environment, shell_variables
+from .modelzoo import (LAUNCH_SCRIPTS, LAUNCH_VARIABLES, SHELL_VARIABLE, SHELLS, launch_at, launch_start,
+                       run_environment, shell_variables)
 
 SUFFIXES = (".sh", ".bash", ".sbatch", ".slurm")
 LAUNCH_FIELD = "launch_script"                   # what was read, for the commands to say: expertrail's field
 TIMEOUT_S = 10.0
+CHOICE_FIELD = "launch"                          # launch=2: the second of the training commands a script starts
+HANDED_ON = "#HANDED_ON"                         # a ModelZoo launch recorded whole (launch_script.bash)
 _PRELUDE = Path(__file__).with_name("launch_script.bash")
 _FIELD = re.compile(r"[a-z][a-z0-9_.]*=")        # hardware=h100: expertrail's field, not the script's argument
 _SHEBANG = re.compile(rb"#!\s*\S*(bash|/sh|env\s+(ba)?sh)\b")
@@ -88,9 +94,15 @@ def script_launch(tokens: list) -> list:
     given = shell_variables(variables)
     job = {**slurm_sizes(_directives(path.read_text(errors="replace"))), **slurm_sizes(sbatch_options)}
     environment = {**_slurm_environment(job), **given}
+    fields = [w for w in words[at + 1:] if _FIELD.match(w) and not w.startswith(f"{CHOICE_FIELD}=")]
+    choice = next((w.partition("=")[2] for w in words[at + 1:] if w.startswith(f"{CHOICE_FIELD}=")), None)
     commands, printed = recorded_commands(path, arguments, environment)
-    command = training_command(path, commands, printed)
-    fields = [w for w in words[at + 1:] if _FIELD.match(w)]
+    command = training_command(path, commands, printed, choice)
+    if command[0] == HANDED_ON:                 # a ModelZoo launch: its reader builds the arguments
+        zoo = launch_at(command)
+        read = (f"{LAUNCH_FIELD}={path} starts {Path(command[zoo]).name} (the ModelZoo's) with "
+                f"{len(command) - zoo - 1} arguments")
+        return [*words[:start], *command[1:], read, *fields]
     begin, options, _ = launcher_at(command)
     script = next((k for k in range(options, len(command)) if command[k].endswith(".py")), options - 1)
     read = (f"{LAUNCH_FIELD}={path} starts {' '.join(command[begin:script + 1])} with {len(command) - script - 1} "
@@ -107,7 +119,8 @@ def recorded_commands(path: Path, arguments: list, environment: dict, timeout: f
     bash = _bash(path)
     with tempfile.TemporaryDirectory() as nowhere, tempfile.TemporaryFile() as record:
         env = {"PATH": nowhere, "HOME": nowhere, "BASH_ENV": str(_PRELUDE),
-               "EXPERTRAIL_RECORD_FD": str(record.fileno()), **environment}
+               "EXPERTRAIL_RECORD_FD": str(record.fileno()), "EXPERTRAIL_HANDED_ON": " ".join(LAUNCH_SCRIPTS),
+               "EXPERTRAIL_HANDED_ON_VARIABLES": " ".join(LAUNCH_VARIABLES), **environment}
         shell = subprocess.Popen([bash, "-r", str(path), *arguments], env=env,
                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  pass_fds=(record.fileno(),), start_new_session=True)
@@ -153,21 +166,30 @@ def _bash(path: Path) -> str:
     return bash
 
 
-def training_command(path: Path, commands: list, printed: str = "") -> list:
+def training_command(path: Path, commands: list, printed: str = "", choice: str | None = None) -> list:
     """The training run among a script's ``commands``: the Python launch among them
     (`launch_line.launcher_at`), or where there are several, the one of a ``pretrain*.py``
-    script; a ConfigError naming what the script runs (and the last line it ``printed``: why it
-    stopped, where it did) where none or several remain."""
+    script; else a ModelZoo launch the script hands on (`HANDED_ON`). Where several remain,
+    ``choice`` (`CHOICE_FIELD`'s value, from 1) picks one; a ConfigError naming what the script
+    runs (and the last line it ``printed``: why it stopped, where it did) where none remain, or
+    several and no choice."""
     launches = [c for c in commands if launcher_at(c) is not None]
     pretrain = [c for c in launches if any(re.match(r"pretrain\w*\.py$", Path(w).name) for w in c)]
-    distinct = list(dict.fromkeys(map(tuple, pretrain or launches)))
+    handed_on = [c for c in commands if c and c[0] == HANDED_ON]
+    distinct = list(dict.fromkeys(map(tuple, pretrain or launches or handed_on)))
+    if choice is not None:
+        if not choice.isdigit() or not 1 <= int(choice) <= len(distinct):
+            raise ConfigError(f"{CHOICE_FIELD}={choice}: launch script {path} starts {len(distinct)} training "
+                              f"command(s): give {CHOICE_FIELD}=N with N from 1 to {len(distinct)}")
+        return list(distinct[int(choice) - 1])
     if len(distinct) == 1:
         return list(distinct[0])
     if distinct:
         first = next((i for i, words in enumerate(zip(*distinct)) if len(set(words)) > 1), min(map(len, distinct)) - 1)
-        shown = "; ".join("... " + " ".join(c[max(first - 1, 0):first + 1]) + " ..." for c in distinct)
-        raise ConfigError(f"launch script {path} starts {len(distinct)} training commands ({shown}): give the one "
-                          "to read as its own line (torchrun ... pretrain_gpt.py --megatron-flag ...)")
+        shown = "; ".join(f"{n}: ... " + " ".join(c[max(first - 1, 0):first + 1]) + " ..."
+                          for n, c in enumerate(distinct, 1))
+        raise ConfigError(f"launch script {path} starts {len(distinct)} training commands ({shown}): give "
+                          f"{CHOICE_FIELD}=N after the script to read the N-th, or the one to read as its own line")
     ran = ", ".join(dict.fromkeys(c[0] for c in commands if c)) or "no command"
     raise ConfigError(f"launch script {path} starts no Python training command (torchrun, python ... .py): it runs "
                       f"{ran}" + (f"; it printed last: {printed.splitlines()[-1]}" if printed else "")

@@ -82,6 +82,12 @@ RUN_ENVIRONMENT = ("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN",)
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
 
+# The shell variables a launch's scripts read (`_launch_variables`, `_script_flags`): what a
+# launch script that starts one hands on with it (launch_script.py).
+LAUNCH_VARIABLES = ("MODEL", "PR", "DISPATCHER", "A2A_OVERLAP", "OPTIMIZER_OFFLOAD", *_RUNTIME_FIELDS, "LAYERS_PER_VP",
+                    "TRAINING_PARAMS_PATH", "TRAINING_PARAMS", "GB200_CLUSTER", *RUN_ENVIRONMENT)
+
+
 def launch_at(tokens: list) -> int | None:
     """The index of the ModelZoo launch script among ``tokens``, or None where there is none."""
     for i, tok in enumerate(tokens):

@@ -880,6 +880,35 @@ RULES = [
          "the GPU, optimizer_cpu_offload steps on the host",
          lambda c: bool(c["chunked_optimizer_state_offload"]) or bool(c["offload_optimizer_states"]),
          lambda c: not c["optimizer_cpu_offload"] or float(c["optimizer_state_offload_fraction"] or 1.0) == 0.0),
+    # Megatron-LM's argument checks (megatron/training/arguments.py, validate_args).
+    Rule("param-gather-needs", "overlap_param_gather needs the distributed optimizer (or Megatron-FSDP) and "
+         "overlap_grad_reduce (Megatron-LM asserts)",
+         ("overlap_param_gather", "use_distributed_optimizer", "use_megatron_fsdp", "overlap_grad_reduce"),
+         "set use_distributed_optimizer=true and overlap_grad_reduce=true, or drop overlap_param_gather",
+         lambda c: bool(c["overlap_param_gather"]),
+         lambda c: (bool(c["use_distributed_optimizer"]) or bool(c["use_megatron_fsdp"]))
+         and bool(c["overlap_grad_reduce"])),
+    Rule("param-gather-with-step-needs", "overlap_param_gather_with_optimizer_step needs the distributed optimizer, "
+         "overlap_param_gather and virtual pipeline stages (Megatron-LM asserts)",
+         ("overlap_param_gather_with_optimizer_step", "use_distributed_optimizer", "overlap_param_gather",
+          "virtual_pipeline_model_parallel_size"),
+         "set use_distributed_optimizer=true, overlap_param_gather=true and virtual_pipeline_model_parallel_size, "
+         "or drop overlap_param_gather_with_optimizer_step",
+         lambda c: bool(c["overlap_param_gather_with_optimizer_step"]),
+         lambda c: bool(c["use_distributed_optimizer"]) and bool(c["overlap_param_gather"]) and _interleaved(c)),
+    Rule("cpu-optimizer-needs", "optimizer_cpu_offload needs the precision-aware optimizer, and with "
+         "fp8_param_gather FP8 delayed scaling (Megatron-LM asserts)",
+         ("optimizer_cpu_offload", "use_precision_aware_optimizer", "fp8_param_gather", "fp8_recipe"),
+         "set use_precision_aware_optimizer=true (and drop fp8_param_gather unless fp8_recipe=delayed)",
+         lambda c: bool(c["optimizer_cpu_offload"]),
+         lambda c: bool(c["use_precision_aware_optimizer"])
+         and (not c["fp8_param_gather"] or c["fp8_recipe"] in (None, "delayed"))),
+    Rule("torch-fsdp2-layout", "use_torch_fsdp2 (PyTorch's FSDP2) supports neither pipeline nor expert "
+         "parallelism nor the distributed optimizer (Megatron-LM asserts)",
+         ("use_torch_fsdp2", "pipeline_model_parallel_size", "expert_model_parallel_size", "use_distributed_optimizer"),
+         "use Megatron-FSDP instead (use_megatron_fsdp=true, which shards experts over expert-DP), or drop "
+         "use_torch_fsdp2", lambda c: bool(c["use_torch_fsdp2"]),
+         lambda c: int(c["pipeline_model_parallel_size"]) == 1 and c.ep == 1 and not c["use_distributed_optimizer"]),
     # Layer-level activation offloading (cpu_offloading): Megatron-Core's TransformerConfig refuses these.
     Rule("cpu-offload-pp", "layer-level CPU offloading (cpu_offloading) does not support pipeline parallelism "
          "(Megatron-Core raises)", ("cpu_offloading", "pipeline_model_parallel_size"),
