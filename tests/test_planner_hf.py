@@ -173,3 +173,22 @@ def test_glm45_holds_its_published_parameters():
     reads into the 355B parameters its model card gives."""
     arch = from_hf_config(FAMILIES["glm4_moe"][0])
     assert arch.total_params() == pytest.approx(355e9, rel=0.01)
+
+
+def test_attention_the_estimate_costs_as_full_is_named():
+    """DeepSeek-V3.2's sparse attention (index_topk), GPT-OSS's sliding windows (layer_types) and
+    Llama 4's chunked attention are costed as full causal attention, and the estimate's
+    not-modelled line says so; a window the file switches off (Qwen's use_sliding_window false)
+    is not named."""
+    dsv32 = {**FAMILIES["deepseek_v3"][0], "model_type": "deepseek_v32", "index_topk": 2048, "index_n_heads": 64}
+    gpt_oss = {**FAMILIES["gpt_oss"][0], "layer_types": ["sliding_attention", "full_attention"] * 18}
+    scout = {**FAMILIES["llama4_scout"][0], "attention_chunk_size": 8192}
+    qwen = {**FAMILIES["qwen3_moe"][0], "sliding_window": 4096, "use_sliding_window": False}
+    said = {name: from_hf_config(cfg, name).not_modelled
+            for name, cfg in (("dsv32", dsv32), ("gpt_oss", gpt_oss), ("scout", scout), ("qwen", qwen))}
+    assert "index_topk=2048" in said["dsv32"][0] and "18 of 36 layers" in said["gpt_oss"][0]
+    assert "attention_chunk_size=8192" in said["scout"][0] and said["qwen"] == ()
+    result = estimate(from_hf_config(dsv32, "dsv32"), HARDWARE["h100"],
+                      TrainingLayout(gpus=256, pp=4, ep=8, global_batch=256, **megatron_split(61, 0, 4, 1)))
+    assert said["dsv32"][0] in result["not_modelled"]
+    assert ARCHITECTURES["gpt-oss-120b"].not_modelled == from_hf_config(FAMILIES["gpt_oss"][0]).not_modelled

@@ -77,6 +77,9 @@ class Architecture:
     # from the batch's loads, DeepSeek-V3 Technical Report, arXiv 2412.19437, section 2.1.2; in a
     # configuration, Megatron's global_aux_loss or moe_router_enable_expert_bias).
     router_balance: str = "micro_batch"
+    # What the model does that the estimate costs otherwise, said on its not-modelled line
+    # (`hf_not_modelled`: sparse, sliding-window and chunked attention, costed as full attention).
+    not_modelled: tuple = ()
 
     @property
     def moe_layers(self) -> int:
@@ -237,6 +240,12 @@ class Architecture:
         return 3.0 * total
 
 
+def sliding_window_note(window: int, layers: str) -> str:
+    """The not-modelled note of sliding-window attention over ``window`` tokens on ``layers``."""
+    return f"sliding-window attention ({window} tokens, {layers}): costed as full causal attention, as Megatron counts it"
+
+
+GPT_OSS_WINDOW = sliding_window_note(128, "every other layer")
 ARCHITECTURES = {a.name: a for a in [
     # DeepSeek-V3 with its one MTP layer (config.json's num_nextn_predict_layers), as Megatron-Bridge's
     # recipes and the ModelZoo's runs train it (mtp_num_layers=0 in a configuration leaves it out).
@@ -256,8 +265,10 @@ ARCHITECTURES = {a.name: a for a in [
                  linear_v_dim=128, linear_conv=4, router_balance="global_batch"),
     # GPT-OSS (openai/gpt-oss-120b and -20b config.json): every other layer attends over a
     # 128-token window; counted as full causal attention, as Megatron counts it.
-    Architecture("gpt-oss-120b", 36, 0, 2880, 2880, 2880, 128, 4, 0, 64, 8, 64, 201088, swiglu_count=False),
-    Architecture("gpt-oss-20b", 24, 0, 2880, 2880, 2880, 32, 4, 0, 64, 8, 64, 201088, swiglu_count=False),
+    Architecture("gpt-oss-120b", 36, 0, 2880, 2880, 2880, 128, 4, 0, 64, 8, 64, 201088, swiglu_count=False,
+                 not_modelled=(GPT_OSS_WINDOW,)),
+    Architecture("gpt-oss-20b", 24, 0, 2880, 2880, 2880, 32, 4, 0, 64, 8, 64, 201088, swiglu_count=False,
+                 not_modelled=(GPT_OSS_WINDOW,)),
     Architecture("mixtral-8x7b", 32, 0, 4096, 14336, 14336, 8, 2, 0, 32, 8, 128, 32000),
     Architecture("mixtral-8x22b", 56, 0, 6144, 16384, 16384, 8, 2, 0, 48, 8, 128, 32768),
 ]}
@@ -566,8 +577,32 @@ def from_hf_config(cfg: dict, name: str = "hf-model") -> Architecture:
         qk_rope=cfg.get("qk_rope_head_dim") or 0, v_head=cfg.get("v_head_dim") or 0,
         num_groups=moe.num_groups, group_topk=moe.group_topk,
         swiglu_count=cfg.get("model_type") != "gpt_oss", tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        router_balance=hf_router_balance(cfg),
+        router_balance=hf_router_balance(cfg), not_modelled=hf_not_modelled(cfg),
         **linear)
+
+
+def hf_not_modelled(cfg: dict) -> tuple:
+    """What a config.json declares that changes a step's attention and the estimate costs as full
+    causal attention: DeepSeek Sparse Attention (``index_topk``, DeepSeek-V3.2; its indexer left
+    out too), sliding windows (``layer_types`` sliding_attention, GPT-OSS's; or ``sliding_window``
+    with ``use_sliding_window``) and Llama 4's chunked attention (``attention_chunk_size``)."""
+    out = []
+    if cfg.get("index_topk"):
+        out.append(f"DeepSeek Sparse Attention (index_topk={cfg['index_topk']}): costed as full causal attention, "
+                   "its indexer left out")
+    types = cfg.get("layer_types") if isinstance(cfg.get("layer_types"), list) else []
+    window = cfg.get("sliding_window")
+    if window and "sliding_attention" in types:
+        out.append(sliding_window_note(window, f"{types.count('sliding_attention')} of {len(types)} layers"))
+    elif window and cfg.get("use_sliding_window"):
+        out.append(sliding_window_note(window, "its layers from max_window_layers on"
+                                       if cfg.get("max_window_layers") else "every layer"))
+    elif window and cfg.get("model_type") == "gpt_oss":
+        out.append(sliding_window_note(window, "every other layer"))
+    if cfg.get("attention_chunk_size"):
+        out.append(f"chunked attention (attention_chunk_size={cfg['attention_chunk_size']}): costed as full causal "
+                   "attention")
+    return tuple(out)
 
 
 def hf_router_balance(cfg: dict) -> str:
