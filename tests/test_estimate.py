@@ -367,17 +367,20 @@ def test_the_runs_gpus_from_gpus_or_the_configurations_world_size(capsys):
     assert main(flags) == 2 and "--gpus N: give the GPUs of the run" in capsys.readouterr().err
 
 
-def test_a_bridge_performance_script_command_estimates_as_its_fields(capsys):
+def test_a_bridge_performance_script_command_estimates_as_its_fields(capsys, tmp_path):
     """Megatron-Bridge's performance-script flags (-g gb200 -mr qwen3_235b_a22b -ng 256 -tp 1
     -pp 4 -vp 12 -ep 32 -mb 1 -gb 8192 -c fp8_mx) stand for --hardware, --model, --gpus and the
-    fields: the estimate is the one the Megatron spelling gives, and says that the recipe's own
-    settings were not read. --hardware or --model that contradict them are refused; a recipe of
-    no catalog model asks for --model."""
+    fields, over the recipe they pick (plan/bridge_recipes.py): the estimate is the one the
+    Megatron spelling of the recipe's fields and the line's gives. --hardware or --model that
+    contradict them are refused; a recipe of no catalog model asks for --model."""
+    from expertrail.plan.bridge_recipes import recipes
     layout = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
               "--moe-router-force-load-balancing"]
     bridge = ["-m", "qwen3", "-mr", "qwen3_235b_a22b", "-g", "gb200", "-ng", "256", "-tp", "1", "-pp", "4", "-vp", "12",
               "-ep", "32", "-mb", "1", "-gb", "8192", "-c", "fp8_mx", *layout]
-    megatron = ["--hardware", "gb200-nvl72", "--gpus", "256", "--model", "qwen3-235b-a22b",
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps(recipes()["qwen3_235b_a22b_pretrain_256gpu_gb200_fp8mx_config"]))
+    megatron = [str(recipe), "--hardware", "gb200-nvl72", "--gpus", "256", "--model", "qwen3-235b-a22b",
                 "--pipeline-model-parallel-size", "4", "--virtual-pipeline-model-parallel-size", "12",
                 "--expert-model-parallel-size", "32", "--micro-batch-size", "1", "--global-batch-size", "8192",
                 "mixed_precision=bf16_with_mxfp8_mixed", *layout]
@@ -388,7 +391,7 @@ def test_a_bridge_performance_script_command_estimates_as_its_fields(capsys):
     def figures(out):
         return [line for line in out.splitlines() if line.startswith(("memory,", "step:", "throughput:"))]
     assert len(figures(ours)) == 3 and figures(ours) == figures(theirs)
-    assert "-mr qwen3_235b_a22b names a Megatron-Bridge performance recipe" in ours
+    assert "read: qwen3_235b_a22b_pretrain_256gpu_gb200_fp8mx_config" in ours and "TP 1 PP 4 VPP 12" in ours
     assert main(["estimate", "--hardware", "h100", *bridge]) == 2
     assert "--hardware h100, but the configuration's hardware is gb200" in capsys.readouterr().err
     assert main(["estimate", "--hardware", "gb200-nvl72", *bridge]) == 0                  # the same system

@@ -17,6 +17,8 @@ from .megatron_fields import flex_backend
 
 RECIPE_DEFAULTS = {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
                    "sequence_parallel": True, "moe_grouped_gemm": True}
+# Megatron-LM's optimizers with one state a parameter beside the FP32 main weight (Adam keeps two).
+ONE_MOMENT_OPTIMIZERS = ("muon", "dist_muon", "adaptive_muon", "sgd")
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts", "gdn_norm_out")
 # Megatron-LM's recompute_modules of features the estimate does not cost (GatedDeltaProduct layers,
 # hyper-connections): accepted, recomputing nothing, and named as not modelled.
@@ -383,6 +385,17 @@ class TrainingLayout:
             sizes = {**DTYPE_BYTES, "fp8": 1}
             state = sizes.get(get("exp_avg_dtype", "fp32"), 4) + sizes.get(get("exp_avg_sq_dtype", "fp32"), 4)
             grads = sizes.get(get("main_grads_dtype", "fp32"), 4)
+        optimizer = str(get("optimizer", "adam"))
+        distributed = bool(get("use_distributed_optimizer", True)) or optimizer.startswith("dist_")
+        if optimizer in ONE_MOMENT_OPTIMIZERS:
+            # Muon keeps one momentum (SGD one velocity) where Adam keeps two moments; dist_muon is
+            # Megatron's muon with its states sharded over DP (layer by layer).
+            sizes = {**DTYPE_BYTES, "fp8": 1}
+            state = sizes.get(get("exp_avg_dtype", "fp32"), 4) if get("use_precision_aware_optimizer", False) else 4
+            assumed.append(f"optimizer={optimizer}: one moment a parameter" + (", sharded over DP" if distributed else "")
+                           + "; its step costed as Adam's (Muon's Newton-Schulz iterations not counted)")
+        elif optimizer != "adam":
+            uncosted.append(f"optimizer={optimizer} (costed as Adam)")
         # EP overlap as Megatron's 2025 dev branch spelled it (combined 1F1B, recipe ep_a2a), in the
         # ModelZoo's launch lines of that time.
         combined = bool(get("combined_1f1b", False)) and get("combined_1f1b_recipe", "ep_a2a") == "ep_a2a"
@@ -449,7 +462,7 @@ class TrainingLayout:
             # the prototype ran the experts' weight gradients after the dispatch's backward
             delay_wgrad=bool(get("delay_wgrad_compute", False)) or combined,
             tp_comm_overlap=bool(get("tp_comm_overlap", False)),
-            distributed_optimizer=bool(get("use_distributed_optimizer", True)),
+            distributed_optimizer=distributed,
             overlap_grad_reduce=bool(get("overlap_grad_reduce", True)),
             precision_aware_optimizer=bool(get("use_precision_aware_optimizer", False)),
             optimizer_state_bytes=state, main_grad_bytes=grads,

@@ -32,6 +32,7 @@ from .layout import (GRAPH_MODULES_DEFAULTS, expand_layout, layout_text, name_li
 from .simulate import domain_for
 from .modelzoo import launch_arguments
 from .launch_line import script_arguments
+from .bridge_recipes import RECIPE_FIELD, recipe_fields
 from .launch_script import LAUNCH_FIELD, script_at, script_launch
 
 FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
@@ -74,9 +75,11 @@ PERF_SCRIPT_FLAGS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_p
                      "ep": "expert_model_parallel_size", "et": "expert_tensor_parallel_size",
                      "mb": "micro_batch_size", "gb": "global_batch_size", "sl": "seq_length",
                      "ng": "world_size", "num_gpus": "world_size", "gn": "gpus_per_node", "c": "compute_dtype",
-                     "g": "hardware", "gpu": "hardware", "m": "model_family_name", "mr": "model_recipe_name"}
+                     "g": "hardware", "gpu": "hardware", "m": "model_family_name", "mr": "model_recipe_name",
+                     "cv": "config_variant"}
 COMPUTE_DTYPES = {"bf16": "bf16_mixed", "fp8_cs": "bf16_with_fp8_current_scaling_mixed",
                   "fp8_mx": "bf16_with_mxfp8_mixed", "fp8_sc": "bf16_with_fp8_subchannel_scaling_mixed",
+                  "fp8_ds": "bf16_with_fp8_delayed_scaling_mixed",
                   "nvfp4": "bf16_with_nvfp4_mixed"}
 
 # The model `--model` named (`with_model_fields`): its attention is then known, stated or not.
@@ -85,7 +88,7 @@ MODEL_FIELD = "expertrail_model"
 EXPERTRAIL_FIELDS = {"hardware": "str", "world_size": "int", "num_nodes": "int", "gpus_per_node": "int",
                      "torch_version": "str", DOMAIN_FIELD: "int", "data_parallel_size": "int", MODEL_FIELD: "str",
                      "model_family_name": "str", "model_recipe_name": "str", "modelzoo_model": "str",
-                     LAUNCH_FIELD: "str"}
+                     LAUNCH_FIELD: "str", RECIPE_FIELD: "str", "config_variant": "str"}
 
 
 def _kinds() -> dict:
@@ -335,10 +338,11 @@ def config_values(tokens: list) -> dict:
 
 
 def _normalized(values: dict) -> dict:
-    """``values`` with Bridge's recipe and performance-script names expanded (`expand_bridge_names`),
+    """``values`` over the Bridge performance recipe its perf-script names pick
+    (`bridge_recipes.recipe_fields`), with Bridge's recipe and performance-script names expanded (`expand_bridge_names`),
     torch's dtype names as Megatron-LM's (`_short_dtype`) and a pipeline layout given as a list
     of stages written as its string (`layout.layout_text`)."""
-    values = expand_bridge_names(values)
+    values = expand_bridge_names(recipe_fields(values))
     values = {k: _short_dtype(k, v) for k, v in values.items()}
     if isinstance(values.get("pipeline_model_parallel_layout"), (list, tuple)):
         values = dict(values, pipeline_model_parallel_layout=layout_text(values["pipeline_model_parallel_layout"]))
@@ -358,7 +362,7 @@ def expand_bridge_names(values: dict) -> dict:
     dtype = values.get("compute_dtype")
     if dtype in COMPUTE_DTYPES and not values.get("mixed_precision"):
         values = dict(values, mixed_precision=COMPUTE_DTYPES[dtype])
-        if dtype == "fp8_cs":
+        if dtype in ("fp8_cs", "fp8_ds"):
             values.setdefault("first_last_layers_bf16", False)
     name = values.get("mixed_precision")
     if not isinstance(name, str):
@@ -557,6 +561,14 @@ def _recompute_modules(c) -> list:
     if c["recompute_granularity"] != "selective":
         return []
     return name_list(c["recompute_modules"])
+
+
+def _megatron_lm(c) -> bool:
+    """Whether a configuration is Megatron-LM's, whose argument checks it meets: not a
+    Megatron-Bridge recipe (its performance scripts' names, a mixed-precision recipe's name, a
+    Hydra dump's _target_ keys)."""
+    bridge = ("model_recipe_name", "compute_dtype", "mixed_precision", RECIPE_FIELD)
+    return not any(c.given(k) for k in bridge) and not any(k.startswith("_") for k in c.values)
 
 
 def _offload_modules(c) -> set:
@@ -880,12 +892,13 @@ RULES = [
          "the GPU, optimizer_cpu_offload steps on the host",
          lambda c: bool(c["chunked_optimizer_state_offload"]) or bool(c["offload_optimizer_states"]),
          lambda c: not c["optimizer_cpu_offload"] or float(c["optimizer_state_offload_fraction"] or 1.0) == 0.0),
-    # Megatron-LM's argument checks (megatron/training/arguments.py, validate_args).
+    # Megatron-LM's argument checks (megatron/training/arguments.py, validate_args), which a
+    # Megatron-Bridge run does not pass through (`_megatron_lm`).
     Rule("param-gather-needs", "overlap_param_gather needs the distributed optimizer (or Megatron-FSDP) and "
          "overlap_grad_reduce (Megatron-LM asserts)",
          ("overlap_param_gather", "use_distributed_optimizer", "use_megatron_fsdp", "overlap_grad_reduce"),
          "set use_distributed_optimizer=true and overlap_grad_reduce=true, or drop overlap_param_gather",
-         lambda c: bool(c["overlap_param_gather"]),
+         lambda c: _megatron_lm(c) and bool(c["overlap_param_gather"]),
          lambda c: (bool(c["use_distributed_optimizer"]) or bool(c["use_megatron_fsdp"]))
          and bool(c["overlap_grad_reduce"])),
     Rule("param-gather-with-step-needs", "overlap_param_gather_with_optimizer_step needs the distributed optimizer, "
@@ -894,20 +907,20 @@ RULES = [
           "virtual_pipeline_model_parallel_size"),
          "set use_distributed_optimizer=true, overlap_param_gather=true and virtual_pipeline_model_parallel_size, "
          "or drop overlap_param_gather_with_optimizer_step",
-         lambda c: bool(c["overlap_param_gather_with_optimizer_step"]),
+         lambda c: _megatron_lm(c) and bool(c["overlap_param_gather_with_optimizer_step"]),
          lambda c: bool(c["use_distributed_optimizer"]) and bool(c["overlap_param_gather"]) and _interleaved(c)),
     Rule("cpu-optimizer-needs", "optimizer_cpu_offload needs the precision-aware optimizer, and with "
          "fp8_param_gather FP8 delayed scaling (Megatron-LM asserts)",
          ("optimizer_cpu_offload", "use_precision_aware_optimizer", "fp8_param_gather", "fp8_recipe"),
          "set use_precision_aware_optimizer=true (and drop fp8_param_gather unless fp8_recipe=delayed)",
-         lambda c: bool(c["optimizer_cpu_offload"]),
+         lambda c: _megatron_lm(c) and bool(c["optimizer_cpu_offload"]),
          lambda c: bool(c["use_precision_aware_optimizer"])
          and (not c["fp8_param_gather"] or c["fp8_recipe"] in (None, "delayed"))),
     Rule("torch-fsdp2-layout", "use_torch_fsdp2 (PyTorch's FSDP2) supports neither pipeline nor expert "
          "parallelism nor the distributed optimizer (Megatron-LM asserts)",
          ("use_torch_fsdp2", "pipeline_model_parallel_size", "expert_model_parallel_size", "use_distributed_optimizer"),
          "use Megatron-FSDP instead (use_megatron_fsdp=true, which shards experts over expert-DP), or drop "
-         "use_torch_fsdp2", lambda c: bool(c["use_torch_fsdp2"]),
+         "use_torch_fsdp2", lambda c: _megatron_lm(c) and bool(c["use_torch_fsdp2"]),
          lambda c: int(c["pipeline_model_parallel_size"]) == 1 and c.ep == 1 and not c["use_distributed_optimizer"]),
     # Layer-level activation offloading (cpu_offloading): Megatron-Core's TransformerConfig refuses these.
     Rule("cpu-offload-pp", "layer-level CPU offloading (cpu_offloading) does not support pipeline parallelism "

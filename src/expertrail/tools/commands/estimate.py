@@ -92,6 +92,7 @@ def _gpus(given: int | None, stated: int | None) -> int:
 def run(args) -> int:
     from dataclasses import replace
     from ...plan.architecture import unstated_model_fields
+    from ...plan.bridge_recipes import RECIPE_FIELD
     from ...plan.estimate import estimate, format_estimate
     from ...plan.layout import TrainingLayout
     from ...plan.output import dumps
@@ -104,10 +105,11 @@ def run(args) -> int:
                          expert_loads=recorded_loads(args.routing, arch.experts, arch.name))
     if args.model is None and not values.get("model_recipe_name") and not values.get("modelzoo_model"):
         layout = replace(layout, assumed=(*layout.assumed, *unstated_model_fields(values)))
-    if values.get("model_recipe_name"):
-        layout = replace(layout, assumed=(*layout.assumed, f"-mr {values['model_recipe_name']} names a Megatron-Bridge "
-                                          "performance recipe, whose own settings (dispatcher, recompute, CUDA graphs, "
-                                          "...) are not read here: give them as fields"))
+    if values.get("model_recipe_name") and not values.get(RECIPE_FIELD):
+        layout = replace(layout, assumed=(*layout.assumed, f"-mr {values['model_recipe_name']} names no Megatron-Bridge "
+                                          "performance recipe of this system and precision that expertrail holds "
+                                          "(plan/bridge_perf_recipes.json), so its settings (layout, dispatcher, "
+                                          "recompute, CUDA graphs, ...) are not read: give them as fields"))
     if values.get("modelzoo_model"):
         layout = replace(layout, assumed=(*layout.assumed, f"MODEL={values['modelzoo_model']}: its ModelZoo model file "
                                           "(model_configs/benchmarking/<MODEL>.yaml) is not beside the launch script, "
@@ -122,9 +124,10 @@ def run(args) -> int:
     # nothing here, and would change nothing in Megatron but an error: said, not passed over.
     unknown = unknown_fields(values)
     result["unknown_fields"] = [w["field"] for w in unknown]
-    if values.get("launch_script"):
-        result["launch_script"] = values["launch_script"]
-        print(f"read: {values['launch_script']}")
+    for field in ("launch_script", RECIPE_FIELD):
+        if values.get(field):
+            result[field] = values[field]
+            print(f"read: {values[field]}")
     print(format_estimate(result))
     for w in unknown:
         close = f" (did you mean {w['closest']!r}?)" if w["closest"] else ""

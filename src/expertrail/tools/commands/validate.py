@@ -46,6 +46,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from ...plan.bridge_recipes import RECIPE_FIELD
     from ...plan.output import dumps
     from ...plan.validate import RULES, config_values, unknown_fields, validate, value_violations
     if not args.config:
@@ -72,11 +73,12 @@ def run(args) -> int:
     if args.json:
         print(dumps({"valid": not failed, "rules_checked": len(RULES), "fields_checked": len(values),
                      "warnings": warnings, "violations": [v.__dict__ for v in violations],
-                     **({"launch_script": values["launch_script"]} if values.get("launch_script") else {})},
+                     **{f: values[f] for f in ("launch_script", RECIPE_FIELD) if values.get(f)}},
                     fallback=str))
         return 1 if failed else 0
-    if values.get("launch_script"):
-        print(f"read: {values['launch_script']}")
+    for field in ("launch_script", RECIPE_FIELD):
+        if values.get(field):
+            print(f"read: {values[field]}")
     for w in warnings:
         print(f"warning: {w['message']}")
     if violations:

@@ -1,0 +1,69 @@
+"""Megatron-Bridge's performance recipes, as its performance scripts pick them.
+
+``python scripts/performance/setup_experiment.py -m qwen3 -mr qwen3_235b_a22b -g gb200 -ng 256
+-c fp8_mx`` runs the flat recipe ``qwen3_235b_a22b_pretrain_256gpu_gb200_fp8mx_config``: the
+layout, dispatcher, recompute, CUDA graphs and overlap Bridge tuned for that model, system, GPU
+count and precision; the line's own flags (-tp, -ep, -mb, -gb, ...) override it. `recipe_fields`
+picks it the same way from bridge_perf_recipes.json (the recipes' fields as
+tools/bridge_recipes.py reads them from a Bridge checkout): the recipe of the line's GPU count,
+else (no -ng) the largest, as Bridge's ``_select_default_recipe_name`` does, Qwen3-30B's smaller
+defaults included.
+"""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+RECIPES_FILE = Path(__file__).with_name("bridge_perf_recipes.json")
+RECIPE_FIELD = "bridge_recipe"                  # the recipe read, for the commands to say: expertrail's field
+# Bridge's compute dtypes as its recipe names spell them (scripts/performance/utils/utils.py).
+PRECISION_NAMES = {"bf16": "bf16", "fp8_cs": "fp8cs", "fp8_ds": "fp8ds", "fp8_mx": "fp8mx", "fp8_sc": "fp8sc",
+                   "nvfp4": "nvfp4"}
+# Workloads whose default recipe is not the largest (its _DEFAULT_GPU_COUNT_OVERRIDES, the catalog's).
+DEFAULT_GPUS = {("qwen3_30b_a3b", gpu, precision): 8 for gpu in ("b200", "gb200", "gb300")
+                for precision in ("bf16", "fp8cs")} | {("qwen3_30b_a3b", "h100", p): 16 for p in ("bf16", "fp8cs")}
+
+
+@lru_cache(maxsize=1)
+def recipes() -> dict:
+    """{recipe function name: {field: value}}."""
+    return json.loads(RECIPES_FILE.read_text())["recipes"]
+
+
+def matching(model_recipe_name: str, gpu: str, compute_dtype: str, variant: str | None = None) -> dict:
+    """{GPU count: recipe name} of the recipes for a model (Bridge's -mr), system (-g), precision
+    (-c) and config variant (-cv; none: the canonical recipes)."""
+    prefix = f"{model_recipe_name}_pretrain_"
+    suffix = f"gpu_{gpu}_{PRECISION_NAMES.get(compute_dtype, compute_dtype)}{f'_{variant}' if variant else ''}_config"
+    return {int(name[len(prefix):-len(suffix)]): name for name in recipes()
+            if name.startswith(prefix) and name.endswith(suffix) and name[len(prefix):-len(suffix)].isdigit()}
+
+
+def recipe_fields(values: dict) -> dict:
+    """``values`` over the fields of the recipe its perf-script names pick (``model_recipe_name``,
+    ``hardware``, ``compute_dtype``, default bf16 as Bridge's, ``world_size`` and
+    ``config_variant``), with `RECIPE_FIELD` naming it; ``values`` as they are where they name no
+    recipe or none matches (the estimate then says the recipe was not read)."""
+    name, gpu = values.get("model_recipe_name"), values.get("hardware")
+    if not name or not isinstance(gpu, str):
+        return values
+    dtype = values.get("compute_dtype") or "bf16"
+    found = matching(str(name), gpu.lower(), dtype, values.get("config_variant"))
+    if not found:
+        return values
+    gpus = values.get("world_size")
+    if isinstance(gpus, int) and gpus in found:
+        count = gpus
+    else:
+        default = DEFAULT_GPUS.get((str(name), gpu.lower(), PRECISION_NAMES.get(dtype, dtype)))
+        count = default if default in found else max(found)
+    fields = dict(recipes()[found[count]])
+    sizes = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
+    if any(k in values and values[k] != fields.get(k) for k in sizes):
+        # Bridge's scripts rebuild the recipe's pipeline layout for the line's PP and VP sizes
+        # (overrides.py): the recipe's own layout no longer applies.
+        fields.pop("pipeline_model_parallel_layout", None)
+    read = found[count] + (f" (no {gpus}-GPU recipe: its settings on {gpus} GPUs)"
+                           if isinstance(gpus, int) and gpus != count else "")
+    return {**fields, "world_size": count, **values, RECIPE_FIELD: read}
