@@ -1419,3 +1419,19 @@ def test_a_system_on_a_fitted_systems_gpu_takes_its_speed():
     arch = ARCHITECTURES["mixtral-8x7b"]
     h100, h200 = (estimate(arch, HARDWARE[h], layout)["step_time_s"] for h in ("h100", "h200"))
     assert h200 <= h100
+
+
+def test_muon_keeps_one_moment_and_other_optimizers_are_named():
+    """--optimizer muon keeps one FP32 momentum beside the main weight (Adam two moments), sharded
+    over DP with the distributed optimizer and by dist_muon itself; an optimizer the estimate does
+    not cost (lion) is named as not modelled."""
+    base = ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16", "--num-experts", "64",
+            "--moe-router-topk", "4", "--moe-ffn-hidden-size", "768", "--expert-model-parallel-size", "8", "--bf16"]
+    adam, muon, dist = (TrainingLayout.from_fields(load_config(None, base + extra), 64)
+                        for extra in ([], ["--optimizer", "muon"], ["--optimizer", "dist_muon",
+                                                                   "--no-use-distributed-optimizer"]))
+    assert (adam.optimizer_state_bytes, muon.optimizer_state_bytes, dist.optimizer_state_bytes) == (8, 4, 4)
+    assert muon.distributed_optimizer and dist.distributed_optimizer
+    assert any(a.startswith("optimizer=muon: one moment a parameter, sharded over DP") for a in muon.assumed)
+    lion = TrainingLayout.from_fields(load_config(None, base + ["--optimizer", "lion"]), 64)
+    assert "optimizer=lion (costed as Adam)" in lion.not_modelled and lion.optimizer_state_bytes == 8
