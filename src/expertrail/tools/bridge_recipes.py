@@ -1,5 +1,5 @@
 """Megatron-Bridge's performance recipes as data: `python -m expertrail.tools.bridge_recipes
---write BRIDGE_CHECKOUT` reads the flat recipes of the catalog's MoE models
+--write CHECKOUT [--commit SHA]` reads the flat recipes of the catalog's MoE models
 (src/megatron/bridge/perf_recipes/<family>/<gpu>/*.py: one function a model, task, GPU count,
 GPU and precision, ``qwen3_235b_a22b_pretrain_256gpu_gb200_fp8mx_config``) and writes the fields
 each sets to plan/bridge_perf_recipes.json, which `plan.bridge_recipes` reads when a command line
@@ -8,19 +8,23 @@ fp8_mx``).
 
 The recipes are Python that builds a ConfigContainer; Bridge itself (and its torch, Megatron-Core
 and Transformer Engine) is not needed to read them: each function's statements are walked in
-order, with the fields set so far as its state. ``cfg.<section>.<field> = value`` sets a field;
-``cfg = other_recipe()`` starts from another recipe's fields (the model's base recipe, which
-Bridge's model providers fill, from none); ``_perf_precision("fp8_mx")`` is the precision
-(``compute_dtype``); ``CommOverlapConfig(...)`` its keywords; a call of another helper of the
-recipes runs its statements with its parameters bound; an ``if`` whose condition reads only
-literals and fields set so far runs its branch. What cannot be read so (a value computed by
-code outside the recipes, such as DeepSeek-V3's pipeline layout) is left out, and the estimate
-fills it as it does for any configuration.
+order, each module's names resolved through its imports, with the fields set so far as the
+state. ``cfg.<section>.<field> = value`` sets a field; ``cfg = model_recipe()`` starts from the
+fields the model recipe (recipes/<family>/...) sets, ``ConfigContainer(train=TrainingConfig(...))``
+from its sections' keywords; ``_perf_precision("fp8_mx")`` is the precision (``compute_dtype``);
+``CommOverlapConfig(...)`` its keywords; the optimizer builder a recipe calls its ``optimizer``;
+``apply_flex_dispatcher_backend`` its effect on the GPUs the recipes target (the flex dispatcher
+with that backend); a helper given the config or a section runs its statements on them; a helper
+that only computes (a pipeline layout's builder) is run, with a few builtins, on the values it is
+given; an ``if`` whose condition reads only literals and fields set so far runs its branch. What
+only Bridge's model providers set (their class defaults) is not read, and the estimate fills it
+as it does for any configuration.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import builtins
 import json
 import subprocess
 import sys
@@ -37,9 +41,9 @@ CONFIG_NAMES = ("cfg", "config", "recipe")          # what the recipes call the 
 OPTIMIZER_BUILDERS = {"distributed_fused_adam_with_cosine_annealing": "adam",
                       "distributed_muon_with_cosine_annealing": "dist_muon"}
 # What a pure helper (a pipeline layout's builder) may use when run.
-SAFE_BUILTINS = {name: getattr(__builtins__, name, None) if not isinstance(__builtins__, dict) else __builtins__[name]
-                 for name in ("range", "len", "int", "bool", "str", "list", "dict", "tuple", "min", "max", "sum",
-                              "isinstance", "getattr", "enumerate", "zip", "ValueError", "TypeError")}
+SAFE_BUILTINS = {name: getattr(builtins, name) for name in ("range", "len", "int", "bool", "str", "list", "dict",
+                                                            "tuple", "min", "max", "sum", "isinstance", "getattr",
+                                                            "enumerate", "zip", "ValueError", "TypeError")}
 OUT = Path(__file__).resolve().parents[1] / "plan" / "bridge_perf_recipes.json"
 _UNKNOWN = object()
 
