@@ -12,7 +12,6 @@ from expertrail.plan.validate import config_values
 from expertrail.tools import bridge_recipes as tool
 from expertrail.tools.cli import main
 
-pytestmark = pytest.mark.unit
 
 # A checkout laid out as Bridge's: a model recipe reached through an alias module, perf recipes
 # that start from it, helpers of each kind the recipes use.
