@@ -170,3 +170,13 @@ def test_every_recipe_estimates_or_is_refused_by_name(capsys):
         else:
             assert f"read: {recipe}" in out and "DOES NOT FIT" not in out and "validate:" not in err, (recipe, err)
     assert len(refused) < len(bridge_recipes.recipes()) / 10
+
+
+def test_the_data_file_is_as_the_tool_writes_it(checkout):
+    """The committed recipes are in the tool's own layout (one recipe a line), and that layout is
+    the JSON it stands for."""
+    import json
+    text = bridge_recipes.RECIPES_FILE.read_text()
+    assert text == tool.recipes_text(json.loads(text))
+    data = tool.read(checkout, commit="abc")
+    assert json.loads(tool.recipes_text(data)) == data

@@ -366,13 +366,21 @@ def read(checkout: Path, commit: str | None = None) -> dict:
             "commit": commit, "recipes": recipes}
 
 
+def recipes_text(data: dict) -> str:
+    """``data`` as JSON with one recipe a line (a release's changes read as a diff of lines)."""
+    lines = [f"  {json.dumps(name)}: {json.dumps(fields)}" for name, fields in data["recipes"].items()]
+    head = {k: v for k, v in data.items() if k != "recipes"}
+    return ("{\n" + "".join(f"  {json.dumps(k)}: {json.dumps(v)},\n" for k, v in head.items())
+            + '  "recipes": {\n' + ",\n".join("  " + line for line in lines) + "\n  }\n}\n")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m expertrail.tools.bridge_recipes", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkout", type=Path, help="a Megatron-Bridge checkout")
     parser.add_argument("--commit", help="the commit the checkout's files are from (default: its git HEAD)")
     parser.add_argument("--write", action="store_true", help=f"write {OUT.name} (default: print it)")
     args = parser.parse_args(argv)
-    text = json.dumps(read(args.checkout, args.commit), indent=1, sort_keys=False) + "\n"
+    text = recipes_text(read(args.checkout, args.commit))
     if args.write:
         OUT.write_text(text)
         print(f"wrote {OUT}", file=sys.stderr)
