@@ -146,6 +146,8 @@ def test_estimate_says_the_recipe_it_read_or_that_none_was(capsys):
     out = capsys.readouterr().out
     assert out.startswith("read: qwen3_235b_a22b_pretrain_256gpu_gb200_fp8mx_config\n")
     assert "TP 1 PP 8 VPP 3" in out and "EP 32" in out and "flex + hybridep" in out
+    assert main(["estimate", "--hardware", "gb200-nvl72", "-mr", "qwen3_235b_a22b", "-c", "fp8_mx"]) == 0  # no -g
+    assert capsys.readouterr().out.startswith("read: qwen3_235b_a22b_pretrain_256gpu_gb200_fp8mx_config\n")
     assert main(["estimate", "-mr", "qwen3_235b_a22b", "-g", "h100", "-ng", "256", "-c", "nvfp4", "-tp", "2",
                  "-pp", "8", "-ep", "16"]) == 0
     assert "names no Megatron-Bridge performance recipe of this system and precision" in capsys.readouterr().out

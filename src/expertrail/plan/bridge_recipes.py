@@ -48,15 +48,16 @@ def recipe_fields(values: dict) -> dict:
     name, gpu = values.get("model_recipe_name"), values.get("hardware")
     if not name or not isinstance(gpu, str):
         return values
+    gpu = gpu.lower().removesuffix("-nvl72")          # the catalog's name of a rack, Bridge's of its GPU
     dtype = values.get("compute_dtype") or "bf16"
-    found = matching(str(name), gpu.lower(), dtype, values.get("config_variant"))
+    found = matching(str(name), gpu, dtype, values.get("config_variant"))
     if not found:
         return values
     gpus = values.get("world_size")
     if isinstance(gpus, int) and gpus in found:
         count = gpus
     else:
-        default = DEFAULT_GPUS.get((str(name), gpu.lower(), PRECISION_NAMES.get(dtype, dtype)))
+        default = DEFAULT_GPUS.get((str(name), gpu, PRECISION_NAMES.get(dtype, dtype)))
         count = default if default in found else max(found)
     fields = dict(recipes()[found[count]])
     sizes = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")

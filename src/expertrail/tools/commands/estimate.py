@@ -51,6 +51,8 @@ def _estimate_inputs(args, config: list) -> tuple:
     from ...plan.catalog import load_hardware
     from ...plan.validate import Config, config_values, validate, value_violations, with_model_fields
     values = config_values(config)
+    if args.hardware and values.get("model_recipe_name") and not values.get("hardware"):
+        values = config_values([*config, f"hardware={args.hardware}"])     # the recipe is the system's
     # A value of the wrong kind (moe_ffn_hidden_size=2k) is refused as validate refuses it,
     # before the estimator would compute with it.
     wrong = value_violations(values)
