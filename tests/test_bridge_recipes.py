@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 
+from expertrail.errors import ConfigError
 from expertrail.plan import bridge_recipes
 from expertrail.plan.layout import layout_text
 from expertrail.plan.validate import config_values
@@ -139,6 +140,11 @@ def test_a_perf_script_line_is_the_recipe_it_picks():
     odd = config_values("-mr deepseek_v3 -g gb200 -ng 128 -c fp8_mx".split())
     assert "(no 128-GPU recipe: its settings on 128 GPUs)" in odd["bridge_recipe"] and odd["world_size"] == 128
     assert "bridge_recipe" not in config_values("-mr qwen3_235b_a22b -g a100 -c bf16".split())
+    variant = config_values("-mr deepseek_v3 -g gb300 -c fp8_mx -cv large_scale".split())
+    assert variant["bridge_recipe"] == "deepseek_v3_pretrain_256gpu_gb300_fp8mx_large_scale_config"
+    with pytest.raises(ConfigError, match="-cv bogus: no deepseek_v3 recipe on gb300 in fp8_mx has that variant: "
+                                          "choose among fsdp, hsdp, large_scale, partial_cg_dev"):
+        config_values("-mr deepseek_v3 -g gb300 -c fp8_mx -cv bogus".split())
 
 
 def test_estimate_says_the_recipe_it_read_or_that_none_was(capsys):

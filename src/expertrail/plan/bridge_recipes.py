@@ -15,6 +15,8 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+from ..errors import ConfigError
+
 RECIPES_FILE = Path(__file__).with_name("bridge_perf_recipes.json")
 RECIPE_FIELD = "bridge_recipe"                  # the recipe read, for the commands to say: expertrail's field
 # Bridge's compute dtypes as its recipe names spell them (scripts/performance/utils/utils.py).
@@ -50,7 +52,16 @@ def recipe_fields(values: dict) -> dict:
         return values
     gpu = gpu.lower().removesuffix("-nvl72")          # the catalog's name of a rack, Bridge's of its GPU
     dtype = values.get("compute_dtype") or "bf16"
-    found = matching(str(name), gpu, dtype, values.get("config_variant"))
+    variant = values.get("config_variant")
+    found = matching(str(name), gpu, dtype, variant)
+    if not found and variant:                          # Bridge's scripts refuse it too
+        stem = f"{name}_pretrain_"
+        tail = f"gpu_{gpu}_{PRECISION_NAMES.get(dtype, dtype)}_"
+        variants = sorted({n.split(tail, 1)[1].removesuffix("_config") for n in recipes()
+                           if n.startswith(stem) and tail in n and not n.endswith(f"{tail}config")})
+        raise ConfigError(f"-cv {variant}: no {name} recipe on {gpu} in {dtype} has that variant: "
+                          + (f"choose among {', '.join(variants)}, or " if variants else "")
+                          + "leave -cv out for the canonical recipe")
     if not found:
         return values
     gpus = values.get("world_size")
