@@ -144,15 +144,20 @@ class Reader:
         if section is None and field == "mixed_precision" and isinstance(value, ast.Call) \
                 and getattr(value.func, "id", "") == "_perf_precision" and value.args:
             fields["compute_dtype"] = ast.literal_eval(value.args[0])
-        elif section is None and field == "optimizer" and isinstance(value, ast.Name) \
-                and bound.get(value.id) in OPTIMIZER_BUILDERS.values():
-            fields["optimizer"] = bound[value.id]                          # cfg.optimizer = opt_cfg
+        elif section is None and field == "optimizer" and self.optimizer(value, bound):
+            fields["optimizer"] = self.optimizer(value, bound)             # cfg.optimizer = opt_cfg
         elif section is None and field in SECTIONS and isinstance(value, ast.Call):
             self.keywords(value, fields, aliases, bound, module)      # cfg.comm_overlap = CommOverlapConfig(...)
         elif section in SECTIONS:
             v = self.value(value, fields, aliases, bound, module)
             if v is not _UNKNOWN:
                 fields[field] = v
+
+    @staticmethod
+    def optimizer(node, bound: dict) -> str | None:
+        """The Megatron optimizer a name holds that an optimizer builder set (`OPTIMIZER_BUILDERS`)."""
+        found = bound.get(node.id) if isinstance(node, ast.Name) else None
+        return found if found in OPTIMIZER_BUILDERS.values() else None
 
     def keywords(self, call: ast.Call, fields: dict, aliases: dict, bound: dict, module: str) -> None:
         """A section built by a call (``CommOverlapConfig(tp_comm_overlap=True)``): its keywords."""
@@ -186,24 +191,21 @@ class Reader:
             for kw in call.keywords:
                 if kw.arg in SECTIONS and isinstance(kw.value, ast.Call):
                     self.keywords(kw.value, out, aliases, bound, module)
-                elif kw.arg == "optimizer" and isinstance(kw.value, ast.Name) \
-                        and bound.get(kw.value.id) in OPTIMIZER_BUILDERS.values():
-                    out["optimizer"] = bound[kw.value.id]
+                elif kw.arg == "optimizer" and self.optimizer(kw.value, bound):
+                    out["optimizer"] = self.optimizer(kw.value, bound)
             return out
         key = self.resolve(module, call.func.id)
         fn = self.defs[key]
         if not fn.args.args and not fn.args.kwonlyargs:
             return self.builder(key)
-        out, inner_aliases, inner_bound = {}, {}, self.bind(fn, call, fields, aliases, bound, module)
+        inner_aliases = self.parameter_aliases(fn, call, aliases)
+        out = dict(fields) if inner_aliases else {}
         for param, arg in self.arguments(fn, call):
             if isinstance(arg, ast.Call) and self.starts_config(arg, module):
-                out = self.config_of(arg, fields, aliases, bound, module)
+                out = self.config_of(arg, fields, aliases, bound, module)      # helper(recipe(), ...)
                 inner_aliases[param] = None
-            elif isinstance(arg, ast.Name) and arg.id in aliases:
-                out = dict(fields)
-                inner_aliases[param] = aliases[arg.id]
-        inner_bound = {k: v for k, v in inner_bound.items() if k not in inner_aliases}
-        self.run(fn.body, out, inner_aliases, inner_bound, key[0])
+        self.run(fn.body, out, inner_aliases, self.locals_of(fn, call, inner_aliases, fields, aliases, bound, module),
+                 key[0])
         return out
 
     @staticmethod
@@ -211,8 +213,22 @@ class Reader:
         params = [a.arg for a in fn.args.args]
         return list(zip(params, call.args)) + [(kw.arg, kw.value) for kw in call.keywords if kw.arg]
 
-    def bind(self, fn: ast.FunctionDef, call: ast.Call, fields: dict, aliases: dict, bound: dict, module: str) -> dict:
-        """A call's parameters: defaults, then the arguments that evaluate."""
+    def parameter_aliases(self, fn: ast.FunctionDef, call: ast.Call, aliases: dict) -> dict:
+        """{parameter: the config (None) or section it stands for} of a call given the caller's
+        config (``cfg``) or one of its sections (``cfg.model``)."""
+        out = {}
+        for param, arg in self.arguments(fn, call):
+            if isinstance(arg, ast.Name) and arg.id in aliases:
+                out[param] = aliases[arg.id]
+            else:
+                where = self.section_field(arg, aliases)
+                if where is not None and where[0] is None and where[1] in SECTIONS:
+                    out[param] = where[1]
+        return out
+
+    def locals_of(self, fn: ast.FunctionDef, call: ast.Call, inner_aliases: dict, fields: dict, aliases: dict,
+                  bound: dict, module: str) -> dict:
+        """A call's other parameters: defaults, then the arguments that evaluate."""
         out = {}
         for param, default in zip(fn.args.args[len(fn.args.args) - len(fn.args.defaults):], fn.args.defaults):
             out[param.arg] = self.value(default, fields, aliases, bound, module)
@@ -221,7 +237,7 @@ class Reader:
                 out[param.arg] = self.value(default, fields, aliases, bound, module)
         for param, arg in self.arguments(fn, call):
             out[param] = self.value(arg, fields, aliases, bound, module)
-        return out
+        return {k: v for k, v in out.items() if k not in inner_aliases}
 
     def call(self, node: ast.Call, fields: dict, aliases: dict, bound: dict, module: str) -> None:
         """A helper's statements on ``fields`` (its config and section parameters bound to the
@@ -237,17 +253,9 @@ class Reader:
         if key is None:
             return
         fn = self.defs[key]
-        inner_aliases = {}
-        for param, arg in self.arguments(fn, node):
-            if isinstance(arg, ast.Name) and arg.id in aliases:
-                inner_aliases[param] = aliases[arg.id]
-            else:
-                where = self.section_field(arg, aliases)
-                if where is not None and where[0] is None and where[1] in SECTIONS:
-                    inner_aliases[param] = where[1]                       # cfg.model
-        inner_bound = {k: v for k, v in self.bind(fn, node, fields, aliases, bound, module).items()
-                       if k not in inner_aliases}
-        self.run(fn.body, fields, inner_aliases, inner_bound, key[0])
+        inner_aliases = self.parameter_aliases(fn, node, aliases)
+        self.run(fn.body, fields, inner_aliases, self.locals_of(fn, node, inner_aliases, fields, aliases, bound, module),
+                 key[0])
 
     def section_field(self, node, aliases: dict):
         """(section, field) of ``cfg.section.field`` or ``model_cfg.field`` (a section's alias);
