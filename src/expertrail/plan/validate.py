@@ -82,6 +82,9 @@ COMPUTE_DTYPES = {"bf16": "bf16_mixed", "fp8_cs": "bf16_with_fp8_current_scaling
                   "fp8_ds": "bf16_with_fp8_delayed_scaling_mixed",
                   "nvfp4": "bf16_with_nvfp4_mixed"}
 
+# The fields that say what a command line was read as (a launch script's run, a Bridge recipe),
+# which validate and estimate print on a read: line.
+READ_FIELDS = (LAUNCH_FIELD, RECIPE_FIELD)
 # The model `--model` named (`with_model_fields`): its attention is then known, stated or not.
 MODEL_FIELD = "expertrail_model"
 # Fields the rules read that are expertrail's, not Megatron's.
@@ -324,16 +327,19 @@ def load_config(source: str | None = None, overrides: list | None = None) -> dic
     return _normalized(cfg)
 
 
-def config_values(tokens: list) -> dict:
+def config_values(tokens: list, hardware: str | None = None) -> dict:
     """The flat config of a command line's config entries (empty for none): at most one
     YAML/JSON file, then ``key=value`` / Megatron flags over it, a Bridge mixed-precision recipe
-    name expanded (as `load_config`)."""
+    name expanded (as `load_config`). ``hardware`` (a command's --hardware) is the system of a
+    Bridge performance recipe the entries name without their own (-g)."""
     files, pairs = split_arguments(list(tokens))
     if len(files) > 1:
         raise ConfigError(f"give at most one config file, got {files} (a bare word is read as a file: write "
                           "key=value or --flag VALUE for the others)")
     values = read_file(files[0]) if files else {}
     values.update(pairs)
+    if hardware and values.get("model_recipe_name") and not values.get("hardware"):
+        values["hardware"] = hardware
     return _normalized(values)
 
 

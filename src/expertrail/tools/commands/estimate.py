@@ -50,9 +50,7 @@ def _estimate_inputs(args, config: list) -> tuple:
     from ...plan.architecture import from_fields, load_architecture, recipe_model
     from ...plan.catalog import load_hardware
     from ...plan.validate import Config, config_values, validate, value_violations, with_model_fields
-    values = config_values(config)
-    if args.hardware and values.get("model_recipe_name") and not values.get("hardware"):
-        values = config_values([*config, f"hardware={args.hardware}"])     # the recipe is the system's
+    values = config_values(config, hardware=args.hardware)
     # A value of the wrong kind (moe_ffn_hidden_size=2k) is refused as validate refuses it,
     # before the estimator would compute with it.
     wrong = value_violations(values)
@@ -98,7 +96,7 @@ def run(args) -> int:
     from ...plan.estimate import estimate, format_estimate
     from ...plan.layout import TrainingLayout
     from ...plan.output import dumps
-    from ...plan.validate import unknown_fields
+    from ...plan.validate import READ_FIELDS, unknown_fields
     from ...balance.report import recorded_loads
     arch, hw, values, violations, gpus = _estimate_inputs(args, args.config)
     layout = TrainingLayout.from_fields(values, gpus)
@@ -126,7 +124,7 @@ def run(args) -> int:
     # nothing here, and would change nothing in Megatron but an error: said, not passed over.
     unknown = unknown_fields(values)
     result["unknown_fields"] = [w["field"] for w in unknown]
-    for field in ("launch_script", RECIPE_FIELD):
+    for field in READ_FIELDS:
         if values.get(field):
             result[field] = values[field]
             print(f"read: {values[field]}")

@@ -46,9 +46,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ...plan.bridge_recipes import RECIPE_FIELD
     from ...plan.output import dumps
-    from ...plan.validate import RULES, config_values, unknown_fields, validate, value_violations
+    from ...plan.validate import READ_FIELDS, RULES, config_values, unknown_fields, validate, value_violations
     if not args.config:
         raise ExpertrailError("nothing to validate: give a YAML/JSON file, key=value overrides or Megatron flags, "
                               "e.g. expertrail validate --expert-model-parallel-size 8 --num-experts 64")
@@ -73,10 +72,10 @@ def run(args) -> int:
     if args.json:
         print(dumps({"valid": not failed, "rules_checked": len(RULES), "fields_checked": len(values),
                      "warnings": warnings, "violations": [v.__dict__ for v in violations],
-                     **{f: values[f] for f in ("launch_script", RECIPE_FIELD) if values.get(f)}},
+                     **{f: values[f] for f in READ_FIELDS if values.get(f)}},
                     fallback=str))
         return 1 if failed else 0
-    for field in ("launch_script", RECIPE_FIELD):
+    for field in READ_FIELDS:
         if values.get(field):
             print(f"read: {values[field]}")
     for w in warnings:
