@@ -52,11 +52,11 @@ def recipe_fields(values: dict) -> dict:
         return values
     gpu = gpu.lower().removesuffix("-nvl72")          # the catalog's name of a rack, Bridge's of its GPU
     dtype = values.get("compute_dtype") or "bf16"
-    variant = values.get("config_variant")
+    precision, variant = PRECISION_NAMES.get(dtype, dtype), values.get("config_variant")
     found = matching(str(name), gpu, dtype, variant)
     if not found and variant:                          # Bridge's scripts refuse it too
         stem = f"{name}_pretrain_"
-        tail = f"gpu_{gpu}_{PRECISION_NAMES.get(dtype, dtype)}_"
+        tail = f"gpu_{gpu}_{precision}_"
         variants = sorted({n.split(tail, 1)[1].removesuffix("_config") for n in recipes()
                            if n.startswith(stem) and tail in n and not n.endswith(f"{tail}config")})
         raise ConfigError(f"-cv {variant}: no {name} recipe on {gpu} in {dtype} has that variant: "
@@ -68,7 +68,7 @@ def recipe_fields(values: dict) -> dict:
     if isinstance(gpus, int) and gpus in found:
         count = gpus
     else:
-        default = DEFAULT_GPUS.get((str(name), gpu, PRECISION_NAMES.get(dtype, dtype)))
+        default = DEFAULT_GPUS.get((str(name), gpu, precision))
         count = default if default in found else max(found)
     fields = dict(recipes()[found[count]])
     sizes = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")

@@ -704,4 +704,3 @@ def format_estimate(r: dict) -> str:
     if r.get("not_modelled"):
         lines.append(f"not modelled (set, but the estimate leaves them out): {', '.join(r['not_modelled'])}")
     return "\n".join(lines)
-

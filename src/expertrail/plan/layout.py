@@ -376,22 +376,22 @@ class TrainingLayout:
         if backend == "ncclep":
             assumed.append("moe_flex_dispatcher_backend=ncclep costed as DeepEP's kernels (no published NCCL EP "
                            "figures)")
-        state = 8
         # Gradient buffers: FP32 under BF16 training (Megatron-LM turns accumulate_allreduce_grads_in_fp32
         # on for BF16; Bridge's bf16 recipes set grad_reduce_in_fp32), the parameters' BF16 when a
         # configuration sets grad_reduce_in_fp32 false (Bridge's GPT-OSS recipes).
         grads = 2 if v.get("grad_reduce_in_fp32") is False else 4
+        moments = (4, 4)                                 # Adam's, FP32
         if get("use_precision_aware_optimizer", False):
             sizes = {**DTYPE_BYTES, "fp8": 1}
-            state = sizes.get(get("exp_avg_dtype", "fp32"), 4) + sizes.get(get("exp_avg_sq_dtype", "fp32"), 4)
+            moments = (sizes.get(get("exp_avg_dtype", "fp32"), 4), sizes.get(get("exp_avg_sq_dtype", "fp32"), 4))
             grads = sizes.get(get("main_grads_dtype", "fp32"), 4)
+        state = sum(moments)
         optimizer = str(get("optimizer", "adam"))
         distributed = bool(get("use_distributed_optimizer", True)) or optimizer.startswith("dist_")
         if optimizer in ONE_MOMENT_OPTIMIZERS:
             # Muon keeps one momentum (SGD one velocity) where Adam keeps two moments; dist_muon is
             # Megatron's muon with its states sharded over DP (layer by layer).
-            sizes = {**DTYPE_BYTES, "fp8": 1}
-            state = sizes.get(get("exp_avg_dtype", "fp32"), 4) if get("use_precision_aware_optimizer", False) else 4
+            state = moments[0]
             assumed.append(f"optimizer={optimizer}: one moment a parameter" + (", sharded over DP" if distributed else "")
                            + "; its step costed as Adam's (Muon's Newton-Schulz iterations not counted)")
         elif optimizer != "adam":
