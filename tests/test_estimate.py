@@ -1300,9 +1300,9 @@ def test_older_recompute_switches_are_read_and_other_memory_fields_named():
         ("selective", ("core_attn",))
     assert layout("--moe-layer-recompute").recompute_modules == ("moe",)
     assert layout("--recompute-activations", "--moe-layer-recompute").recompute_modules == ("core_attn", "moe")
-    assert set(layout("--use-torch-fsdp2", "--num-distributed-optimizer-instances", "2").not_modelled) == \
-        {"use_torch_fsdp2", "num_distributed_optimizer_instances"}
-    assert layout("--num-distributed-optimizer-instances", "1", "--main-params-dtype", "fp32").not_modelled == ()
+    assert set(layout("--use-torch-fsdp2", "--main-params-dtype", "bf16").not_modelled) == \
+        {"use_torch_fsdp2", "main_params_dtype"}
+    assert layout("--num-distributed-optimizer-instances", "2", "--main-params-dtype", "fp32").not_modelled == ()
     # Fields whose Megatron default is true or a number are named only when set away from it.
     assert set(layout("--no-fp8-wgrad", "--moe-latent-size", "1024", "--moe-token-dropping",
                       "--fp8-dot-product-attention").not_modelled) == \
@@ -1435,3 +1435,44 @@ def test_muon_keeps_one_moment_and_other_optimizers_are_named():
     assert any(a.startswith("optimizer=muon: one moment a parameter, sharded over DP") for a in muon.assumed)
     lion = TrainingLayout.from_fields(load_config(None, base + ["--optimizer", "lion"]), 64)
     assert "optimizer=lion (costed as Adam)" in lion.not_modelled and lion.optimizer_state_bytes == 8
+
+
+def test_optimizer_instances_shard_the_optimizer_over_each_replica():
+    """num_distributed_optimizer_instances=n splits the data-parallel ranks into n replicas of the
+    sharded optimizer: its state per GPU grows n-fold (dense over DP x CP / n, experts over
+    expert-DP / n), the replicas all-reduce their shard's gradients, and an n that does not divide
+    both groups is refused by estimate and validate alike."""
+    base = ["--expert-model-parallel-size", "8", "--micro-batch-size", "1", "--global-batch-size", "256", "--bf16"]
+    hw = HARDWARE["h100"]
+    one, two = (TrainingLayout.from_fields(load_config(None, base + extra), 64)
+                for extra in ([], ["--num-distributed-optimizer-instances", "2"]))
+    assert (one.shard_groups, two.shard_groups) == ((64, 8), (32, 4)) and not two.not_modelled
+    a, b = estimate(QWEN, hw, one), estimate(QWEN, hw, two)
+    assert b["memory"]["optimizer_GB"] == pytest.approx(2 * a["memory"]["optimizer_GB"], rel=1e-6)
+    assert b["memory"]["weights_GB"] == pytest.approx(a["memory"]["weights_GB"])
+    assert b["terms_s"]["dp"] > a["terms_s"]["dp"]
+    three = TrainingLayout.from_fields(load_config(None, base + ["--num-distributed-optimizer-instances", "3"]), 64)
+    with pytest.raises(ConfigError, match="num_distributed_optimizer_instances=3 must divide"):
+        estimate(QWEN, hw, three)
+    config = load_config(None, base + ["--num-distributed-optimizer-instances", "3", "--world-size", "64",
+                                       "--num-experts", "128"])
+    assert [v.rule for v in validate(config)] == ["optimizer-instances-divide"]
+
+
+def test_hsdp_outer_sharding_spreads_the_optimizer_across_the_replicas():
+    """Megatron-FSDP with several optimizer instances (HSDP) shards weights and gradients within a
+    replica; outer_dp_sharding_strategy=optim shards the optimizer across the replicas as well
+    (back to 1 / DP), no_shard keeps a whole copy of the replica's shard; other values refused."""
+    base = ["--expert-model-parallel-size", "8", "--micro-batch-size", "1", "--global-batch-size", "256", "--bf16",
+            "--use-megatron-fsdp", "--num-distributed-optimizer-instances", "4"]
+    hw = HARDWARE["h100"]
+    replicated, sharded = (TrainingLayout.from_fields(load_config(None, base + ["--outer-dp-sharding-strategy", o]), 64)
+                           for o in ("no_shard", "optim"))
+    flat = TrainingLayout.from_fields(load_config(None, base[:-2]), 64)
+    assert sharded.optimizer_groups == flat.optimizer_groups == (64, 8) and replicated.optimizer_groups == (16, 2)
+    a, b, c = (estimate(QWEN, hw, lay)["memory"] for lay in (replicated, sharded, flat))
+    assert a["optimizer_GB"] == pytest.approx(4 * b["optimizer_GB"], rel=1e-6)
+    assert b["optimizer_GB"] == pytest.approx(c["optimizer_GB"], rel=1e-6)
+    assert a["weights_GB"] == pytest.approx(b["weights_GB"]) and b["weights_GB"] > c["weights_GB"]
+    with pytest.raises(ConfigError, match="outer_dp_sharding_strategy='optim_grads'"):
+        TrainingLayout.from_fields(load_config(None, base + ["--outer-dp-sharding-strategy", "optim_grads"]), 64)

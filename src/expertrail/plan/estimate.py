@@ -453,11 +453,12 @@ def fsdp_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe: 
     """Megatron-FSDP's collectives of one layer and micro-batch: the weights all-gathered for the
     forward and again for the backward (``optim_grads_params``), the gradients reduce-scattered
     (``optim_grads`` and ``optim_grads_params``), over DP x CP for dense parameters and expert-DP
-    for the routed experts; the link is the NIC once the group leaves the NVLink domain."""
+    for the routed experts (each over the optimizer instances: HSDP); the link is the NIC once the group leaves the NVLink domain."""
     shards = layout_fields.FSDP_SHARDS.get(layout.fsdp, ())
     dense = (arch.moe_layer_dense_params() if moe else arch.dense_layer_params()) / layout.tp
     experts = arch.experts // layout.ep * arch.expert_params() / layout.etp if moe else 0.0
-    moved = dense * (1 - 1 / max(1, layout.dp * layout.cp)) + experts * (1 - 1 / max(1, layout.edp))
+    dense_group, expert_group = layout.shard_groups
+    moved = dense * (1 - 1 / dense_group) + experts * (1 - 1 / expert_group)
     per_param = (2 * 2 if "weights" in shards else 0) + (layout.grad_reduce_bytes if "gradients" in shards else 0)
     link = "nic" if layout.gpus // layout.pp > hw.domain_size else "nvlink"
     return moved * per_param / link_bandwidth(hw, link, None)
@@ -515,11 +516,16 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     expert_share = _expert_share(arch, layout, stages[busiest.rank])
     dp_link = "nic" if layout.gpus > hw.domain_size else "nvlink"
     bw = link_bandwidth(hw, dp_link, None)
-    dp_bytes = dense_params * (1 - expert_share) * (layout.grad_reduce_bytes + 2) * (1 - 1 / max(1, layout.dp * layout.cp)) \
-        + dense_params * expert_share * (layout.grad_reduce_bytes + 2) * (1 - 1 / layout.edp)
-    dp_s = dp_bytes / bw * DP_EXPOSED[layout.overlap_grad_reduce]
+    # With several optimizer instances each shard group is DP / n, and the n replicas of a shard
+    # all-reduce its gradients with each other.
+    dense_group, expert_group = layout.shard_groups
+    n = layout.optimizer_instances
+    within = dense_params * ((1 - expert_share) * (1 - 1 / dense_group) + expert_share * (1 - 1 / expert_group))
+    across = dense_params * ((1 - expert_share) / dense_group + expert_share / expert_group) * 2 * (n - 1) / n
     if "gradients" in layout_fields.FSDP_SHARDS.get(layout.fsdp, ()):
-        dp_s = 0.0                                    # reduce-scattered every micro-batch (the fsdp part)
+        within = 0.0                                  # reduce-scattered every micro-batch (the fsdp part)
+    dp_bytes = within * (layout.grad_reduce_bytes + 2) + across * layout.grad_reduce_bytes
+    dp_s = dp_bytes / bw * DP_EXPOSED[layout.overlap_grad_reduce]
     state_bytes = 4 + layout.optimizer_state_bytes                  # FP32 main weight and the moments
     optimizer_s = busiest.optimizer_params * (1 - layout.optimizer_offload) * state_bytes * 3 / (hw.hbm_TBps * 1e12)
     offload_optimizer_s = 0.0

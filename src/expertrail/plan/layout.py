@@ -32,7 +32,7 @@ NOT_MODELLED = ("cpu_offloading_weights", "cpu_offloading_double_buffering", "mo
                 "fp8_wgrad", "moe_token_dropping",
                 "moe_latent_size", "use_torch_fsdp2", "hybrid_context_parallel",
                 "overlap_dispatch_backward_with_experts_wgrad", "activation_offload_fraction",
-                "num_distributed_optimizer_instances", "main_params_dtype", "distribute_saved_activations",
+                "main_params_dtype", "distribute_saved_activations",
                 "megatron_fsdp_main_params_dtype", "use_torch_optimizer_for_cpu_offload", "moe_paged_stash",
                 "moe_ncclep_zero_copy", "moe_combine_bwd_dtype",
                 # kernel fusions, streams and buffers of Megatron-Bridge's performance recipes (the
@@ -59,7 +59,7 @@ NOT_MODELLED = ("cpu_offloading_weights", "cpu_offloading_double_buffering", "mo
 UNSET = (None, False, "no_shard", "none", [])
 # moe_router_dtype=fp32 is what the estimate costs: Transformer Engine's GEMM takes the router's
 # BF16 inputs and writes FP32 logits, which the layer keeps (`memory.layer_activation_bytes`).
-NOT_MODELLED_DEFAULTS = {"num_distributed_optimizer_instances": 1, "main_params_dtype": "fp32",
+NOT_MODELLED_DEFAULTS = {"main_params_dtype": "fp32",
                          "megatron_fsdp_main_params_dtype": "fp32", "moe_combine_bwd_dtype": "bf16",
                          "fp8_wgrad": True, "activation_offload_fraction": 1.0, "moe_router_dtype": "fp32",
                          "gated_linear_unit": True, "gtp_weight_remat_size": 1, "expert_gtp_weight_remat_size": 1,
@@ -67,6 +67,9 @@ NOT_MODELLED_DEFAULTS = {"num_distributed_optimizer_instances": 1, "main_params_
 # Megatron-FSDP's data_parallel_sharding_strategy: what each rank keeps 1/DP of.
 FSDP_SHARDS = {"no_shard": (), "optim": ("optimizer",), "optim_grads": ("optimizer", "gradients"),
                "optim_grads_params": ("optimizer", "gradients", "weights")}
+# Megatron-FSDP's outer_dp_sharding_strategy under HSDP (num_distributed_optimizer_instances > 1):
+# the replicas keep whole copies of their shards, or shard the optimizer among themselves too.
+OUTER_SHARDING = ("no_shard", "optim")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # The parts of a layer Megatron's CUDA graphs capture (cuda_graph_scope): a layer's attention
 # (``attn``); a dense layer's MLP (``mlp``); a MoE layer's whole MLP side (``moe``, drop-and-pad
@@ -221,6 +224,11 @@ class TrainingLayout:
     delay_wgrad: bool = False               # delay_wgrad_compute: expert weight gradients beside the dispatch's backward
     tp_comm_overlap: bool = False
     distributed_optimizer: bool = True
+    # num_distributed_optimizer_instances: the data-parallel ranks split into this many replicas of
+    # the sharded optimizer, each sharding over DP / n (and expert-DP / n); with Megatron-FSDP
+    # (HSDP) outer_dp_sharding_strategy=optim shards the optimizer across the replicas as well
+    optimizer_instances: int = 1
+    optimizer_outer_shard: bool = False
     overlap_grad_reduce: bool = True
     precision_aware_optimizer: bool = False
     optimizer_state_bytes: int = 8          # Adam's two moments, per parameter
@@ -263,6 +271,19 @@ class TrainingLayout:
         return self.gpus // (self.pp * self.ep * self.etp)
 
     @property
+    def shard_groups(self) -> tuple:
+        """(dense, expert) ranks the sharded state (distributed optimizer, Megatron-FSDP) is split
+        over: DP x CP and expert-DP, each over `optimizer_instances` replicas."""
+        n = self.optimizer_instances
+        return max(1, self.dp * self.cp // n), max(1, self.edp // n)
+
+    @property
+    def optimizer_groups(self) -> tuple:
+        """(dense, expert) ranks the optimizer state is split over: `shard_groups`, or the whole
+        DP x CP and expert-DP when HSDP shards it across the replicas too (``optim``)."""
+        return (max(1, self.dp * self.cp), max(1, self.edp)) if self.optimizer_outer_shard else self.shard_groups
+
+    @property
     def micro_batches(self) -> int:
         """Micro-batches per step on each data-parallel rank."""
         gbs = self.global_batch or self.micro_batch * self.dp
@@ -302,6 +323,10 @@ class TrainingLayout:
         out += list(sequence_split_problems(self.seq, self.cp, self.tp).values())
         out += pipeline_split_problems(layers, self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers,
                                        self.embedding_in_split, self.loss_in_split, self.layout_string)
+        n = self.optimizer_instances
+        if n > 1 and ((self.dp * self.cp) % n or self.edp % n):
+            out.append(f"num_distributed_optimizer_instances={n} must divide DP x CP {self.dp * self.cp} and the "
+                       f"expert-DP size {self.edp} (Megatron-Core asserts): choose a common divisor")
         if self.global_batch and self.dp and self.global_batch % (self.micro_batch * max(1, self.dp)):
             out.append(f"global_batch_size {self.global_batch} is not a multiple of micro_batch_size "
                        f"{self.micro_batch} x DP {self.dp}: choose a multiple")
@@ -386,6 +411,10 @@ class TrainingLayout:
             moments = (sizes.get(get("exp_avg_dtype", "fp32"), 4), sizes.get(get("exp_avg_sq_dtype", "fp32"), 4))
             grads = sizes.get(get("main_grads_dtype", "fp32"), 4)
         state = sum(moments)
+        outer = get("outer_dp_sharding_strategy", "no_shard")
+        if outer not in OUTER_SHARDING:
+            raise ConfigError(f"outer_dp_sharding_strategy={outer!r}: choose {' or '.join(OUTER_SHARDING)} "
+                              "(Megatron-FSDP's sharding across optimizer instances)")
         optimizer = str(get("optimizer", "adam"))
         distributed = bool(get("use_distributed_optimizer", True)) or optimizer.startswith("dist_")
         if optimizer in ONE_MOMENT_OPTIMIZERS:
@@ -462,7 +491,8 @@ class TrainingLayout:
             # the prototype ran the experts' weight gradients after the dispatch's backward
             delay_wgrad=bool(get("delay_wgrad_compute", False)) or combined,
             tp_comm_overlap=bool(get("tp_comm_overlap", False)),
-            distributed_optimizer=distributed,
+            distributed_optimizer=distributed, optimizer_instances=size("num_distributed_optimizer_instances"),
+            optimizer_outer_shard=bool(fsdp) and outer == "optim",
             overlap_grad_reduce=bool(get("overlap_grad_reduce", True)),
             precision_aware_optimizer=bool(get("use_precision_aware_optimizer", False)),
             optimizer_state_bytes=state, main_grad_bytes=grads,

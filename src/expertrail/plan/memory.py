@@ -161,9 +161,10 @@ def stage_memory(arch: Architecture, layout: TrainingLayout, rank: int, stage: t
     dense += mtp * (arch.moe_layer_dense_params() + 2 * arch.hidden * arch.hidden) / layout.tp
     main = 4 + layout.optimizer_state_bytes
     shards = FSDP_SHARDS.get(layout.fsdp, ()) if layout.fsdp else ()
-    dense_dp, expert_dp = layout.dp * layout.cp, layout.edp
+    dense_dp, expert_dp = layout.shard_groups
     if layout.distributed_optimizer or "optimizer" in shards:
-        optimizer = dense * main / dense_dp + experts * main / expert_dp
+        dense_opt, expert_opt = layout.optimizer_groups
+        optimizer = dense * main / dense_opt + experts * main / expert_opt
     else:
         optimizer = (dense + experts) * main
     optimizer_params = optimizer / main

@@ -27,8 +27,8 @@ from ..errors import ConfigError
 from . import megatron_fields as mf
 from .catalog import HARDWARE, hardware_key, load_hardware, read_mapping
 from .architecture import GATED_DELTA_NET, dense_layers_of, width_split_problems
-from .layout import (GRAPH_MODULES_DEFAULTS, expand_layout, layout_text, name_list, pipeline_split_problems,
-                     sequence_split_problems, stage_override, vpp_of_stage_layers)
+from .layout import (GRAPH_MODULES_DEFAULTS, OUTER_SHARDING, expand_layout, layout_text, name_list,
+                     pipeline_split_problems, sequence_split_problems, stage_override, vpp_of_stage_layers)
 from .simulate import domain_for
 from .modelzoo import launch_arguments
 from .launch_line import script_arguments
@@ -526,6 +526,13 @@ def _micro_batches(c) -> float | None:
     return int(c["global_batch_size"]) / (int(c["micro_batch_size"]) * dp)
 
 
+def _shard_ranks(c) -> tuple:
+    """(DP x CP, expert-DP): the ranks the distributed optimizer shards dense and expert state over."""
+    world, pp = c.world, int(c["pipeline_model_parallel_size"])
+    etp = int(c["expert_tensor_parallel_size"] or c["tensor_model_parallel_size"])
+    return world // _model_ranks(c) * int(c["context_parallel_size"]), world // (pp * c.ep * etp)
+
+
 def _layer_pattern_problem(c) -> str:
     """Why moe_layer_freq does not fit the model's layers (`architecture.dense_layers_of`), or ''."""
     try:
@@ -794,6 +801,10 @@ RULES = [
          "set moe_token_dispatcher_type='alltoall' or turn moe_shared_expert_overlap off",
          lambda c: bool(c["moe_shared_expert_overlap"]), lambda c: c["moe_token_dispatcher_type"] in ("alltoall", "flex")),
     # Router and capacity
+    Rule("probs-on-input-topk", "moe_apply_probs_on_input works with moe_router_topk=1 only (Megatron-Core's "
+         "experts assert)", ("moe_apply_probs_on_input", "moe_router_topk"),
+         "set moe_router_topk=1, or leave moe_apply_probs_on_input unset",
+         lambda c: bool(c["moe_apply_probs_on_input"]), lambda c: int(c["moe_router_topk"]) == 1),
     Rule("topk-within-experts", "a token cannot pick more experts than exist: moe_router_topk <= num_moe_experts",
          ("moe_router_topk", "num_moe_experts"), "set moe_router_topk to at most num_moe_experts",
          lambda c: c.given("num_moe_experts"), lambda c: int(c["moe_router_topk"]) <= int(c["num_moe_experts"])),
@@ -1030,6 +1041,22 @@ RULES = [
          "pipeline_model_parallel_size", lambda c: c.world is not None,
          lambda c: (c.world // c["pipeline_model_parallel_size"])
          % (c.ep * (c["expert_tensor_parallel_size"] or c["tensor_model_parallel_size"])) == 0),
+    Rule("optimizer-instances-divide", "num_distributed_optimizer_instances must divide DP x CP and the "
+         "expert-DP size (Megatron-Core asserts)", ("num_distributed_optimizer_instances", "world_size",
+         "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+         "expert_tensor_parallel_size"),
+         lambda c: f"choose num_distributed_optimizer_instances dividing both {_shard_ranks(c)}",
+         lambda c: c.world is not None and int(c["num_distributed_optimizer_instances"] or 1) > 1
+         and c.world % _model_ranks(c) == 0,
+         lambda c: all(ranks % int(c["num_distributed_optimizer_instances"]) == 0 for ranks in _shard_ranks(c))),
+    Rule("hsdp-outer-sharding", "outer_dp_sharding_strategy is no_shard or optim, and optim (the optimizer "
+         "sharded across HSDP's replicas too) needs data_parallel_sharding_strategy=optim_grads_params "
+         "(Megatron-FSDP raises)", ("outer_dp_sharding_strategy", "data_parallel_sharding_strategy"),
+         "set outer_dp_sharding_strategy to no_shard, or to optim with data_parallel_sharding_strategy="
+         "optim_grads_params", lambda c: c.given("outer_dp_sharding_strategy"),
+         lambda c: c["outer_dp_sharding_strategy"] in OUTER_SHARDING
+         and (c["outer_dp_sharding_strategy"] == "no_shard"
+              or c["data_parallel_sharding_strategy"] in (None, "optim_grads_params"))),
     Rule("cp-splits-sequence", "with CP > 1 the sequence must split into 2 x CP chunks (Megatron-LM asserts)",
          ("seq_length", "context_parallel_size"), "choose a seq_length that is a multiple of 2 x context_parallel_size",
          lambda c: c.given("seq_length") and int(c["context_parallel_size"]) > 1,
