@@ -564,7 +564,7 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
                    "precision": layout.precision, "recompute": layout.recompute,
                    "recompute_modules": list(layout.recompute_modules), "dispatcher": layout.dispatcher,
                    "flex_backend": layout.flex_backend, "algorithm": algorithm, "ep_overlap": layout.ep_overlap,
-                   "graph_scopes": list(layout.graph_scopes),
+                   "delay_wgrad": layout.delay_wgrad, "graph_scopes": list(layout.graph_scopes),
                    "routing_imbalance": routing_imbalance(arch, layout)},
         "assumed": list(layout.assumed) + routing_assumption(arch, layout) + recipe_assumption(hw, layout),
         "not_modelled": list(layout.not_modelled) + list(arch.not_modelled),
@@ -687,7 +687,8 @@ def format_estimate(r: dict) -> str:
              f"CP {lay['cp']} DP {lay['dp']} | EP {lay['ep']} ETP {lay['etp']} EDP {lay['edp']}, micro-batch "
              f"{lay['micro_batch']} x {lay['micro_batches']}, seq {lay['seq']}, {lay['precision']}, recompute "
              f"{lay['recompute'] or 'none'}" + (f" ({', '.join(lay['recompute_modules'])})" if lay['recompute_modules'] else "")
-             + f", dispatcher {lay['dispatcher']}" + (f" + {lay['flex_backend']}" if lay['flex_backend'] else ""),
+             + f", dispatcher {lay['dispatcher']}" + (f" + {lay['flex_backend']}" if lay['flex_backend'] else "")
+             + (", EP overlap" + (" + delayed wgrad" if lay["delay_wgrad"] else "") if lay["ep_overlap"] else ""),
              ""]
     verdict = "fits" if r["fits"] else "DOES NOT FIT"
     lines.append(f"memory, busiest pipeline rank ({mem['busiest_rank']}): {r['peak_memory_GB']:.1f} GB of "
