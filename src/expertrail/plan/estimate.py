@@ -453,7 +453,8 @@ def fsdp_seconds(arch: Architecture, hw: Hardware, layout: TrainingLayout, moe: 
     """Megatron-FSDP's collectives of one layer and micro-batch: the weights all-gathered for the
     forward and again for the backward (``optim_grads_params``), the gradients reduce-scattered
     (``optim_grads`` and ``optim_grads_params``), over DP x CP for dense parameters and expert-DP
-    for the routed experts (each over the optimizer instances: HSDP); the link is the NIC once the group leaves the NVLink domain."""
+    for the routed experts (each split over the optimizer instances: HSDP); the link is the NIC
+    once the group leaves the NVLink domain."""
     shards = layout_fields.FSDP_SHARDS.get(layout.fsdp, ())
     dense = (arch.moe_layer_dense_params() if moe else arch.dense_layer_params()) / layout.tp
     experts = arch.experts // layout.ep * arch.expert_params() / layout.etp if moe else 0.0
