@@ -1476,3 +1476,17 @@ def test_hsdp_outer_sharding_spreads_the_optimizer_across_the_replicas():
     assert a["weights_GB"] == pytest.approx(b["weights_GB"]) and b["weights_GB"] > c["weights_GB"]
     with pytest.raises(ConfigError, match="outer_dp_sharding_strategy='optim_grads'"):
         TrainingLayout.from_fields(load_config(None, base + ["--outer-dp-sharding-strategy", "optim_grads"]), 64)
+
+
+def test_kernel_fusions_are_costed_fused_and_said_so():
+    """The fusions Megatron leaves off but every calibrating run turns on are assumed (named on
+    the assumed line where a configuration leaves them out); any fusion set false is named as
+    not modelled, never silently costed fused."""
+    def layout(*extra):
+        return TrainingLayout.from_fields(load_config(None, ["--expert-model-parallel-size", "8", "--bf16", *extra]), 64)
+    fusions = {"moe_permute_fusion=true", "moe_router_fusion=true", "cross_entropy_loss_fusion=true"}
+    assert fusions <= set(layout().assumed)
+    fused = layout("--moe-permute-fusion", "--moe-router-fusion", "--cross-entropy-loss-fusion")
+    assert not fusions & set(fused.assumed) and not fused.not_modelled
+    off = layout("moe_permute_fusion=false", "--no-gradient-accumulation-fusion", "--moe-router-fusion")
+    assert set(off.not_modelled) == {"moe_permute_fusion", "gradient_accumulation_fusion"}

@@ -17,6 +17,7 @@ from ..names import both_names, field_name
 from .catalog import Hardware, MoEModel
 from .cost import SATURATING_SMS, EPLayout, Routing, predict
 from .estimate import EP_OVERLAP_HIDES, GROUPED_HALF_ROWS, OVERLAP_COMM_SMS
+from .layout import FUSED_BY_RECIPES
 from .search import architecture_of, fitting_pp
 from .simulate import domain_for
 
@@ -296,7 +297,7 @@ def config_fields(result: dict, model: MoEModel) -> tuple:
     """(model fields, overlap fields) of the recommended Megatron-Core configuration."""
     fields = {"expert_model_parallel_size": result["ep"], "num_moe_experts": model.num_experts,
               "moe_router_topk": model.topk, "moe_token_dispatcher_type": result["dispatcher"],
-              "moe_grouped_gemm": True, "bf16": True}
+              "moe_grouped_gemm": True, "bf16": True, **dict.fromkeys(FUSED_BY_RECIPES, True)}
     if result["flex_backend"]:
         fields["moe_flex_dispatcher_backend"] = result["flex_backend"]
         fields[f"moe_{result['flex_backend']}_num_sms"] = result["sms"]["start"]

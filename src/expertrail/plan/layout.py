@@ -15,8 +15,14 @@ from functools import lru_cache
 from ..errors import ConfigError
 from .megatron_fields import flex_backend
 
+# Kernel fusions off by Megatron's default that every calibrating run turns on (Bridge's recipes, the
+# ModelZoo's launch script): the estimate costs the fused kernels, and says so where a configuration
+# leaves them out; one set false is named as not modelled, as are the fusions on by default.
+FUSED_BY_RECIPES = ("moe_permute_fusion", "moe_router_fusion", "cross_entropy_loss_fusion")
+FUSED_BY_DEFAULT = ("gradient_accumulation_fusion", "bias_swiglu_fusion", "apply_rope_fusion",
+                    "masked_softmax_fusion", "bias_dropout_fusion")
 RECIPE_DEFAULTS = {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
-                   "sequence_parallel": True, "moe_grouped_gemm": True}
+                   "sequence_parallel": True, "moe_grouped_gemm": True, **dict.fromkeys(FUSED_BY_RECIPES, True)}
 # Megatron-LM's optimizers with one state a parameter beside the FP32 main weight (Adam keeps two).
 ONE_MOMENT_OPTIMIZERS = ("muon", "dist_muon", "adaptive_muon", "sgd")
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts", "gdn_norm_out")
@@ -53,7 +59,7 @@ NOT_MODELLED = ("cpu_offloading_weights", "cpu_offloading_double_buffering", "mo
                 "window_size",
                 # the experts one GEMM after another (Megatron-LM's SequentialMLP, its default without
                 # moe_grouped_gemm): every published run groups them
-                "moe_grouped_gemm")
+                "moe_grouped_gemm", *FUSED_BY_RECIPES, *FUSED_BY_DEFAULT)
 # Values of those fields that leave the run as the estimate costs it: nothing to name. A field
 # with its own default there is named whenever set to another value.
 UNSET = (None, False, "no_shard", "none", [])
@@ -63,7 +69,7 @@ NOT_MODELLED_DEFAULTS = {"main_params_dtype": "fp32",
                          "megatron_fsdp_main_params_dtype": "fp32", "moe_combine_bwd_dtype": "bf16",
                          "fp8_wgrad": True, "activation_offload_fraction": 1.0, "moe_router_dtype": "fp32",
                          "gated_linear_unit": True, "gtp_weight_remat_size": 1, "expert_gtp_weight_remat_size": 1,
-                         "moe_grouped_gemm": True}
+                         "moe_grouped_gemm": True, **dict.fromkeys(FUSED_BY_RECIPES + FUSED_BY_DEFAULT, True)}
 # Megatron-FSDP's data_parallel_sharding_strategy: what each rank keeps 1/DP of.
 FSDP_SHARDS = {"no_shard": (), "optim": ("optimizer",), "optim_grads": ("optimizer", "gradients"),
                "optim_grads_params": ("optimizer", "gradients", "weights")}
@@ -366,6 +372,8 @@ class TrainingLayout:
             assumed.append("bf16=true (the configuration names no precision, and Megatron without bf16 or fp16 "
                            "trains in FP32, which the estimate does not cost)")
         get("moe_grouped_gemm", True)       # the experts' grouped GEMM; Megatron-LM's SequentialMLP is not costed
+        for fusion in FUSED_BY_RECIPES:
+            get(fusion, True)
         recipe = "nvfp4" if fp4 else get("fp8_recipe", None) if fp8 else None
         granularity = get("recompute_granularity", None)
         modules = get("recompute_modules", None)

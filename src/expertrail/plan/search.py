@@ -25,7 +25,7 @@ from ..names import default_flex_backend
 from .architecture import ARCHITECTURES, Architecture
 from .catalog import Hardware, MoEModel
 from .estimate import estimate
-from .layout import TrainingLayout, megatron_split
+from .layout import FUSED_BY_RECIPES, TrainingLayout, megatron_split
 from .validate import validate
 
 # Lightest first: selective recompute of cheap modules before whole layers (MLA's up projection and
@@ -185,7 +185,8 @@ def layout_fields(arch: Architecture, layout: TrainingLayout, hw: Hardware) -> d
               "global_batch_size": layout.global_batch, "seq_length": layout.seq,
               "moe_token_dispatcher_type": layout.dispatcher, "moe_grouped_gemm": True,
               "use_distributed_optimizer": True, "overlap_grad_reduce": layout.overlap_grad_reduce,
-              "overlap_param_gather": layout.overlap_grad_reduce, "bf16": True}
+              "overlap_param_gather": layout.overlap_grad_reduce, "bf16": True,
+              **dict.fromkeys(FUSED_BY_RECIPES, True)}
     if layout.tp > 1:
         fields["sequence_parallel"] = True
     if layout.pp > 1:                       # the split Megatron builds depends on the layers
