@@ -80,6 +80,7 @@ CASES = {   # rule -> (breaking config, satisfying config)
                              "data_parallel_sharding_strategy": "optim_grads"},
                             {"use_megatron_fsdp": True, "outer_dp_sharding_strategy": "optim",
                              "data_parallel_sharding_strategy": "optim_grads_params"}),
+    "removed-arguments": ({"batch_size": 4, "checkpoint_activations": True}, {"micro_batch_size": 4}),
     "torch-fsdp2-layout": ({"use_torch_fsdp2": True, "expert_model_parallel_size": 8, "num_moe_experts": 64},
                            {"use_torch_fsdp2": True, "num_moe_experts": 64}),
     "ep-overlap-shared": ({**OVERLAP, "moe_shared_expert_overlap": True}, {**OVERLAP, "moe_shared_expert_overlap": False}),

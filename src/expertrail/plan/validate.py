@@ -36,6 +36,12 @@ from .bridge_recipes import RECIPE_FIELD, recipe_fields
 from .launch_script import LAUNCH_FIELD, script_at, script_launch
 
 FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
+# Megatron-LM's arguments of old, which its validate_args refuses, with what replaces each.
+REMOVED_ARGUMENTS = {"batch_size": "give micro_batch_size (--micro-batch-size) instead",
+                     "warmup": "give lr_warmup_fraction (--lr-warmup-fraction) instead",
+                     "model_parallel_size": "give tensor_model_parallel_size (--tensor-model-parallel-size) instead",
+                     "checkpoint_activations": "give recompute_activations (--recompute-activations), or "
+                                               "recompute_granularity with recompute_method, instead"}
 DOMAIN_FIELD = "num_of_hybrid_ep_ranks_per_nvlink_domain"
 
 # Megatron-Core defaults for the fields the rules read.
@@ -911,6 +917,11 @@ RULES = [
          lambda c: not c["optimizer_cpu_offload"] or float(c["optimizer_state_offload_fraction"] or 1.0) == 0.0),
     # Megatron-LM's argument checks (megatron/training/arguments.py, validate_args), which a
     # Megatron-Bridge run does not pass through (`_megatron_lm`).
+    Rule("removed-arguments", "arguments Megatron-LM no longer takes (it asserts, or exits, on them)",
+         tuple(REMOVED_ARGUMENTS), lambda c: "; ".join(f"{old}: {REMOVED_ARGUMENTS[old]}" for old in REMOVED_ARGUMENTS
+                                                      if c.given(old) and c[old] is not False),
+         lambda c: _megatron_lm(c), lambda c: not any(c.given(old) and c[old] is not False for old in REMOVED_ARGUMENTS),
+         given_only=True),
     Rule("param-gather-needs", "overlap_param_gather needs the distributed optimizer (or Megatron-FSDP) and "
          "overlap_grad_reduce (Megatron-LM asserts)",
          ("overlap_param_gather", "use_distributed_optimizer", "use_megatron_fsdp", "overlap_grad_reduce"),
