@@ -532,6 +532,11 @@ def _micro_batches(c) -> float | None:
     return int(c["global_batch_size"]) / (int(c["micro_batch_size"]) * dp)
 
 
+def _removed(c) -> list:
+    """The `REMOVED_ARGUMENTS` a configuration gives (a switch only when on)."""
+    return [old for old in REMOVED_ARGUMENTS if c.given(old) and c[old] is not False]
+
+
 def _shard_ranks(c) -> tuple:
     """(DP x CP, expert-DP): the ranks the distributed optimizer shards dense and expert state over."""
     world, pp = c.world, int(c["pipeline_model_parallel_size"])
@@ -918,10 +923,8 @@ RULES = [
     # Megatron-LM's argument checks (megatron/training/arguments.py, validate_args), which a
     # Megatron-Bridge run does not pass through (`_megatron_lm`).
     Rule("removed-arguments", "arguments Megatron-LM no longer takes (it asserts, or exits, on them)",
-         tuple(REMOVED_ARGUMENTS), lambda c: "; ".join(f"{old}: {REMOVED_ARGUMENTS[old]}" for old in REMOVED_ARGUMENTS
-                                                      if c.given(old) and c[old] is not False),
-         lambda c: _megatron_lm(c), lambda c: not any(c.given(old) and c[old] is not False for old in REMOVED_ARGUMENTS),
-         given_only=True),
+         tuple(REMOVED_ARGUMENTS), lambda c: "; ".join(f"{old}: {REMOVED_ARGUMENTS[old]}" for old in _removed(c)),
+         _megatron_lm, lambda c: not _removed(c), given_only=True),
     Rule("param-gather-needs", "overlap_param_gather needs the distributed optimizer (or Megatron-FSDP) and "
          "overlap_grad_reduce (Megatron-LM asserts)",
          ("overlap_param_gather", "use_distributed_optimizer", "use_megatron_fsdp", "overlap_grad_reduce"),
@@ -1056,7 +1059,8 @@ RULES = [
          "expert-DP size (Megatron-Core asserts)", ("num_distributed_optimizer_instances", "world_size",
          "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
          "expert_tensor_parallel_size"),
-         lambda c: f"choose num_distributed_optimizer_instances dividing both {_shard_ranks(c)}",
+         lambda c: "choose num_distributed_optimizer_instances dividing both DP x CP ({}) and expert-DP ({})".format(
+             *_shard_ranks(c)),
          lambda c: c.world is not None and int(c["num_distributed_optimizer_instances"] or 1) > 1
          and c.world % _model_ranks(c) == 0,
          lambda c: all(ranks % int(c["num_distributed_optimizer_instances"]) == 0 for ranks in _shard_ranks(c))),
