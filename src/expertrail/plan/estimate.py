@@ -566,6 +566,7 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
                    "recompute_modules": list(layout.recompute_modules), "dispatcher": layout.dispatcher,
                    "flex_backend": layout.flex_backend, "algorithm": algorithm, "ep_overlap": layout.ep_overlap,
                    "delay_wgrad": layout.delay_wgrad, "graph_scopes": list(layout.graph_scopes),
+                   "fsdp": layout.fsdp, "optimizer_instances": layout.optimizer_instances,
                    "routing_imbalance": routing_imbalance(arch, layout)},
         "assumed": list(layout.assumed) + routing_assumption(arch, layout) + recipe_assumption(hw, layout),
         "not_modelled": list(layout.not_modelled) + list(arch.not_modelled),
@@ -689,7 +690,9 @@ def format_estimate(r: dict) -> str:
              f"{lay['micro_batch']} x {lay['micro_batches']}, seq {lay['seq']}, {lay['precision']}, recompute "
              f"{lay['recompute'] or 'none'}" + (f" ({', '.join(lay['recompute_modules'])})" if lay['recompute_modules'] else "")
              + f", dispatcher {lay['dispatcher']}" + (f" + {lay['flex_backend']}" if lay['flex_backend'] else "")
-             + (", EP overlap" + (" + delayed wgrad" if lay["delay_wgrad"] else "") if lay["ep_overlap"] else ""),
+             + (", EP overlap" + (" + delayed wgrad" if lay["delay_wgrad"] else "") if lay["ep_overlap"] else "")
+             + (f", Megatron-FSDP {lay['fsdp']}" if lay["fsdp"] else "")
+             + (f", {lay['optimizer_instances']} optimizer instances" if lay["optimizer_instances"] > 1 else ""),
              ""]
     verdict = "fits" if r["fits"] else "DOES NOT FIT"
     lines.append(f"memory, busiest pipeline rank ({mem['busiest_rank']}): {r['peak_memory_GB']:.1f} GB of "
