@@ -1474,6 +1474,9 @@ def test_hsdp_outer_sharding_spreads_the_optimizer_across_the_replicas():
     assert a["optimizer_GB"] == pytest.approx(4 * b["optimizer_GB"], rel=1e-6)
     assert b["optimizer_GB"] == pytest.approx(c["optimizer_GB"], rel=1e-6)
     assert a["weights_GB"] == pytest.approx(b["weights_GB"]) and b["weights_GB"] > c["weights_GB"]
+    from expertrail.plan.estimate import format_estimate
+    header = format_estimate(estimate(QWEN, hw, sharded)).split("\n")[0]
+    assert header.endswith(", Megatron-FSDP optim_grads_params, 4 optimizer instances")
     with pytest.raises(ConfigError, match="outer_dp_sharding_strategy='optim_grads'"):
         TrainingLayout.from_fields(load_config(None, base + ["--outer-dp-sharding-strategy", "optim_grads"]), 64)
 
