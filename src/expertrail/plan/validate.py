@@ -925,6 +925,18 @@ RULES = [
     Rule("removed-arguments", "arguments Megatron-LM no longer takes (it asserts, or exits, on them)",
          tuple(REMOVED_ARGUMENTS), lambda c: "; ".join(f"{old}: {REMOVED_ARGUMENTS[old]}" for old in _removed(c)),
          _megatron_lm, lambda c: not _removed(c), given_only=True),
+    Rule("emerging-optimizer-fsdp", "an optimizer other than adam and sgd (muon, ...) runs with neither "
+         "Megatron-FSDP nor PyTorch's FSDP2 (Megatron-LM asserts)", ("optimizer", "use_megatron_fsdp",
+         "use_torch_fsdp2"), "use the distributed optimizer (layer-wise for these optimizers) without FSDP, or "
+         "optimizer=adam", lambda c: _megatron_lm(c) and c.given("optimizer") and c["optimizer"] not in ("adam", "sgd"),
+         lambda c: not c["use_megatron_fsdp"] and not c["use_custom_fsdp"] and not c["use_torch_fsdp2"]),
+    Rule("distributed-saved-activations", "distribute_saved_activations splits full recompute's saved inputs over "
+         "TP: it needs TP > 1, recompute_granularity=full and a recompute_method (Megatron-LM asserts)",
+         ("distribute_saved_activations", "tensor_model_parallel_size", "recompute_granularity", "recompute_method"),
+         "set tensor_model_parallel_size > 1 with recompute_granularity=full and recompute_method, or drop "
+         "distribute_saved_activations", lambda c: _megatron_lm(c) and bool(c["distribute_saved_activations"]),
+         lambda c: int(c["tensor_model_parallel_size"]) > 1 and c["recompute_granularity"] == "full"
+         and c.given("recompute_method")),
     Rule("param-gather-needs", "overlap_param_gather needs the distributed optimizer (or Megatron-FSDP) and "
          "overlap_grad_reduce (Megatron-LM asserts)",
          ("overlap_param_gather", "use_distributed_optimizer", "use_megatron_fsdp", "overlap_grad_reduce"),
