@@ -707,6 +707,20 @@ RULES = [
          "recompute_method=block with recompute_num_layers the layers of each pipeline stage to recompute",
          lambda c: c["recompute_granularity"] == "full",
          lambda c: c["recompute_method"] in ("uniform", "block") and c.given("recompute_num_layers")),
+    Rule("distributed-saved-activations", "distribute_saved_activations splits full recompute's saved inputs over "
+         "TP: it needs TP > 1 without sequence parallelism, recompute_granularity=full and a recompute_method "
+         "(Megatron-LM and Megatron-Core raise)", ("distribute_saved_activations", "tensor_model_parallel_size",
+         "sequence_parallel", "recompute_granularity", "recompute_method"),
+         "drop distribute_saved_activations (an MoE model with TP > 1 needs sequence parallelism, which it "
+         "excludes), or use it with TP > 1, no sequence parallelism and full recompute with a recompute_method",
+         lambda c: bool(c["distribute_saved_activations"]),
+         lambda c: int(c["tensor_model_parallel_size"]) > 1 and not c["sequence_parallel"]
+         and c["recompute_granularity"] == "full" and c.given("recompute_method")),
+    Rule("moe-layer-recompute-full", "moe_layer_recompute (the MoE layer recomputed, selectively) does not go with "
+         "full recompute (Megatron-Core raises)", ("moe_layer_recompute", "recompute_granularity"),
+         "drop moe_layer_recompute (full recompute recomputes the MoE layer too), or use "
+         "recompute_granularity=selective with recompute_modules moe",
+         lambda c: bool(c["moe_layer_recompute"]), lambda c: c["recompute_granularity"] != "full"),
     Rule("recompute-selective-fields", "selective recompute takes recompute_modules, not recompute_method or "
          "recompute_num_layers (Megatron-Core raises)", ("recompute_granularity", "recompute_method",
                                                           "recompute_num_layers"),
@@ -930,13 +944,6 @@ RULES = [
          "use_torch_fsdp2"), "use the distributed optimizer (layer-wise for these optimizers) without FSDP, or "
          "optimizer=adam", lambda c: _megatron_lm(c) and c.given("optimizer") and c["optimizer"] not in ("adam", "sgd"),
          lambda c: not c["use_megatron_fsdp"] and not c["use_custom_fsdp"] and not c["use_torch_fsdp2"]),
-    Rule("distributed-saved-activations", "distribute_saved_activations splits full recompute's saved inputs over "
-         "TP: it needs TP > 1, recompute_granularity=full and a recompute_method (Megatron-LM asserts)",
-         ("distribute_saved_activations", "tensor_model_parallel_size", "recompute_granularity", "recompute_method"),
-         "set tensor_model_parallel_size > 1 with recompute_granularity=full and recompute_method, or drop "
-         "distribute_saved_activations", lambda c: _megatron_lm(c) and bool(c["distribute_saved_activations"]),
-         lambda c: int(c["tensor_model_parallel_size"]) > 1 and c["recompute_granularity"] == "full"
-         and c.given("recompute_method")),
     Rule("param-gather-needs", "overlap_param_gather needs the distributed optimizer (or Megatron-FSDP) and "
          "overlap_grad_reduce (Megatron-LM asserts)",
          ("overlap_param_gather", "use_distributed_optimizer", "use_megatron_fsdp", "overlap_grad_reduce"),
