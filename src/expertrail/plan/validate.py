@@ -992,6 +992,11 @@ RULES = [
          "raises)", ("moe_paged_stash", "moe_expert_rank_capacity_factor"),
          "set moe_expert_rank_capacity_factor (e.g. 1.5, with the hybridep backend), or drop moe_paged_stash",
          lambda c: bool(c["moe_paged_stash"]), lambda c: c.given("moe_expert_rank_capacity_factor")),
+    Rule("paged-stash-offload", "moe_paged_stash keeps the experts' activations itself: offload_modules must not "
+         "take expert_fc1, moe_act or fused_group_mlp beside it (Megatron-Core raises)",
+         ("moe_paged_stash", "offload_modules"), "drop expert_fc1, moe_act and fused_group_mlp from offload_modules, "
+         "or drop moe_paged_stash", lambda c: bool(c["moe_paged_stash"]),
+         lambda c: not _offload_modules(c) & {"expert_fc1", "moe_act", "fused_group_mlp"}),
     Rule("padding-for-quantization-dispatcher", "moe_router_padding_for_quantization does not work with the "
          "allgather dispatcher (Megatron-Core raises)",
          ("moe_router_padding_for_quantization", "moe_token_dispatcher_type"),
