@@ -630,6 +630,11 @@ def _sequence_splits(c) -> dict:
                                    int(c["tensor_model_parallel_size"]), bool(c["sequence_parallel"]))
 
 
+def _quantization_padding(c) -> bool:
+    """moe_router_padding_for_quantization, or its older name moe_router_padding_for_fp8."""
+    return bool(c["moe_router_padding_for_quantization"]) or bool(c["moe_router_padding_for_fp8"])
+
+
 def _padded(c) -> bool:
     return c["moe_expert_capacity_factor"] is not None and bool(c["moe_pad_expert_input_to_capacity"])
 
@@ -845,6 +850,10 @@ RULES = [
          ("num_moe_experts", "moe_router_num_groups"), "choose moe_router_num_groups dividing num_moe_experts",
          lambda c: c.given("moe_router_num_groups") and c.given("num_moe_experts"),
          lambda c: c["num_moe_experts"] % c["moe_router_num_groups"] == 0),
+    Rule("group-topk-needs-groups", "group-limited routing (moe_router_group_topk) needs moe_router_num_groups "
+         "(Megatron-Core raises)", ("moe_router_group_topk", "moe_router_num_groups"),
+         "set moe_router_num_groups (DeepSeek-V3: 8), or drop moe_router_group_topk",
+         lambda c: bool(c["moe_router_group_topk"]), lambda c: bool(c["moe_router_num_groups"])),
     Rule("group-topk", "group-limited routing: group_topk groups must exist and hold the top-k experts",
          ("moe_router_group_topk", "moe_router_num_groups", "moe_router_topk", "num_moe_experts"),
          "set 1 <= moe_router_group_topk <= moe_router_num_groups with group_topk x experts per group >= topk",
@@ -901,9 +910,11 @@ RULES = [
          ("moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax"), "set moe_router_pre_softmax=true",
          lambda c: int(c["moe_router_topk"]) == 1 and c["moe_router_score_function"] == "softmax"
          and c["moe_router_load_balancing_type"] != "sinkhorn", lambda c: bool(c["moe_router_pre_softmax"])),
-    Rule("bias-needs-sigmoid", "the expert bias (aux-loss-free balancing) needs sigmoid scores",
-         ("moe_router_enable_expert_bias", "moe_router_score_function"), "set moe_router_score_function='sigmoid'",
-         lambda c: bool(c["moe_router_enable_expert_bias"]), lambda c: c["moe_router_score_function"] == "sigmoid"),
+    Rule("bias-needs-sigmoid", "the expert bias (aux-loss-free balancing) needs sigmoid or sqrtsoftplus scores "
+         "(Megatron-Core raises)", ("moe_router_enable_expert_bias", "moe_router_score_function"),
+         "set moe_router_score_function='sigmoid' (or 'sqrtsoftplus')",
+         lambda c: bool(c["moe_router_enable_expert_bias"]),
+         lambda c: c["moe_router_score_function"] in ("sigmoid", "sqrtsoftplus")),
     # Precision
     Rule("one-half-precision", "bf16 and fp16 cannot both be on", ("bf16", "fp16"), "set only one of bf16 / fp16",
          lambda c: bool(c["bf16"]), lambda c: not c["fp16"]),
@@ -999,10 +1010,15 @@ RULES = [
          lambda c: not _offload_modules(c) & {"expert_fc1", "moe_act", "fused_group_mlp"}),
     Rule("padding-for-quantization-dispatcher", "moe_router_padding_for_quantization does not work with the "
          "allgather dispatcher (Megatron-Core raises)",
-         ("moe_router_padding_for_quantization", "moe_token_dispatcher_type"),
+         ("moe_router_padding_for_quantization", "moe_router_padding_for_fp8", "moe_token_dispatcher_type"),
          "set moe_token_dispatcher_type to alltoall or flex, or drop moe_router_padding_for_quantization",
-         lambda c: bool(c["moe_router_padding_for_quantization"]),
-         lambda c: c["moe_token_dispatcher_type"] not in ("allgather", "alltoall_seq")),
+         _quantization_padding, lambda c: c["moe_token_dispatcher_type"] not in ("allgather", "alltoall_seq"),
+         given_only=True),
+    Rule("padding-for-quantization-precision", "moe_router_padding_for_quantization pads the experts' rows for "
+         "FP8 / FP4 GEMMs: it needs fp8 or fp4 (Megatron-Core raises)",
+         ("moe_router_padding_for_quantization", "moe_router_padding_for_fp8", "fp8", "fp4"),
+         "set an fp8 (or fp4) format and recipe, or drop moe_router_padding_for_quantization",
+         _quantization_padding, lambda c: bool(c["fp8"]) or bool(c["fp4"]), given_only=True),
     Rule("gdn-norm-out-needs-gdn", "recompute_modules gdn_norm_out recomputes Gated DeltaNet's output norm: the "
          "attention variant must be Gated DeltaNet (Megatron-Core raises)",
          ("recompute_modules", "experimental_attention_variant"),
