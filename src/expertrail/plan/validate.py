@@ -916,6 +916,13 @@ RULES = [
          lambda c: bool(c["moe_router_enable_expert_bias"]),
          lambda c: c["moe_router_score_function"] in ("sigmoid", "sqrtsoftplus")),
     # Precision
+    Rule("quantized-params-need-recipe", "FP8 (FP4) weights need FP8 (FP4) training: fp8_param / fp8_param_gather "
+         "without fp8, fp4_param / fp4_param_gather without fp4 (Megatron-Core raises)",
+         ("fp8_param", "fp8_param_gather", "fp8", "fp4_param", "fp4_param_gather", "fp4"),
+         "set the precision's format and recipe, or drop the quantized weights",
+         lambda c: any(bool(c[f]) for f in ("fp8_param", "fp8_param_gather", "fp4_param", "fp4_param_gather")),
+         lambda c: (bool(c["fp8"]) or not (c["fp8_param"] or c["fp8_param_gather"]))
+         and (bool(c["fp4"]) or not (c["fp4_param"] or c["fp4_param_gather"])), given_only=True),
     Rule("one-half-precision", "bf16 and fp16 cannot both be on", ("bf16", "fp16"), "set only one of bf16 / fp16",
          lambda c: bool(c["bf16"]), lambda c: not c["fp16"]),
     Rule("mxfp8-needs-blackwell", "the MXFP8 recipe needs Blackwell GPUs", ("fp8", "fp8_recipe", "hardware"),
@@ -955,6 +962,12 @@ RULES = [
          "use_torch_fsdp2"), "use the distributed optimizer (layer-wise for these optimizers) without FSDP, or "
          "optimizer=adam", lambda c: _megatron_lm(c) and c.given("optimizer") and c["optimizer"] not in ("adam", "sgd"),
          lambda c: not c["use_megatron_fsdp"] and not c["use_custom_fsdp"] and not c["use_torch_fsdp2"]),
+    Rule("fp8-param-gather-needs", "fp8_param_gather all-gathers FP8 weights: it needs the distributed optimizer, "
+         "Megatron-FSDP or PyTorch's FSDP2 (Megatron-LM asserts)", ("fp8_param_gather", "use_distributed_optimizer",
+         "use_megatron_fsdp", "use_torch_fsdp2"), "set use_distributed_optimizer=true, or drop fp8_param_gather",
+         lambda c: _megatron_lm(c) and bool(c["fp8_param_gather"]),
+         lambda c: c["use_distributed_optimizer"] is not False or bool(c["use_megatron_fsdp"])
+         or bool(c["use_custom_fsdp"]) or bool(c["use_torch_fsdp2"])),
     Rule("param-gather-needs", "overlap_param_gather needs the distributed optimizer (or Megatron-FSDP) and "
          "overlap_grad_reduce (Megatron-LM asserts)",
          ("overlap_param_gather", "use_distributed_optimizer", "use_megatron_fsdp", "overlap_grad_reduce"),
