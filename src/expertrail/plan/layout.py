@@ -17,10 +17,12 @@ from .megatron_fields import flex_backend
 
 # Kernel fusions off by Megatron's default that every calibrating run turns on (Bridge's recipes, the
 # ModelZoo's launch script): the estimate costs the fused kernels, and says so where a configuration
-# leaves them out; one set false is named as not modelled, as are the fusions on by default.
+# leaves them out; one set false is named as not modelled, as are the fusions on by default
+# (masked_softmax_fusion is not among them: it fuses the unfused attention's softmax, a path the
+# fused attention the estimate costs does not take).
 FUSED_BY_RECIPES = ("moe_permute_fusion", "moe_router_fusion", "cross_entropy_loss_fusion")
 FUSED_BY_DEFAULT = ("gradient_accumulation_fusion", "bias_swiglu_fusion", "apply_rope_fusion",
-                    "masked_softmax_fusion", "bias_dropout_fusion")
+                    "bias_dropout_fusion")
 RECIPE_DEFAULTS = {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
                    "sequence_parallel": True, "moe_grouped_gemm": True, **dict.fromkeys(FUSED_BY_RECIPES, True)}
 # Megatron-LM's optimizers with one state a parameter beside the FP32 main weight (Adam keeps two).
