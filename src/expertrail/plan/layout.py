@@ -278,18 +278,21 @@ class TrainingLayout:
     def edp(self) -> int:
         return self.gpus // (self.pp * self.ep * self.etp)
 
+    def _split_over(self, replicas: int) -> tuple:
+        """(dense, expert) ranks of one of ``replicas`` copies: DP x CP and expert-DP over them."""
+        return max(1, self.dp * self.cp // replicas), max(1, self.edp // replicas)
+
     @property
     def shard_groups(self) -> tuple:
         """(dense, expert) ranks the sharded state (distributed optimizer, Megatron-FSDP) is split
         over: DP x CP and expert-DP, each over `optimizer_instances` replicas."""
-        n = self.optimizer_instances
-        return max(1, self.dp * self.cp // n), max(1, self.edp // n)
+        return self._split_over(self.optimizer_instances)
 
     @property
     def optimizer_groups(self) -> tuple:
         """(dense, expert) ranks the optimizer state is split over: `shard_groups`, or the whole
         DP x CP and expert-DP when HSDP shards it across the replicas too (``optim``)."""
-        return (max(1, self.dp * self.cp), max(1, self.edp)) if self.optimizer_outer_shard else self.shard_groups
+        return self._split_over(1 if self.optimizer_outer_shard else self.optimizer_instances)
 
     @property
     def micro_batches(self) -> int:

@@ -42,6 +42,8 @@ REMOVED_ARGUMENTS = {"batch_size": "give micro_batch_size (--micro-batch-size) i
                      "model_parallel_size": "give tensor_model_parallel_size (--tensor-model-parallel-size) instead",
                      "checkpoint_activations": "give recompute_activations (--recompute-activations), or "
                                                "recompute_granularity with recompute_method, instead"}
+# The precision each kind of quantized weights needs, and the fields that ask for them.
+QUANTIZED_WEIGHTS = {"fp8": ("fp8_param", "fp8_param_gather"), "fp4": ("fp4_param", "fp4_param_gather")}
 DOMAIN_FIELD = "num_of_hybrid_ep_ranks_per_nvlink_domain"
 
 # Megatron-Core defaults for the fields the rules read.
@@ -630,6 +632,11 @@ def _sequence_splits(c) -> dict:
                                    int(c["tensor_model_parallel_size"]), bool(c["sequence_parallel"]))
 
 
+def _fsdp(c) -> bool:
+    """Megatron-FSDP (use_megatron_fsdp, or its older name use_custom_fsdp) or PyTorch's FSDP2."""
+    return bool(c["use_megatron_fsdp"]) or bool(c["use_custom_fsdp"]) or bool(c["use_torch_fsdp2"])
+
+
 def _quantization_padding(c) -> bool:
     """moe_router_padding_for_quantization, or its older name moe_router_padding_for_fp8."""
     return bool(c["moe_router_padding_for_quantization"]) or bool(c["moe_router_padding_for_fp8"])
@@ -920,9 +927,9 @@ RULES = [
          "without fp8, fp4_param / fp4_param_gather without fp4 (Megatron-Core raises)",
          ("fp8_param", "fp8_param_gather", "fp8", "fp4_param", "fp4_param_gather", "fp4"),
          "set the precision's format and recipe, or drop the quantized weights",
-         lambda c: any(bool(c[f]) for f in ("fp8_param", "fp8_param_gather", "fp4_param", "fp4_param_gather")),
-         lambda c: (bool(c["fp8"]) or not (c["fp8_param"] or c["fp8_param_gather"]))
-         and (bool(c["fp4"]) or not (c["fp4_param"] or c["fp4_param_gather"])), given_only=True),
+         lambda c: any(c[f] for fields in QUANTIZED_WEIGHTS.values() for f in fields),
+         lambda c: all(c[precision] or not any(c[f] for f in fields) for precision, fields in QUANTIZED_WEIGHTS.items()),
+         given_only=True),
     Rule("one-half-precision", "bf16 and fp16 cannot both be on", ("bf16", "fp16"), "set only one of bf16 / fp16",
          lambda c: bool(c["bf16"]), lambda c: not c["fp16"]),
     Rule("mxfp8-needs-blackwell", "the MXFP8 recipe needs Blackwell GPUs", ("fp8", "fp8_recipe", "hardware"),
@@ -961,13 +968,12 @@ RULES = [
          "Megatron-FSDP nor PyTorch's FSDP2 (Megatron-LM asserts)", ("optimizer", "use_megatron_fsdp",
          "use_torch_fsdp2"), "use the distributed optimizer (layer-wise for these optimizers) without FSDP, or "
          "optimizer=adam", lambda c: _megatron_lm(c) and c.given("optimizer") and c["optimizer"] not in ("adam", "sgd"),
-         lambda c: not c["use_megatron_fsdp"] and not c["use_custom_fsdp"] and not c["use_torch_fsdp2"]),
+         lambda c: not _fsdp(c)),
     Rule("fp8-param-gather-needs", "fp8_param_gather all-gathers FP8 weights: it needs the distributed optimizer, "
          "Megatron-FSDP or PyTorch's FSDP2 (Megatron-LM asserts)", ("fp8_param_gather", "use_distributed_optimizer",
          "use_megatron_fsdp", "use_torch_fsdp2"), "set use_distributed_optimizer=true, or drop fp8_param_gather",
          lambda c: _megatron_lm(c) and bool(c["fp8_param_gather"]),
-         lambda c: c["use_distributed_optimizer"] is not False or bool(c["use_megatron_fsdp"])
-         or bool(c["use_custom_fsdp"]) or bool(c["use_torch_fsdp2"])),
+         lambda c: c["use_distributed_optimizer"] is not False or _fsdp(c)),
     Rule("param-gather-needs", "overlap_param_gather needs the distributed optimizer (or Megatron-FSDP) and "
          "overlap_grad_reduce (Megatron-LM asserts)",
          ("overlap_param_gather", "use_distributed_optimizer", "use_megatron_fsdp", "overlap_grad_reduce"),
