@@ -1125,6 +1125,8 @@ def test_device_limited_routing_is_group_limited_routing_over_the_ep_ranks():
     assert "moe_router_topk_limited_devices" not in layout.not_modelled
     costs = [estimate(a, HARDWARE["h100"], layout)["step"]["ep_comm_per_layer_s"] for a in (free, limited)]
     assert costs[1] < costs[0]
+    with pytest.raises(ConfigError, match="picks 16 of 8 groups"):      # more ranks than EP holds: refused
+        from_fields(QWEN, load_config(None, flags + ["--moe-router-topk-limited-devices", "16"]))
 
 
 def test_nvfp4_is_costed_as_fp8_and_says_so(capsys):

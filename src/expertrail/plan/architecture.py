@@ -521,6 +521,11 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
     if arch.experts % max(1, arch.num_groups or 1) or arch.topk > arch.experts or arch.dense_layers > arch.layers:
         raise ConfigError(f"model {arch.name}: topk {arch.topk} of {arch.experts} experts, {arch.dense_layers} dense "
                           f"of {arch.layers} layers do not make an MoE model; check the model fields")
+    groups, picked = arch.num_groups or 1, arch.group_topk
+    if picked and not (picked <= groups and picked * (arch.experts // groups) >= arch.topk):
+        raise ConfigError(f"model {arch.name}: group-limited routing picks {arch.group_topk} of {groups} groups of "
+                          f"{arch.experts // groups} experts for top-{arch.topk}: set 1 <= moe_router_group_topk "
+                          "(moe_router_topk_limited_devices) <= moe_router_num_groups (the EP size), enough for top-k")
     return arch
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ..errors import ConfigError
-from .megatron_fields import flex_backend
+from .megatron_fields import LIST_CHOICES, flex_backend
 
 # Kernel fusions off by Megatron's default that every calibrating run turns on (Bridge's recipes, the
 # ModelZoo's launch script): the estimate costs the fused kernels, and says so where a configuration
@@ -456,6 +456,9 @@ class TrainingLayout:
         offload = ()
         if get("fine_grained_activation_offloading", False):
             offload = name_list(get("offload_modules", None))
+            typos = [m for m in offload if m not in LIST_CHOICES["offload_modules"]]
+            if typos:                                   # TransformerConfig asserts on these
+                raise ConfigError(f"offload_modules {typos}: choose among {', '.join(LIST_CHOICES['offload_modules'])}")
             unknown = [f"offload_modules={m}" for m in offload if m not in OFFLOAD_MODULES]
             offload = [m for m in offload if m in OFFLOAD_MODULES]
         else:

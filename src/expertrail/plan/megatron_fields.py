@@ -23,7 +23,8 @@ Megatron-Bridge's GPTModelProvider and MLAModelProvider fields beyond those (com
 not check (unions, enums, callables).
 
 BOOL, INT, FLOAT, STR, LIST, ANY, TRUE_BY_DEFAULT: frozensets of field names; CHOICES /
-LIST_CHOICES: field -> allowed values (tuple); FLAG_ALIASES: flag -> (field, value it sets, or
+LIST_CHOICES: field -> allowed values (tuple; for ``recompute_modules`` and ``offload_modules``
+the sets TransformerConfig asserts on); FLAG_ALIASES: flag -> (field, value it sets, or
 None for the value given).
 """
 import json

@@ -130,6 +130,7 @@ POSITIVE = {
     "moe_flex_dispatcher_num_sms", "num_layers", "hidden_size", "ffn_hidden_size", "moe_ffn_hidden_size",
     "num_attention_heads", "micro_batch_size", "global_batch_size", "seq_length", "recompute_num_layers",
     "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+    "num_distributed_optimizer_instances",
 }
 NON_NEGATIVE = {"mtp_num_layers", "moe_shared_expert_intermediate_size"}
 
@@ -431,7 +432,7 @@ def _value_problem(key: str, value) -> tuple | None:
             return "must be positive", f"write a positive number, e.g. {key}=1.25, or leave it unset (dropless)"
     elif isinstance(kind, tuple):
         choices = kind[1]
-        given = value if kind[0] == "list_choice" and isinstance(value, list) else [value]
+        given = name_list(value) if kind[0] == "list_choice" and isinstance(value, (list, str)) else [value]
         bad = [v for v in given if v not in choices]
         if bad:
             close = difflib.get_close_matches(str(bad[0]), [str(c) for c in choices], n=1, cutoff=0.6)
@@ -527,11 +528,12 @@ def _model_ranks(c) -> int:
 
 def _micro_batches(c) -> float | None:
     """Micro-batches per step and data-parallel rank (global / (micro x DP)), when the config
-    gives the batch sizes and the world size; else None."""
-    if not (c.given("global_batch_size") and c.given("micro_batch_size") and c.world):
+    gives the global batch and the world size (a micro-batch of 1 where it gives none, as the
+    estimate reads it); else None."""
+    if not (c.given("global_batch_size") and c.world):
         return None
     dp = max(1, c.world // _model_ranks(c))
-    return int(c["global_batch_size"]) / (int(c["micro_batch_size"]) * dp)
+    return int(c["global_batch_size"]) / (int(c["micro_batch_size"] or 1) * dp)
 
 
 def _removed(c) -> list:
@@ -913,6 +915,13 @@ RULES = [
                                                                   "moe_router_group_topk"),
          "keep moe_router_group_topk with moe_router_num_groups (num_groups = EP size reads as the device limit)",
          lambda c: c.given("moe_router_topk_limited_devices"), lambda c: not c.given("moe_router_group_topk")),
+    Rule("limited-devices-range", "moe_router_topk_limited_devices: each token's experts on at most that many EP "
+         "ranks (Megatron-Core's groups of one EP rank's experts), who must hold its top-k",
+         ("moe_router_topk_limited_devices", "expert_model_parallel_size", "moe_router_topk", "num_moe_experts"),
+         "set 1 <= moe_router_topk_limited_devices <= expert_model_parallel_size, enough ranks for top-k experts",
+         lambda c: c.given("moe_router_topk_limited_devices") and c.given("num_moe_experts"),
+         lambda c: 1 <= c["moe_router_topk_limited_devices"] <= c.ep
+         and c["moe_router_topk_limited_devices"] * (c["num_moe_experts"] // c.ep) >= c["moe_router_topk"]),
     Rule("top1-pre-softmax", "top-1 softmax routing needs the softmax before top-k",
          ("moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax"), "set moe_router_pre_softmax=true",
          lambda c: int(c["moe_router_topk"]) == 1 and c["moe_router_score_function"] == "softmax"
@@ -1105,7 +1114,7 @@ RULES = [
          "(Megatron's micro-batch calculator asserts)", ("global_batch_size", "micro_batch_size", "world_size",
          "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"),
          lambda c: f"choose a global_batch_size that is a multiple of micro_batch_size x DP = "
-                   f"{int(c['micro_batch_size'])} x {c.world // _model_ranks(c)}",
+                   f"{int(c['micro_batch_size'] or 1)} x {c.world // _model_ranks(c)}",
          lambda c: _micro_batches(c) is not None and c.world % _model_ranks(c) == 0,
          lambda c: _micro_batches(c).is_integer()),
     Rule("expert-parallel-sizes", "EP x expert-TP must divide the ranks of one pipeline stage",
