@@ -192,3 +192,13 @@ def test_attention_the_estimate_costs_as_full_is_named():
                       TrainingLayout(gpus=256, pp=4, ep=8, global_batch=256, **megatron_split(61, 0, 4, 1)))
     assert said["dsv32"][0] in result["not_modelled"]
     assert ARCHITECTURES["gpt-oss-120b"].not_modelled == from_hf_config(FAMILIES["gpt_oss"][0]).not_modelled
+
+
+@pytest.mark.parametrize("field, value", [("hidden_size", "7168"), ("num_hidden_layers", [61]), ("vocab_size", 1.5e5),
+                                          ("qk_rope_head_dim", True), ("mlp_only_layers", 3), ("model_type", {})])
+def test_a_config_json_field_of_the_wrong_kind_is_refused_by_name(field, value):
+    """A field the planner reads that holds the wrong kind of value (text, a list, a float, a
+    boolean for a size; a number for a layer list) is refused naming it, not a TypeError later."""
+    from expertrail.errors import ConfigError
+    with pytest.raises(ConfigError, match=f"config.json's {field} is"):
+        from_hf_config({**FAMILIES["deepseek_v3"][0], field: value}, "bad")

@@ -236,6 +236,33 @@ def hf_dense_layers(cfg: dict) -> int:
     return layers - len(moe)
 
 
+# The whole numbers of a config.json the planner reads (sizes, counts, layer indices' steps).
+HF_WHOLE_NUMBERS = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+    "intermediate_size", "intermediate_size_mlp", "moe_intermediate_size", "shared_expert_intermediate_size",
+    "n_routed_experts", "num_experts", "num_local_experts", "n_shared_experts", "num_experts_per_tok",
+    "experts_per_token", "first_k_dense_replace", "n_group", "topk_group", "decoder_sparse_step",
+    "interleave_moe_layer_step", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "num_nextn_predict_layers", "mtp_num_hidden_layers", "sliding_window", "max_window_layers",
+    "attention_chunk_size", "index_topk", "full_attention_interval", "linear_num_key_heads", "linear_num_value_heads",
+    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
+HF_LISTS = ("mlp_only_layers", "moe_layers", "layer_types")
+
+
+def hf_type_problems(cfg: dict, name: str) -> None:
+    """Refuses a config.json whose fields the planner reads hold the wrong kind of value (a size
+    written as text, a layer list as a number), naming the field, instead of failing later."""
+    for key in HF_WHOLE_NUMBERS:
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ConfigError(f"{name}: config.json's {key} is {value!r}: write a whole number >= 0 (or null)")
+    for key in HF_LISTS:
+        if cfg.get(key) is not None and not isinstance(cfg[key], list):
+            raise ConfigError(f"{name}: config.json's {key} is {cfg[key]!r}: write a list (or null)")
+    if not isinstance(cfg.get("model_type", ""), str):
+        raise ConfigError(f"{name}: config.json's model_type is {cfg['model_type']!r}: write the model's type name")
+
+
 def hf_topk(cfg: dict):
     return cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
 
@@ -245,6 +272,7 @@ def from_hf_config(cfg: dict, name: str = "hf-model") -> MoEModel:
     Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, GPT-OSS, Llama 4 styles)."""
     if isinstance(cfg.get("text_config"), dict) and "hidden_size" not in cfg:
         cfg = cfg["text_config"]                     # multimodal wrappers keep the LM in text_config
+    hf_type_problems(cfg, name)
     experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
     if not experts:
         raise ConfigError(f"{name}: config.json has no n_routed_experts / num_experts / num_local_experts: not MoE")
