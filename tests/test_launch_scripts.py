@@ -161,6 +161,8 @@ def test_modelzoo_scripts_are_left_to_their_own_reader():
      "...): give launch=N after the script"),
     ("torchrun --nproc_per_node 8 pretrain_gpt.py --tokenizer-model $1 --bf16\n",
      "--tokenizer-model needs a value"),
+    ("set -u\ntorchrun --nproc_per_node 8 pretrain_gpt.py --data-path $DATA --bf16\n",
+     "stopped at DATA, a variable it reads unset (set -u): set it before the script"),
 ])
 def test_a_script_that_starts_no_single_run_is_refused_by_what_it_does(tmp_path, text, message):
     script = _script(tmp_path, text)

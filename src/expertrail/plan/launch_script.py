@@ -191,6 +191,11 @@ def training_command(path: Path, commands: list, printed: str = "", choice: str 
         raise ConfigError(f"launch script {path} starts {len(distinct)} training commands ({shown}): give "
                           f"{CHOICE_FIELD}=N after the script to read the N-th, or the one to read as its own line")
     ran = ", ".join(dict.fromkeys(c[0] for c in commands if c)) or "no command"
+    unbound = re.search(r"(\w+): unbound variable", printed or "")
+    if unbound:                     # set -u and a variable the node's environment gives (a data path)
+        raise ConfigError(f"launch script {path} stopped at {unbound.group(1)}, a variable it reads unset (set -u): "
+                          f"set it before the script, as the node's environment would ({unbound.group(1)}=... bash "
+                          f"{path}; a data or checkpoint path's value does not change the estimate)")
     raise ConfigError(f"launch script {path} starts no Python training command (torchrun, python ... .py): it runs "
                       f"{ran}" + (f"; it printed last: {printed.splitlines()[-1]}" if printed else "")
                       + ". Give the training command it runs instead (torchrun ... pretrain_gpt.py --megatron-flag ...)")
