@@ -138,6 +138,29 @@ python pretrain_gpt.py --num-experts 8
     assert config_values([script])["num_moe_experts"] == 8
 
 
+def test_a_script_may_use_env_and_shell_but_never_widen_path(tmp_path):
+    """Restricted bash locks ENV, SHELL and HISTFILE, and Pai-Megatron-Patch's scripts all start
+    ``ENV=$1`` (dsw or dlc): those names are the script's to set. PATH is not: a script that
+    widens it still starts nothing."""
+    text = """#!/bin/bash
+set -e
+ENV=$1
+SHELL=/bin/bash
+if [ $ENV = dlc ]; then NNODES=${WORLD_SIZE}; fi
+ls /
+torchrun --nproc_per_node 8 --nnodes $NNODES pretrain_qwen.py --num-experts 8 --tensor-model-parallel-size 2
+"""
+    script = _script(tmp_path, text)
+    commands, _ = launch_script.recorded_commands(tmp_path / "train.sh", ["dlc"], {"WORLD_SIZE": "2"})
+    assert [c[0] for c in commands] == ["ls", "torchrun"]                              # recorded, not run
+    values = config_values(["WORLD_SIZE=2", "bash", script, "dlc"])
+    assert (values["num_nodes"], values["gpus_per_node"], values["tensor_model_parallel_size"]) == (2, 8, 2)
+    script = _script(tmp_path, text.replace("ls /", "PATH=/usr/bin:/bin:$PATH\nls /"))
+    assert launch_script.recorded_commands(tmp_path / "train.sh", ["dlc"], {"WORLD_SIZE": "2"})[0] == []
+    with pytest.raises(ConfigError, match="sets PATH, which stays fixed while expertrail reads a script"):
+        config_values(["WORLD_SIZE=2", "bash", script, "dlc"])
+
+
 def test_a_script_named_without_suffix_by_its_shebang(tmp_path):
     path = tmp_path / "launch"
     path.write_text("#!/usr/bin/env bash\ntorchrun --nproc_per_node 4 pretrain_gpt.py --num-experts 4\n")

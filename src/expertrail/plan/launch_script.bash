@@ -138,3 +138,11 @@ source() {
     eval "$(<"$__expertrail_file")"
 }
 . () { source "$@"; }
+
+# Restricted bash makes ENV, SHELL and HISTFILE read-only once this file is read, and a script
+# that assigns one stops there; launch scripts use such names for their own values
+# (Pai-Megatron-Patch's `ENV=$1`, dsw or dlc). Each is made a reference to a variable of ours,
+# which the restriction locks instead, and the references are dropped at the script's first
+# command, leaving the names free to it. PATH stays locked: it keeps every program out of reach.
+declare -n ENV=__expertrail_ENV SHELL=__expertrail_SHELL HISTFILE=__expertrail_HISTFILE
+trap 'unset -n ENV SHELL HISTFILE; trap - DEBUG' DEBUG

@@ -191,6 +191,10 @@ def training_command(path: Path, commands: list, printed: str = "", choice: str 
         raise ConfigError(f"launch script {path} starts {len(distinct)} training commands ({shown}): give "
                           f"{CHOICE_FIELD}=N after the script to read the N-th, or the one to read as its own line")
     ran = ", ".join(dict.fromkeys(c[0] for c in commands if c)) or "no command"
+    if re.search(r"\bPATH: readonly variable", printed or ""):
+        raise ConfigError(f"launch script {path} sets PATH, which stays fixed while expertrail reads a script (so that "
+                          "no program it names can run): read a copy without that line, or give the training "
+                          "command it runs instead (torchrun ... pretrain_gpt.py --megatron-flag ...)")
     unbound = re.search(r"(\w+): unbound variable", printed or "")
     if unbound:                     # set -u and a variable the node's environment gives (a data path)
         raise ConfigError(f"launch script {path} stopped at {unbound.group(1)}, a variable it reads unset (set -u): "
