@@ -202,3 +202,21 @@ def test_a_config_json_field_of_the_wrong_kind_is_refused_by_name(field, value):
     from expertrail.errors import ConfigError
     with pytest.raises(ConfigError, match=f"config.json's {field} is"):
         from_hf_config({**FAMILIES["deepseek_v3"][0], field: value}, "bad")
+
+
+def test_plan_fit_lays_out_a_top1_model_and_names_a_rule_that_refuses_every_layout(monkeypatch, capsys):
+    """Llama 4 routes each token to one expert: the layouts plan --fit writes set the softmax
+    before top-k that Megatron-Core requires for top-1, so they validate; were every layout that
+    fits refused by a rule, the message names the rule, not memory."""
+    from expertrail.plan import search
+    from expertrail.plan.validate import validate
+    scout, hw = from_hf_config(FAMILIES["llama4_scout"][0], "scout"), HARDWARE["gb200-nvl72"]
+    (r, layout), = search.search(scout, hw, 128, top=1)
+    fields = search.layout_fields(scout, layout, hw)
+    assert fields["moe_router_pre_softmax"] is True and validate(dict(fields, world_size=128)) == []
+    plain = search.layout_fields
+    monkeypatch.setattr(search, "layout_fields", lambda *a: {k: v for k, v in plain(*a).items()
+                                                            if k != "moe_router_pre_softmax"})
+    assert search.search(scout, hw, 128) == []
+    text = search.format_search([], scout, hw, 128, search.leanest(scout, hw, 128))
+    assert "passes validate" in text and "[top1-pre-softmax]" in text and "more GPUs" not in text

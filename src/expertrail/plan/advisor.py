@@ -303,9 +303,9 @@ def config_fields(result: dict, model: MoEModel) -> tuple:
         fields[f"moe_{result['flex_backend']}_num_sms"] = result["sms"]["start"]
     if result.get("fp8"):
         fields.update(fp8=result["fp8"]["format"], fp8_recipe=result["fp8"]["recipe"], moe_router_dtype="fp32")
-    if model.num_groups:
-        fields.update(moe_router_num_groups=model.num_groups, moe_router_group_topk=model.group_topk,
-                      moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    fields.update(model.router_fields())
+    if model.num_groups:                        # DeepSeek-V3's router: sigmoid scores, balanced by expert biases
+        fields.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     overlap = {}
     if result["ep_overlap"] and result["dispatcher"] in ("alltoall", "flex") and result["ep"] > 1:
         overlap = {"overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": True}

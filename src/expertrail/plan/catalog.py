@@ -56,6 +56,15 @@ class MoEModel:
     num_groups: int | None = None
     group_topk: int | None = None
 
+    def router_fields(self) -> dict:
+        """The Megatron-Core router fields a configuration of this model needs beside its expert
+        count and top-k to pass Megatron-Core's checks: group-limited routing's groups, and for
+        top-1 routing the softmax before top-k it requires."""
+        fields = {"moe_router_pre_softmax": True} if self.topk == 1 else {}
+        if self.num_groups:
+            fields.update(moe_router_num_groups=self.num_groups, moe_router_group_topk=self.group_topk)
+        return fields
+
 
 HARDWARE = {h.name: h for h in [
     Hardware("h100", 8, 450, 50, 132, 80, 3.35, 989, 1979, "hopper"),

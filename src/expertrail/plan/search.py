@@ -187,6 +187,7 @@ def layout_fields(arch: Architecture, layout: TrainingLayout, hw: Hardware) -> d
               "use_distributed_optimizer": True, "overlap_grad_reduce": layout.overlap_grad_reduce,
               "overlap_param_gather": layout.overlap_grad_reduce, "bf16": True,
               **dict.fromkeys(FUSED_BY_RECIPES, True)}
+    fields.update(arch.moe_model().router_fields())
     if layout.tp > 1:
         fields["sequence_parallel"] = True
     if layout.pp > 1:                       # the split Megatron builds depends on the layers
@@ -280,6 +281,11 @@ def format_search(found: list, arch: Architecture, hw: Hardware, gpus: int, clos
             r, lay = closest
             why = (f"the leanest, TP {lay.tp} CP {lay.cp} PP {lay.pp} EP {lay.ep} ETP {lay.etp} at micro-batch 1 with "
                    f"full recompute, needs {r['peak_memory_GB']:.0f} GB of {r['usable_memory_GB']:.0f} usable")
+            broken = _violations(arch, hw, lay) if r["fits"] else []
+            if broken:                      # it fits: a rule Megatron enforces refused the layouts, not memory
+                return (f"plan --fit: no layout of {arch.name} on {gpus} x {hw.name} passes validate (the leanest, "
+                        f"TP {lay.tp} CP {lay.cp} PP {lay.pp} EP {lay.ep} ETP {lay.etp}, fits in "
+                        f"{r['peak_memory_GB']:.0f} GB but breaks " + "; ".join(v.format() for v in broken) + ")")
         return (f"plan --fit: no layout of {arch.name} fits {gpus} x {hw.name} (every PP, TP, CP, EP, ETP, VPP, "
                 f"micro-batch and recompute choice tried; {why}): more GPUs, or GPUs with more memory")
     chosen = found[0][1]
