@@ -11,7 +11,7 @@ from expertrail.tools.cli import main
 from expertrail.names import both_names
 from expertrail.plan.advisor import DOMAIN_ENV, emit, expert_gemm_seconds, format_plan, megatron_dispatcher, plan
 from expertrail.plan.architecture import MODELS
-from expertrail.plan.catalog import HARDWARE
+from expertrail.plan.catalog import HARDWARE, MoEModel
 from expertrail.plan.validate import load_config, unknown_fields, validate
 
 # (hardware, model, ep): one NVLink domain, several 8-GPU nodes, an NVL72 rack, several racks,
@@ -170,18 +170,21 @@ def test_text_output_has_no_python_reprs(plans):
 @pytest.mark.parametrize("hardware,model,ep,precision", [("h100", "deepseek-v3", 32, "bf16"),
                                                           ("gb200-nvl72", "deepseek-v3", 64, "fp8"),
                                                           ("b200", "mixtral-8x7b", 8, "bf16"),
-                                                          ("h100", "qwen3-30b-a3b", 16, "fp8")])
+                                                          ("h100", "qwen3-30b-a3b", 16, "fp8"),
+                                                          ("gb200-nvl72", "llama4-scout", 16, "bf16")])
 def test_emitted_configs_pass_validation_as_they_are(hardware, model, ep, precision):
-    r = plan(HARDWARE[hardware], MODELS[model], ep=ep, stage="tune", precision=precision)
-    bridge = [line for line in emit(r, MODELS[model], "bridge").splitlines() if not line.startswith("#")]
+    """Llama 4 Scout's top-1 router among them: its configuration sets the softmax before top-k."""
+    models = {**MODELS, "llama4-scout": MoEModel("llama4-scout", 5120, 16, 1, 8192, 48, shared_experts=1)}
+    r = plan(HARDWARE[hardware], models[model], ep=ep, stage="tune", precision=precision)
+    bridge = [line for line in emit(r, models[model], "bridge").splitlines() if not line.startswith("#")]
     values = load_config(None, bridge + [f"num_of_hybrid_ep_ranks_per_nvlink_domain={r['domain']}",
                                          f"hardware={hardware}"])
     assert validate(values) == [] and unknown_fields(values) == []
-    flags = emit(r, MODELS[model], "megatron")
+    flags = emit(r, models[model], "megatron")
     assert f"--expert-model-parallel-size {ep}" in flags
     megatron = load_config(None, shlex.split(flags) + [f"hardware={hardware}"])     # as printed, pasted
     assert validate(megatron) == [] and unknown_fields(megatron) == []
-    assert megatron["num_moe_experts"] == MODELS[model].num_experts and megatron["moe_grouped_gemm"] is True
+    assert megatron["num_moe_experts"] == models[model].num_experts and megatron["moe_grouped_gemm"] is True
     # both styles describe one configuration
     assert {k: v for k, v in values.items() if k in megatron} == {k: v for k, v in megatron.items() if k in values}
 
