@@ -220,3 +220,29 @@ def test_plan_fit_lays_out_a_top1_model_and_names_a_rule_that_refuses_every_layo
     assert search.search(scout, hw, 128) == []
     text = search.format_search([], scout, hw, 128, search.leanest(scout, hw, 128))
     assert "passes validate" in text and "[top1-pre-softmax]" in text and "more GPUs" not in text
+
+
+def test_a_repository_id_reads_from_the_local_hugging_face_cache(tmp_path, monkeypatch, capsys):
+    """--model ORG/NAME of a model outside the catalog reads its config.json from the hub cache
+    (the revision refs/main names) as transformers leaves it; absent there, the error says how to
+    fetch it. Nothing is downloaded."""
+    import json
+    import os
+    from expertrail.tools.cli import main
+    repo = tmp_path / "hub" / "models--moonshotai--Moonlight-16B-A3B"
+    (repo / "snapshots" / "old").mkdir(parents=True)
+    (repo / "snapshots" / "c0ffee").mkdir()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0ffee\n")
+    (repo / "snapshots" / "old" / "config.json").write_text(json.dumps({**FAMILIES["moonlight"][0], "n_routed_experts": 32}))
+    (repo / "snapshots" / "c0ffee" / "config.json").write_text(json.dumps(FAMILIES["moonlight"][0]))
+    os.utime(repo / "snapshots" / "old", (2e9, 2e9))            # the newest snapshot, but not refs/main's
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    flags = ["estimate", "--hardware", "h100", "--gpus", "16", "--expert-model-parallel-size", "8", "--json"]
+    for model, name in (("moonshotai/Moonlight-16B-A3B", "id.json"), (str(repo / "snapshots" / "c0ffee"), "dir.json")):
+        assert main([*flags, str(tmp_path / name), "--model", model]) == 0
+    by_id, by_dir = (json.loads((tmp_path / name).read_text()) for name in ("id.json", "dir.json"))
+    assert by_id["model_flops_per_token"] == by_dir["model_flops_per_token"] and by_id["memory"] == by_dir["memory"]
+    capsys.readouterr()
+    assert main(["plan", "--hardware", "h100", "--model", "moonshotai/Kimi-Linear-48B"]) == 2
+    assert "huggingface-cli download ORG/NAME config.json" in capsys.readouterr().err

@@ -675,6 +675,8 @@ def load_architecture(name: str | None) -> Architecture | None:
     found = hf_config(name)
     if found is None:
         raise ConfigError(f"--model {name!r}: choose one of {', '.join(ARCHITECTURES)}, a Hugging Face config.json or "
-                          "model directory, or leave --model out and give the model's Megatron fields (num_layers, "
-                          "hidden_size, num_attention_heads, num_moe_experts, moe_ffn_hidden_size, ...)")
+                          "model directory (or a repository id the local Hugging Face cache holds: `huggingface-cli "
+                          "download ORG/NAME config.json` fetches it), or leave --model out and give the model's "
+                          "Megatron fields (num_layers, hidden_size, num_attention_heads, num_moe_experts, "
+                          "moe_ffn_hidden_size, ...)")
     return from_hf_config(*found)

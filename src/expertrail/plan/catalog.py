@@ -8,6 +8,8 @@ joins (8 for an HGX node, 72 / 36 for NVL72 / NVL36 racks).
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -170,10 +172,35 @@ def load_hardware(name_or_file: str) -> Hardware:
     return _build(Hardware, data, str(path))
 
 
+_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def hub_cache_config(repo_id: str) -> Path | None:
+    """The config.json of Hugging Face repository ``repo_id`` (``org/name``) in the local hub cache
+    (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ~/.cache/huggingface/hub: where transformers
+    and ``huggingface-cli download`` keep what they fetched), at the revision its ``refs/main``
+    names, else its newest snapshot; None where the cache holds none. Nothing is downloaded."""
+    if not _REPO_ID.fullmatch(repo_id):
+        return None
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub")
+    repo = Path(hub) / ("models--" + repo_id.replace("/", "--"))
+    main = repo / "refs" / "main"
+    snapshots = [repo / "snapshots" / main.read_text().strip()] if main.is_file() else []
+    snapshots += sorted((repo / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime, reverse=True) \
+        if (repo / "snapshots").is_dir() else []
+    return next((s / "config.json" for s in snapshots if (s / "config.json").is_file()), None)
+
+
 def hf_config(name_or_file: str) -> tuple[dict, str] | None:
-    """(config.json's contents, a name) of a Hugging Face model directory or config.json; None
-    when ``name_or_file`` is neither (a catalog name, a YAML/JSON file of other fields)."""
+    """(config.json's contents, a name) of a Hugging Face model directory or config.json, or of a
+    repository id (``deepseek-ai/DeepSeek-V2-Lite``) the local hub cache holds
+    (`hub_cache_config`); None when ``name_or_file`` is none of them (a catalog name, a YAML/JSON
+    file of other fields)."""
     path = Path(name_or_file)
+    cached = None if path.exists() else hub_cache_config(str(name_or_file))
+    if cached:
+        return read_mapping(cached, "--model"), str(name_or_file).rsplit("/", 1)[-1]
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ConfigError(f"--model {name_or_file!r} is a directory without a config.json: give a Hugging Face "
@@ -227,7 +254,8 @@ def load_model(name_or_file: str) -> MoEModel:
     path = Path(name_or_file)
     if not path.is_file():
         raise ConfigError(f"--model {name_or_file!r}: choose one of {', '.join(models)}, a YAML/JSON file, "
-                          "a Hugging Face config.json or model directory")
+                          "a Hugging Face config.json or model directory, or a repository id the local Hugging Face "
+                          "cache holds (`huggingface-cli download ORG/NAME config.json` fetches it)")
     return _build(MoEModel, read_mapping(path, "--model"), str(path))
 
 
