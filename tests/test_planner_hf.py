@@ -243,6 +243,11 @@ def test_a_repository_id_reads_from_the_local_hugging_face_cache(tmp_path, monke
         assert main([*flags, str(tmp_path / name), "--model", model]) == 0
     by_id, by_dir = (json.loads((tmp_path / name).read_text()) for name in ("id.json", "dir.json"))
     assert by_id["model_flops_per_token"] == by_dir["model_flops_per_token"] and by_id["memory"] == by_dir["memory"]
+    # a tokenizer_model naming a cached repository gives its vocabulary, as its directory would
+    from expertrail.plan.architecture import tokenizer_checkpoint
+    (tmp_path / "hub" / "models--acme--Frontier-MoE").symlink_to(repo)
+    assert tokenizer_checkpoint({"tokenizer_model": "acme/Frontier-MoE"}).vocab == FAMILIES["moonlight"][0]["vocab_size"]
+    assert tokenizer_checkpoint({"tokenizer_model": "acme/Absent-MoE"}) is None
     capsys.readouterr()
     assert main(["plan", "--hardware", "h100", "--model", "moonshotai/Kimi-Linear-48B"]) == 2
     assert "huggingface-cli download ORG/NAME config.json" in capsys.readouterr().err

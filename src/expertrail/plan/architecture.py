@@ -388,7 +388,8 @@ def tokenizer_checkpoint(fields: dict) -> Checkpoint | None:
     the checkpoint they train (``Qwen/Qwen3-235B-A22B``, ``unsloth/DeepSeek-V3``,
     ``Qwen3-Next-80B-A3B-Instruct``, ``deepseek-ai/DeepSeek-V2``): the catalog model or
     `OTHER_CHECKPOINTS` entry whose name begins its last path part, or the MoE model of a Hugging
-    Face model directory's config.json; None where it names none of them."""
+    Face model directory's config.json or of a repository id the local hub cache holds
+    (`catalog.hub_cache_config`); None where it names none of them."""
     name = fields.get("tokenizer_model")
     if not isinstance(name, str) or not name.strip():
         return None
@@ -396,14 +397,12 @@ def tokenizer_checkpoint(fields: dict) -> Checkpoint | None:
     key = leading_name(name, known, joiner="")      # DeepSeek-V3.2's vocabulary is DeepSeek-V3's too
     if key:
         return Checkpoint(key, *known[key])
-    path = Path(name)
-    if (path / "config.json").is_file():
-        try:
-            arch = from_hf_config(*hf_config(str(path)))
-        except ConfigError:                         # a tokenizer directory that holds no MoE model
-            return None
-        return Checkpoint(arch.name, arch.vocab, arch.router_balance)
-    return None
+    try:                                            # a model directory, or a repository id the hub cache holds
+        found = hf_config(name) if Path(name, "config.json").is_file() or not Path(name).exists() else None
+        arch = from_hf_config(*found) if found else None
+    except ConfigError:                             # a tokenizer directory that holds no MoE model
+        return None
+    return Checkpoint(arch.name, arch.vocab, arch.router_balance) if arch else None
 
 
 def padded_vocab(vocab: int, fields: dict) -> int:
