@@ -212,7 +212,8 @@ def test_moe_layer_freq_counts_the_dense_layers_as_megatron_builds_them():
 
 def test_a_model_spelled_out_by_fields_says_its_vocabulary_was_assumed(capsys):
     """Megatron sizes the vocabulary from the tokenizer, which flags name but do not size: a
-    model spelled out by its fields without vocab_size is costed at 32000 entries, and said so."""
+    model spelled out by its fields without vocab_size is costed at 32000 entries, and said so;
+    GPT-2's BPE tokenizer (Megatron-LM's examples' and tests') is sized by its own 50257."""
     model = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "8", "--num-experts", "16",
              "--moe-ffn-hidden-size", "512", "--moe-router-topk", "2", "--expert-model-parallel-size", "8",
              "--moe-router-force-load-balancing"]
@@ -226,6 +227,9 @@ def test_a_model_spelled_out_by_fields_says_its_vocabulary_was_assumed(capsys):
     assert "vocab_size" not in out and "swiglu" not in out
     assert main(args + ["--quick-geglu"]) == 0             # GPT-OSS's activation, gated too
     assert "swiglu=true" not in capsys.readouterr().out
+    assert main(args + ["--tokenizer-type", "GPT2BPETokenizer", "--tensor-model-parallel-size", "2",
+                        "--sequence-parallel", "--expert-tensor-parallel-size", "1"]) == 0   # a fixed vocabulary
+    assert "vocab_size=50432 (GPT2BPETokenizer's 50257, padded" in capsys.readouterr().out
     assert main(["estimate", "--hardware", "h100", "--gpus", "8", "--model", "qwen3-30b-a3b",
                  "--expert-model-parallel-size", "8", "--moe-router-force-load-balancing"]) == 0
     assert "vocab_size" not in capsys.readouterr().out

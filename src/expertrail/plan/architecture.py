@@ -365,6 +365,10 @@ def _expand_pattern(text: str, name: str = "moe_layer_freq",
 # no model known here: Megatron takes it from the tokenizer, which a configuration names but does
 # not size.
 UNSTATED_VOCAB = 32000
+# Megatron-LM's tokenizers of a fixed vocabulary (tokenizer_type), which no tokenizer_model sizes:
+# GPT-2's byte-level BPE, read from its vocab.json and merges.txt, as Megatron-LM's examples and
+# functional tests train.
+FIXED_TOKENIZER_VOCABS = {"GPT2BPETokenizer": 50257}
 
 
 class Checkpoint(NamedTuple):
@@ -425,11 +429,14 @@ def unstated_model_fields(fields: dict) -> list:
     ``quick_geglu`` and ``gated_linear_unit`` say so), and the router's balance of a checkpoint
     it fine-tunes."""
     named = tokenizer_checkpoint(fields)
+    fixed = FIXED_TOKENIZER_VOCABS.get(fields.get("tokenizer_type"))
     out = []
     if not any(fields.get(k) for k in ("vocab_size", "padded_vocab_size")):
-        out.append(f"vocab_size={padded_vocab(named.vocab, fields)} ({named.name}'s, named by tokenizer_model, padded "
-                   "to a multiple of make_vocab_size_divisible_by x TP as Megatron-LM pads it)" if named else
-                   f"vocab_size={UNSTATED_VOCAB} (Megatron sizes it from the tokenizer: give vocab_size)")
+        padding = "padded to a multiple of make_vocab_size_divisible_by x TP as Megatron-LM pads it"
+        out.append(f"vocab_size={padded_vocab(named.vocab, fields)} ({named.name}'s, named by tokenizer_model, "
+                   f"{padding})" if named else
+                   f"vocab_size={padded_vocab(fixed, fields)} ({fields['tokenizer_type']}'s {fixed}, {padding})"
+                   if fixed else f"vocab_size={UNSTATED_VOCAB} (Megatron sizes it from the tokenizer: give vocab_size)")
     if not (fields.get("swiglu") or fields.get("quick_geglu")) and fields.get("gated_linear_unit") is None:
         out.append("swiglu=true (gated MLPs, as every supported family's; Megatron-LM's default without --swiglu, "
                    "an ungated GeLU MLP, is not costed)")
@@ -487,8 +494,9 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
         given.update(group_topk=limited, num_groups=fields.get("expert_model_parallel_size") or 1)
     if base is None:
         named = tokenizer_checkpoint(fields)
-        if named and "vocab" not in given:
-            given["vocab"] = padded_vocab(named.vocab, fields)
+        fixed = FIXED_TOKENIZER_VOCABS.get(fields.get("tokenizer_type"))
+        if (named or fixed) and "vocab" not in given:
+            given["vocab"] = padded_vocab(named.vocab if named else fixed, fields)
         if named and fine_tunes_checkpoint(fields) and "router_balance" not in given:
             given["router_balance"] = named.router_balance
         default_ffn = megatron_ffn_default(fields)
