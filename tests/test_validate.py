@@ -496,6 +496,22 @@ def test_switches_lists_and_continuations():
         split_arguments(["--moe-router-topk", "--bf16"])
 
 
+def test_list_fields_written_as_one_bracketed_string_read_as_their_names(tmp_path):
+    """Megatron-LM's functional-test configs write list flags as one YAML string in brackets
+    (``--recompute-modules: "[layernorm moe_act]"``): each name is checked and read, by validate
+    and by the layout alike; a name outside Megatron-Core's set is still refused by name."""
+    from expertrail.plan.layout import TrainingLayout
+    path = tmp_path / "model_config.yaml"
+    path.write_text('MODEL_ARGS:\n  --recompute-granularity: selective\n  --recompute-modules: "[layernorm moe_act]"\n'
+                    '  --cuda-graph-impl: transformer_engine\n  --cuda-graph-modules: "[attn moe_router]"\n')
+    values = load_config(str(path), [])
+    assert validate(values) == []
+    layout = TrainingLayout.from_fields(values, 8)
+    assert (layout.recompute_modules, layout.graph_scopes) == (("layernorm", "moe_act"), ("attn", "moe_router"))
+    bad = load_config(str(path), ["recompute_modules=[layernorm,moe_actt]"])
+    assert "'moe_actt' is not one of" in validate(bad)[0].title
+
+
 def test_cli_reads_megatron_flags(capsys):
     """`validate --num-experts 256 --expert-model-parallel-size 48` used to fail with "give at most
     one config file" (or argparse's unrecognized arguments)."""

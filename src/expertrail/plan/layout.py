@@ -94,8 +94,11 @@ GRAPH_MODULES_DEFAULTS = (None, "full", "", [], ())
 
 def name_list(value) -> list:
     """The names a list-valued field gives (cuda_graph_modules / cuda_graph_scope,
-    recompute_modules, offload_modules): a list, or a string of names split by spaces or commas."""
-    return value.replace(",", " ").split() if isinstance(value, str) else [str(v) for v in value or ()]
+    recompute_modules, offload_modules): a list, or a string of names split by spaces or commas,
+    in brackets or not (Megatron-LM's functional-test configs write ``"[moe_act layernorm]"``)."""
+    if isinstance(value, str):
+        return [w.strip("'\"") for w in value.strip().removeprefix("[").removesuffix("]").replace(",", " ").split()]
+    return [str(v) for v in value or ()]
 
 
 def graph_modules(scope, modules):

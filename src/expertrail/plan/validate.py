@@ -956,7 +956,8 @@ RULES = [
     Rule("experts-divide-ep", "the experts must split evenly over the EP ranks", ("num_moe_experts",
          "expert_model_parallel_size"), "choose expert_model_parallel_size dividing num_moe_experts",
          lambda c: c.given("num_moe_experts"), lambda c: c["num_moe_experts"] % c.ep == 0),
-    Rule("moe-tp-needs-sp", "an MoE model with TP > 1 needs sequence parallelism (Megatron-Core raises without it)",
+    Rule("moe-tp-needs-sp", "an MoE model trained with TP > 1 needs sequence parallelism (Megatron-Core's MoE "
+         "layer raises in training without it)",
          ("tensor_model_parallel_size", "expert_model_parallel_size", "sequence_parallel"),
          "set sequence_parallel=true (--sequence-parallel)",
          lambda c: int(c["tensor_model_parallel_size"]) > 1 and (c.given("num_moe_experts") or c.ep > 1),
