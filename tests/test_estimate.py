@@ -738,6 +738,19 @@ def test_megatron_fsdp_keeps_and_reduces_gradients_in_its_own_dtypes():
     assert layout("--megatron-fsdp-main-params-dtype", "fp32").not_modelled == ()
 
 
+def test_ddp_keeps_gradients_in_bf16_when_told_to_reduce_them_so():
+    """Megatron-LM keeps its DDP gradient buffers in FP32 under BF16 training unless
+    grad_reduce_in_bf16 (or Bridge's grad_reduce_in_fp32 false) says otherwise; then it keeps and
+    reduces them in BF16: half the gradient memory and half the DP traffic."""
+    flags = ["--bf16", "--expert-model-parallel-size", "8", "--micro-batch-size", "1", "--global-batch-size", "256"]
+    fp32, bf16, bridge = (TrainingLayout.from_fields(load_config(None, flags + extra), 64)
+                          for extra in ([], ["--grad-reduce-in-bf16"], ["grad_reduce_in_fp32=false"]))
+    assert (fp32.main_grad_bytes, fp32.grad_reduce_bytes) == (4, 4)
+    assert (bf16.main_grad_bytes, bf16.grad_reduce_bytes) == (bridge.main_grad_bytes, bridge.grad_reduce_bytes) == (2, 2)
+    a, b = (estimate(QWEN, HARDWARE["h100"], lay) for lay in (fp32, bf16))
+    assert b["memory"]["gradients_GB"] == pytest.approx(a["memory"]["gradients_GB"] / 2)
+
+
 def test_a_pipeline_layout_sets_vpp_as_megatron_derives_it():
     """VPP is the layout's stages over PP, over any VPP given beside it (said on the assumed line);
     a stage count PP does not divide is refused by name."""

@@ -101,6 +101,8 @@ CASES = {   # rule -> (breaking config, satisfying config)
                                             "bf16": True},
                                            {"moe_router_padding_for_fp8": True, "moe_token_dispatcher_type": "alltoall",
                                             "bf16": True, "fp8": "e4m3", "fp8_recipe": "blockwise"}),
+    "optimizer-dtypes-need-aware": ({"main_grads_dtype": "bf16", "exp_avg_dtype": "fp32"},
+                                    {"main_grads_dtype": "bf16", "use_precision_aware_optimizer": True}),
     "group-topk-needs-groups": ({"moe_router_group_topk": 4, "num_moe_experts": 64},
                                 {"moe_router_group_topk": 4, "moe_router_num_groups": 8, "num_moe_experts": 64}),
     "fp8-param-gather-needs": ({"fp8_param_gather": True, "fp8": "e4m3", "fp8_recipe": "blockwise",
@@ -351,11 +353,12 @@ def test_dtypes_written_as_torch_writes_them_read_as_megatrons_short_names(tmp_p
     take (uint8 is its stored "fp8" moment); a name no dtype field takes is still refused."""
     path = tmp_path / "dump.yaml"
     path.write_text("optimizer:\n  exp_avg_dtype:\n    _call_: false\n    _target_: torch.bfloat16\n"
-                    "  main_grads_dtype: torch.float32\n")
+                    "  main_grads_dtype: torch.float32\n  use_precision_aware_optimizer: true\n")
     cfg = load_config(str(path), ["optimizer.exp_avg_sq_dtype=torch.uint8", "main_params_dtype=float16"])
     assert (cfg["exp_avg_dtype"], cfg["main_grads_dtype"], cfg["exp_avg_sq_dtype"], cfg["main_params_dtype"]) == \
         ("bf16", "fp32", "fp8", "fp16")
     assert validate(cfg) == []
+    assert [v.rule for v in validate({**cfg, "use_precision_aware_optimizer": False})] == ["optimizer-dtypes-need-aware"]
     assert {v.rule for v in validate(load_config(None, ["main_grads_dtype=torch.float16"]))} == {"field-value"}
     # Bridge's random-token dataset reads as Megatron-LM's --mock-data.
     path.write_text("dataset:\n  _target_: megatron.bridge.training.config.MockGPTDatasetConfig\n  seq_length: 4096\n")

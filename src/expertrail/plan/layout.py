@@ -418,9 +418,10 @@ class TrainingLayout:
             assumed.append("moe_flex_dispatcher_backend=ncclep costed as DeepEP's kernels (no published NCCL EP "
                            "figures)")
         # Gradient buffers: FP32 under BF16 training (Megatron-LM turns accumulate_allreduce_grads_in_fp32
-        # on for BF16; Bridge's bf16 recipes set grad_reduce_in_fp32), the parameters' BF16 when a
-        # configuration sets grad_reduce_in_fp32 false (Bridge's GPT-OSS recipes).
-        grads = 2 if v.get("grad_reduce_in_fp32") is False else 4
+        # on for BF16 unless grad_reduce_in_bf16; Bridge's bf16 recipes set grad_reduce_in_fp32), the
+        # parameters' BF16 when a configuration sets grad_reduce_in_fp32 false (Bridge's GPT-OSS recipes)
+        # or grad_reduce_in_bf16 (Megatron-LM's DDP then keeps and reduces them in BF16).
+        grads = 2 if v.get("grad_reduce_in_fp32") is False or get("grad_reduce_in_bf16", False) else 4
         moments = (4, 4)                                 # Adam's, FP32
         if get("use_precision_aware_optimizer", False):
             sizes = {**DTYPE_BYTES, "fp8": 1}

@@ -121,6 +121,8 @@ KINDS = _kinds()
 KNOWN = sorted(KINDS)
 FLAG_ALIASES = {k.lower(): (dest.lower(), value) for k, (dest, value) in mf.FLAG_ALIASES.items()}
 
+# The optimizer's dtypes Megatron-Core keeps FP32 unless use_precision_aware_optimizer.
+OPTIMIZER_DTYPES = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
 # Whole numbers that must be at least 1 (sizes and counts the rules divide by or compare).
 POSITIVE = {
     "expert_model_parallel_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -1006,6 +1008,13 @@ RULES = [
          lambda c: _megatron_lm(c) and bool(c["optimizer_cpu_offload"]),
          lambda c: bool(c["use_precision_aware_optimizer"])
          and (not c["fp8_param_gather"] or c["fp8_recipe"] in (None, "delayed"))),
+    Rule("optimizer-dtypes-need-aware", "the optimizer's main gradients, main weights and Adam moments stay FP32 "
+         "without the precision-aware optimizer (Megatron-Core asserts)",
+         OPTIMIZER_DTYPES + ("use_precision_aware_optimizer",),
+         "set use_precision_aware_optimizer=true, or leave those dtypes at fp32",
+         lambda c: any(c.given(name) and str(c[name]).lower() not in ("fp32", "float32", "torch.float32")
+                       for name in OPTIMIZER_DTYPES),
+         lambda c: bool(c["use_precision_aware_optimizer"]), given_only=True),
     Rule("torch-fsdp2-layout", "use_torch_fsdp2 (PyTorch's FSDP2) supports neither pipeline nor expert "
          "parallelism nor the distributed optimizer (Megatron-LM asserts)",
          ("use_torch_fsdp2", "pipeline_model_parallel_size", "expert_model_parallel_size", "use_distributed_optimizer"),
