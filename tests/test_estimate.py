@@ -1324,8 +1324,8 @@ def test_older_recompute_switches_are_read_and_other_memory_fields_named():
     assert layout("--num-distributed-optimizer-instances", "2", "--main-params-dtype", "fp32").not_modelled == ()
     # Fields whose Megatron default is true or a number are named only when set away from it.
     assert set(layout("--no-fp8-wgrad", "--moe-latent-size", "1024", "--moe-token-dropping",
-                      "--fp8-dot-product-attention").not_modelled) == \
-        {"fp8_wgrad", "moe_latent_size", "moe_token_dropping", "fp8_dot_product_attention"}
+                      "--fp8-dot-product-attention", "--first-last-layers-bf16").not_modelled) == \
+        {"fp8_wgrad", "moe_latent_size", "moe_token_dropping", "fp8_dot_product_attention", "first_last_layers_bf16"}
     assert layout("--activation-offload-fraction", "1.0").not_modelled == ()
 
 

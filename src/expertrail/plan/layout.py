@@ -37,6 +37,8 @@ PIPELINE_STAGE_MARKS = {"E": "embedding", "t": "layer", "m": "mtp", "L": "loss"}
 NOT_MODELLED = ("cpu_offloading_weights", "cpu_offloading_double_buffering", "moe_router_dtype",
                 "experimental_attention_variant",
                 "fp8_param_gather", "fp8_param", "fp4_param", "fp4_param_gather", "fp8_dot_product_attention",
+                # an FP8 / FP4 run's first and last layers in BF16 (costed at the run's precision)
+                "first_last_layers_bf16",
                 "fp8_wgrad", "moe_token_dropping",
                 "moe_latent_size", "use_torch_fsdp2", "hybrid_context_parallel",
                 "overlap_dispatch_backward_with_experts_wgrad", "activation_offload_fraction",
