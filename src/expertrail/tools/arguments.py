@@ -108,7 +108,8 @@ def workload_arguments(p) -> None:
                         "names them, are the NVL72 racks), or a YAML/JSON file with the Hardware fields (required)")
     p.add_argument("--model", required=True, metavar="NAME|FILE|DIR",
                    help=f"MoE model: one of {', '.join(MODELS)}, a YAML/JSON file with the MoEModel fields, "
-                        "a Hugging Face config.json or model directory (required)")
+                        "a Hugging Face config.json or model directory, or ORG/NAME in the local Hugging Face cache "
+                        "(required)")
     p.add_argument("--tokens", type=positive_int(4096), default=4096,
                    help="tokens per rank per micro-batch (default %(default)s)")
     p.add_argument("--routing", default="uniform",

@@ -38,8 +38,9 @@ def _fit_arguments(p, architectures) -> None:
     p.add_argument("--gpus", type=positive_int(256), default=None,
                    help="GPUs of the run (default: the configuration's world_size, or num_nodes x gpus_per_node, "
                         "a node of the system's size where it gives no gpus_per_node)")
-    p.add_argument("--model", metavar="NAME", default=None,
-                   help=f"model shape: one of {', '.join(architectures)}; fields such as num_layers or hidden_size in "
+    p.add_argument("--model", metavar="NAME|DIR", default=None,
+                   help=f"model shape: one of {', '.join(architectures)}, a Hugging Face config.json or model "
+                        "directory, or ORG/NAME in the local Hugging Face cache; fields such as num_layers or hidden_size in "
                         "the configuration override it (default: the model of Bridge's -mr recipe name, else the "
                         "configuration spells the model out)")
 

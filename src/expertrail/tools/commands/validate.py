@@ -36,7 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("--strict", action="store_true",
                    help="fail (exit 1) on unknown fields too (default: warn about them)")
     p.add_argument("--model", metavar="NAME|DIR", default=None,
-                   help="a catalog model or a Hugging Face config.json (as for estimate): its layers, experts, top-k, "
+                   help="a catalog model, a Hugging Face config.json or ORG/NAME in its cache (as for estimate): its "
+                        "layers, experts, top-k, "
                         "heads and widths where the configuration leaves them out, so the pipeline split, the EP size "
                         "and the TP / expert-TP splits are checked as `estimate` checks them (default: the "
                         "configuration's fields only)")
