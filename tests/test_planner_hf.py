@@ -251,3 +251,13 @@ def test_a_repository_id_reads_from_the_local_hugging_face_cache(tmp_path, monke
     capsys.readouterr()
     assert main(["plan", "--hardware", "h100", "--model", "moonshotai/Kimi-Linear-48B"]) == 2
     assert "huggingface-cli download ORG/NAME config.json" in capsys.readouterr().err
+
+
+def test_a_config_json_of_another_moe_family_is_refused_with_the_families_read():
+    """An MoE config.json whose experts sit under names no supported family uses (ERNIE 4.5's
+    moe_num_experts) is refused naming its model_type, the families read and the other ways in."""
+    from expertrail.errors import ConfigError
+    ernie = {"model_type": "ernie4_5_moe", "hidden_size": 2560, "num_hidden_layers": 28, "moe_num_experts": 64,
+             "moe_k": 6, "moe_intermediate_size": 1536, "num_attention_heads": 20}
+    with pytest.raises(ConfigError, match=r"model_type 'ernie4_5_moe'.*Qwen3-MoE.*Megatron fields"):
+        from_hf_config(ernie, "ernie")

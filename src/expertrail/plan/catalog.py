@@ -273,6 +273,8 @@ def hf_dense_layers(cfg: dict) -> int:
     return layers - len(moe)
 
 
+HF_FAMILIES = ("DeepSeek-V2/V3, Kimi-K2, Moonlight, GLM-4.5, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, GPT-OSS, "
+               "Llama 4")
 # The whole numbers of a config.json the planner reads (sizes, counts, layer indices' steps).
 HF_WHOLE_NUMBERS = (
     "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
@@ -312,7 +314,11 @@ def from_hf_config(cfg: dict, name: str = "hf-model") -> MoEModel:
     hf_type_problems(cfg, name)
     experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
     if not experts:
-        raise ConfigError(f"{name}: config.json has no n_routed_experts / num_experts / num_local_experts: not MoE")
+        raise ConfigError(f"{name}: config.json (model_type {cfg.get('model_type')!r}) gives its experts in none of "
+                          "n_routed_experts / num_experts / num_local_experts: not an MoE model of a family the planner "
+                          f"reads ({HF_FAMILIES}); give its shape another way: its Megatron fields (num_layers, "
+                          "hidden_size, num_moe_experts, moe_ffn_hidden_size, moe_router_topk, ...) to estimate and "
+                          "validate, a YAML/JSON of MoEModel fields to plan and simulate")
     missing = [k for k in ("hidden_size", "num_hidden_layers") if not cfg.get(k)]
     if not hf_topk(cfg):
         missing.append("num_experts_per_tok")
