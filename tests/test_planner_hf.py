@@ -170,9 +170,14 @@ def test_linear_attention_from_megatron_fields():
 
 def test_glm45_holds_its_published_parameters():
     """GLM-4.5's config.json (DeepSeek's MoE field names, grouped-query attention, an MTP layer)
-    reads into the 355B parameters its model card gives."""
+    reads into the 355B parameters its model card gives; its router is DeepSeek-V3's (expert
+    biases, balanced over the whole batch), as is MiniMax's with use_routing_bias."""
     arch = from_hf_config(FAMILIES["glm4_moe"][0])
     assert arch.total_params() == pytest.approx(355e9, rel=0.01)
+    assert arch.router_balance == "global_batch"
+    assert from_hf_config({**FAMILIES["mixtral"][0], "model_type": "minimax_m2", "use_routing_bias": True},
+                          "m2").router_balance == "global_batch"
+    assert from_hf_config(FAMILIES["mixtral"][0]).router_balance == "micro_batch"
 
 
 def test_attention_the_estimate_costs_as_full_is_named():

@@ -620,9 +620,12 @@ def hf_not_modelled(cfg: dict) -> tuple:
 def hf_router_balance(cfg: dict) -> str:
     """`Architecture.router_balance` of a config.json: balanced over the whole batch for the Qwen3
     family (``model_type`` qwen3*, Qwen3-Next and Qwen3.5 taken as the family's) and for
-    auxiliary-loss-free expert biases (``topk_method`` noaux_tc: DeepSeek-V3, Kimi-K2, Moonlight);
+    auxiliary-loss-free expert biases (``topk_method`` noaux_tc: DeepSeek-V3, Kimi-K2, Moonlight;
+    GLM-4.5's ``glm4_moe``, whose router is DeepSeek-V3's; MiniMax's ``use_routing_bias``);
     within each micro-batch otherwise."""
-    whole = str(cfg.get("model_type", "")).startswith("qwen3") or cfg.get("topk_method") == "noaux_tc"
+    kind = str(cfg.get("model_type", ""))
+    whole = kind.startswith(("qwen3", "glm4_moe")) or cfg.get("topk_method") == "noaux_tc" \
+        or bool(cfg.get("use_routing_bias"))
     return "global_batch" if whole else "micro_batch"
 
 
