@@ -12,7 +12,7 @@ def add_parser(sub) -> None:
     from ...plan.architecture import ARCHITECTURES
     p = sub.add_parser(
         "estimate", help="does a training configuration fit; step time, TFLOPS per GPU and the wall it hits",
-        usage="%(prog)s [-h] [--hardware NAME] [--gpus N] [--model NAME] [--json PATH] [CONFIG.yaml] "
+        usage="%(prog)s [-h] [--hardware NAME] [--gpus N] [--model NAME|DIR] [--json PATH] [CONFIG.yaml] "
               "[key=value | --megatron-flag [VALUE]] ...",
         description="Reads a Megatron-Core / Megatron-Bridge training configuration (the forms `expertrail validate` "
                     "reads) and predicts memory per GPU on the busiest pipeline rank, the step time, per-GPU TFLOPS "

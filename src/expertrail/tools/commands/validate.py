@@ -12,7 +12,7 @@ def add_parser(sub) -> None:
     from ...names import NAMES_HELP
     p = sub.add_parser(
         "validate", help="check a Megatron-Core / Megatron-Bridge MoE config before launch",
-        usage="%(prog)s [-h] [--json] [--strict] [--model NAME] [--gpus N] [CONFIG.yaml] "
+        usage="%(prog)s [-h] [--json] [--strict] [--model NAME|DIR] [--gpus N] [CONFIG.yaml] "
               "[key=value | --megatron-flag [VALUE]] ...",
         description="Checks a YAML/JSON config (Megatron-Core or Megatron-Bridge field names), key=value overrides "
                     "and Megatron command-line arguments against the EP-overlap and MoE rules and the fields' "
