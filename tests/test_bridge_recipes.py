@@ -159,6 +159,34 @@ def test_estimate_says_the_recipe_it_read_or_that_none_was(capsys):
     assert "names no Megatron-Bridge performance recipe of this system and precision" in capsys.readouterr().out
 
 
+def test_a_run_recipe_line_reads_the_recipe_it_names(tmp_path, capsys):
+    """Megatron-Bridge's scripts/training/run_recipe.py (its examples' launcher) names a recipe
+    function: a performance recipe is read whole, as -mr -g -ng -c pick it, with the line's own
+    overrides over it; a library recipe, or --model's stem, gives the model (its settings unread,
+    said so); its -etp / -ms spellings and --dataset mock are read."""
+    name = "qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config"
+    named = config_values(f"python run_recipe.py --recipe {name} --mode pretrain -ep 8".split())
+    picked = config_values("-mr qwen3_30b_a3b -g h100 -ng 16 -c bf16 -ep 8".split())
+    assert (named["bridge_recipe"], named["world_size"], named["hardware"]) == (name, 16, "h100")
+    assert {k: v for k, v in named.items() if k in picked and k not in ("hardware",)} == \
+        {k: v for k, v in picked.items() if k in named and k not in ("hardware",)}
+    assert config_values(f"torchrun --nproc-per-node 8 run_recipe.py --recipe {name}".split()).get("world_size") is None
+    library = config_values("python run_recipe.py --recipe gpt_oss_20b_pretrain_config --dataset mock -etp 1 "
+                            "-ms 10".split())
+    assert "bridge_recipe" not in library and library["mock"] is True
+    assert (library["expert_tensor_parallel_size"], library["train_iters"]) == (1, 10)
+    assert main(["estimate", "--hardware", "h100", "--gpus", "8", "python", "run_recipe.py", "--recipe",
+                 "gpt_oss_20b_pretrain_config", "-ep", "8", "-etp", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("estimate: gpt-oss-20b on 8 x h100") and "--recipe gpt_oss_20b_pretrain_config is a" in out
+    assert main(["estimate", "--hardware", "h100", "--gpus", "8", "--model", "gpt_oss_20b", "-ep", "8"]) == 0
+    assert capsys.readouterr().out.startswith("estimate: gpt-oss-20b on 8 x h100")
+    with pytest.raises(ConfigError, match="--recipe llama3_8b_pretrain_config: not a Megatron-Bridge recipe of a "
+                                          "catalog model"):
+        from expertrail.plan.architecture import recipe_model
+        recipe_model({"recipe": "llama3_8b_pretrain_config"})
+
+
 def test_every_recipe_estimates_or_is_refused_by_name(capsys):
     """Each recipe the data holds, given as a perf-script line, estimates without a validate
     violation and fits, or is refused naming why: a recipe whose layout does not divide its own

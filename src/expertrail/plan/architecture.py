@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import ConfigError
+from .bridge_recipes import recipe_stem
 from .catalog import MoEModel, catalog_name, hf_config, hf_dense_layers, leading_name
 from .catalog import from_hf_config as hf_moe_model
 
@@ -651,7 +652,8 @@ def hf_linear_attention(cfg: dict) -> dict:
 
 def recipe_model(values: dict) -> str | None:
     """The catalog model a launcher names: Megatron-Bridge's performance-script recipe
-    (``model_recipe_name``, its -mr: qwen3_235b_a22b) or a Megatron-MoE-ModelZoo launch's MODEL
+    (``model_recipe_name``, its -mr: qwen3_235b_a22b), the recipe function its run_recipe.py's
+    ``--recipe`` names (``recipe``: gpt_oss_20b_pretrain_config), or a Megatron-MoE-ModelZoo launch's MODEL
     whose model file is not at hand (``modelzoo_model``: Qwen3-235B-A22B); None where the
     configuration names none. A name of no catalog model is refused, asking for --model."""
     give = (f"give --model (one of {', '.join(ARCHITECTURES)}, or a Hugging Face config.json or model "
@@ -661,6 +663,13 @@ def recipe_model(values: dict) -> str | None:
         key = catalog_name(str(recipe).replace("_", "-"), ARCHITECTURES)
         if key is None:
             raise ConfigError(f"-mr {recipe}: a Megatron-Bridge recipe of no catalog model: {give}")
+        return key
+    named = values.get("recipe")                    # run_recipe.py --recipe FUNCTION
+    if isinstance(named, str):
+        stem = recipe_stem(named)
+        key = catalog_name(stem, ARCHITECTURES) if stem else None
+        if key is None:
+            raise ConfigError(f"--recipe {named}: not a Megatron-Bridge recipe of a catalog model: {give}")
         return key
     zoo = values.get("modelzoo_model")
     if zoo:

@@ -12,6 +12,7 @@ defaults included.
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -25,6 +26,13 @@ PRECISION_NAMES = {"bf16": "bf16", "fp8_cs": "fp8cs", "fp8_ds": "fp8ds", "fp8_mx
 # Workloads whose default recipe is not the largest (its _DEFAULT_GPU_COUNT_OVERRIDES, the catalog's).
 DEFAULT_GPUS = {("qwen3_30b_a3b", gpu, precision): 8 for gpu in ("b200", "gb200", "gb300")
                 for precision in ("bf16", "fp8cs")} | {("qwen3_30b_a3b", "h100", p): 16 for p in ("bf16", "fp8cs")}
+
+
+# A performance recipe's function name: model stem, GPU count, system, precision, variant.
+_PERF_RECIPE = re.compile(r"(?P<stem>\w+?)_pretrain_(?P<gpus>\d+)gpu_(?P<gpu>[a-z0-9]+)_"
+                          rf"(?P<precision>{'|'.join(PRECISION_NAMES.values())})(?:_(?P<variant>\w+?))?_config")
+# A library recipe's (megatron.bridge.recipes): the model stem and the task.
+_LIBRARY_RECIPE = re.compile(r"(?P<stem>\w+?)_(?:pretrain|sft|peft|finetune)\w*_config")
 
 
 @lru_cache(maxsize=1)
@@ -42,11 +50,38 @@ def matching(model_recipe_name: str, gpu: str, compute_dtype: str, variant: str 
             if name.startswith(prefix) and name.endswith(suffix) and name[len(prefix):-len(suffix)].isdigit()}
 
 
+def recipe_stem(name: str) -> str | None:
+    """The model stem (``gpt_oss_20b``) of a recipe function name Megatron-Bridge's
+    scripts/training/run_recipe.py takes as ``--recipe``: a performance recipe's
+    (``qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config``) or a library recipe's
+    (``gpt_oss_20b_pretrain_config``); None for another name."""
+    found = _PERF_RECIPE.fullmatch(name) or _LIBRARY_RECIPE.fullmatch(name)
+    return found["stem"] if found else None
+
+
+def named_recipe_fields(values: dict) -> dict:
+    """``values`` over the performance recipe run_recipe.py's ``--recipe`` names by its function
+    name (``recipe``), with `RECIPE_FIELD` naming it; its system where ``values`` gives none, and
+    its GPU count where they give no world size (as Bridge's launcher starts it). ``values`` as
+    they are for a library recipe or another name: the model comes from its stem
+    (`architecture.recipe_model`), its settings are not read."""
+    name = values.get("recipe")
+    found = _PERF_RECIPE.fullmatch(name) if isinstance(name, str) and name in recipes() else None
+    if not found:
+        return values
+    sized = any(values.get(k) for k in ("world_size", "num_nodes", "gpus_per_node"))
+    return {**recipes()[name], "hardware": found["gpu"], **({} if sized else {"world_size": int(found["gpus"])}),
+            **values, RECIPE_FIELD: name}
+
+
 def recipe_fields(values: dict) -> dict:
     """``values`` over the fields of the recipe its perf-script names pick (``model_recipe_name``,
     ``hardware``, ``compute_dtype``, default bf16 as Bridge's, ``world_size`` and
-    ``config_variant``), with `RECIPE_FIELD` naming it; ``values`` as they are where they name no
-    recipe or none matches (the estimate then says the recipe was not read)."""
+    ``config_variant``), or run_recipe.py's ``--recipe`` names (`named_recipe_fields`), with
+    `RECIPE_FIELD` naming it; ``values`` as they are where they name no recipe or none matches (the
+    estimate then says the recipe was not read)."""
+    if values.get("recipe") and not values.get("model_recipe_name"):
+        return named_recipe_fields(values)
     name, gpu = values.get("model_recipe_name"), values.get("hardware")
     if not name or not isinstance(gpu, str):
         return values

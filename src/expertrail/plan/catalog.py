@@ -228,10 +228,12 @@ def catalog_name(name: str, names) -> str | None:
     """The catalog name (one of ``names``) that ``name`` spells: itself in any case, or a Hugging
     Face repository id of that model or of a variant of it (``Qwen/Qwen3-30B-A3B``,
     ``moonshotai/Kimi-K2-Instruct``, ``mistralai/Mixtral-8x7B-v0.1``: the name, then ``-``
-    and anything; a path of that name does not shadow the exact name); None for another existing
-    path or a name of no catalog model."""
-    if name in names:
-        return name
+    and anything; a path of that name does not shadow the exact name), or Megatron-Bridge's recipe
+    stem of it (``gpt_oss_20b``, ``qwen3_30b_a3b``: underscores for dashes); None for another
+    existing path or a name of no catalog model."""
+    for spelling in (name, str(name).replace("_", "-")):
+        if spelling in names:
+            return spelling
     return None if Path(name).exists() else leading_name(name, names)
 
 

@@ -177,7 +177,7 @@ def training_command(path: Path, commands: list, printed: str = "", choice: str 
     pretrain = [c for c in launches if any(re.match(r"pretrain\w*\.py$", Path(w).name) for w in c)]
     handed_on = [c for c in commands if c and c[0] == HANDED_ON]
     distinct = list(dict.fromkeys(map(tuple, pretrain or launches or handed_on)))
-    if choice is not None:
+    if choice is not None and distinct:
         if not choice.isdigit() or not 1 <= int(choice) <= len(distinct):
             raise ConfigError(f"{CHOICE_FIELD}={choice}: launch script {path} starts {len(distinct)} training "
                               f"command(s): give {CHOICE_FIELD}=N with N from 1 to {len(distinct)}")

@@ -84,7 +84,9 @@ PERF_SCRIPT_FLAGS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_p
                      "mb": "micro_batch_size", "gb": "global_batch_size", "sl": "seq_length",
                      "ng": "world_size", "num_gpus": "world_size", "gn": "gpus_per_node", "c": "compute_dtype",
                      "g": "hardware", "gpu": "hardware", "m": "model_family_name", "mr": "model_recipe_name",
-                     "cv": "config_variant"}
+                     "cv": "config_variant",
+                     # scripts/training/run_recipe.py's spellings beside those
+                     "etp": "expert_tensor_parallel_size", "ms": "train_iters"}
 COMPUTE_DTYPES = {"bf16": "bf16_mixed", "fp8_cs": "bf16_with_fp8_current_scaling_mixed",
                   "fp8_mx": "bf16_with_mxfp8_mixed", "fp8_sc": "bf16_with_fp8_subchannel_scaling_mixed",
                   "fp8_ds": "bf16_with_fp8_delayed_scaling_mixed",
@@ -99,7 +101,10 @@ MODEL_FIELD = "expertrail_model"
 EXPERTRAIL_FIELDS = {"hardware": "str", "world_size": "int", "num_nodes": "int", "gpus_per_node": "int",
                      "torch_version": "str", DOMAIN_FIELD: "int", "data_parallel_size": "int", MODEL_FIELD: "str",
                      "model_family_name": "str", "model_recipe_name": "str", "modelzoo_model": "str",
-                     LAUNCH_FIELD: "str", RECIPE_FIELD: "str", "config_variant": "str"}
+                     LAUNCH_FIELD: "str", RECIPE_FIELD: "str", "config_variant": "str",
+                     # Megatron-Bridge's scripts/training/run_recipe.py: a recipe function by name, the
+                     # training mode, a dataset preset (mock: random tokens, as Megatron-LM's --mock-data)
+                     "recipe": "str", "mode": "str", "dataset": "str"}
 
 
 def _kinds() -> dict:
@@ -361,6 +366,8 @@ def _normalized(values: dict) -> dict:
     of stages written as its string (`layout.layout_text`)."""
     values = expand_bridge_names(recipe_fields(values))
     values = {k: _short_dtype(k, v) for k, v in values.items()}
+    if values.get("dataset") == "mock":         # run_recipe.py --dataset mock: random tokens, as --mock-data
+        values.setdefault("mock", True)
     if isinstance(values.get("pipeline_model_parallel_layout"), (list, tuple)):
         values = dict(values, pipeline_model_parallel_layout=layout_text(values["pipeline_model_parallel_layout"]))
     return values

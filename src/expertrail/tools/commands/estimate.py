@@ -111,6 +111,11 @@ def run(args) -> int:
                                           "performance recipe of this system and precision that expertrail holds "
                                           "(plan/bridge_perf_recipes.json), so its settings (layout, dispatcher, "
                                           "recompute, CUDA graphs, ...) are not read: give them as fields"))
+    elif values.get("recipe") and not values.get(RECIPE_FIELD):
+        layout = replace(layout, assumed=(*layout.assumed, f"--recipe {values['recipe']} is a Megatron-Bridge recipe "
+                                          "outside its performance recipes (plan/bridge_perf_recipes.json): its model "
+                                          "is read, its settings (layout, dispatcher, recompute, ...) are not: give "
+                                          "them as overrides"))
     if values.get("modelzoo_model"):
         layout = replace(layout, assumed=(*layout.assumed, f"MODEL={values['modelzoo_model']}: its ModelZoo model file "
                                           "(model_configs/benchmarking/<MODEL>.yaml) is not beside the launch script, "
