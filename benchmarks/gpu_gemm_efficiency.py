@@ -159,7 +159,7 @@ def main():
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     system = "h200" if "H200" in name else "h100"
     hw = load_hardware(system)
-    speed = est.SYSTEM_SPEED.get(system, 1.0)
+    speed = est._speed(hw)                  # the estimator's: H200 takes H100's fitted speed (catalog.gpu_twin)
     peak = hw.bf16_TFLOPS * 1e12
     print(f"device: {name}; torch {torch.__version__}; shares of the {system} catalog peak "
           f"({hw.bf16_TFLOPS:.0f} BF16 / {hw.fp8_TFLOPS:.0f} FP8 TFLOPS); the estimator's system speed {speed}")
