@@ -410,6 +410,16 @@ def tokenizer_checkpoint(fields: dict) -> Checkpoint | None:
     return Checkpoint(arch.name, arch.vocab, arch.router_balance) if arch else None
 
 
+def tokenizer_vocab(fields: dict, named: Checkpoint | None) -> tuple | None:
+    """(vocabulary, whose it is) of the tokenizer a configuration names: that of ``named``, its
+    ``tokenizer_model``'s checkpoint (`tokenizer_checkpoint`), else a ``tokenizer_type`` of a fixed
+    vocabulary (`FIXED_TOKENIZER_VOCABS`); None where it sizes none."""
+    if named:
+        return named.vocab, f"{named.name}'s, named by tokenizer_model"
+    fixed = FIXED_TOKENIZER_VOCABS.get(fields.get("tokenizer_type"))
+    return (fixed, f"{fields['tokenizer_type']}'s {fixed}") if fixed else None
+
+
 def padded_vocab(vocab: int, fields: dict) -> int:
     """``vocab`` rounded up as Megatron-LM pads a tokenizer's vocabulary: to a multiple of
     ``make_vocab_size_divisible_by`` (default 128) x TP, so the output layer splits over TP."""
@@ -430,14 +440,12 @@ def unstated_model_fields(fields: dict) -> list:
     ``quick_geglu`` and ``gated_linear_unit`` say so), and the router's balance of a checkpoint
     it fine-tunes."""
     named = tokenizer_checkpoint(fields)
-    fixed = FIXED_TOKENIZER_VOCABS.get(fields.get("tokenizer_type"))
+    sized = tokenizer_vocab(fields, named)
     out = []
     if not any(fields.get(k) for k in ("vocab_size", "padded_vocab_size")):
-        padding = "padded to a multiple of make_vocab_size_divisible_by x TP as Megatron-LM pads it"
-        out.append(f"vocab_size={padded_vocab(named.vocab, fields)} ({named.name}'s, named by tokenizer_model, "
-                   f"{padding})" if named else
-                   f"vocab_size={padded_vocab(fixed, fields)} ({fields['tokenizer_type']}'s {fixed}, {padding})"
-                   if fixed else f"vocab_size={UNSTATED_VOCAB} (Megatron sizes it from the tokenizer: give vocab_size)")
+        out.append(f"vocab_size={padded_vocab(sized[0], fields)} ({sized[1]}, padded to a multiple of "
+                   "make_vocab_size_divisible_by x TP as Megatron-LM pads it)" if sized else
+                   f"vocab_size={UNSTATED_VOCAB} (Megatron sizes it from the tokenizer: give vocab_size)")
     if not (fields.get("swiglu") or fields.get("quick_geglu")) and fields.get("gated_linear_unit") is None:
         out.append("swiglu=true (gated MLPs, as every supported family's; Megatron-LM's default without --swiglu, "
                    "an ungated GeLU MLP, is not costed)")
@@ -495,9 +503,9 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
         given.update(group_topk=limited, num_groups=fields.get("expert_model_parallel_size") or 1)
     if base is None:
         named = tokenizer_checkpoint(fields)
-        fixed = FIXED_TOKENIZER_VOCABS.get(fields.get("tokenizer_type"))
-        if (named or fixed) and "vocab" not in given:
-            given["vocab"] = padded_vocab(named.vocab if named else fixed, fields)
+        sized = tokenizer_vocab(fields, named)
+        if sized and "vocab" not in given:
+            given["vocab"] = padded_vocab(sized[0], fields)
         if named and fine_tunes_checkpoint(fields) and "router_balance" not in given:
             given["router_balance"] = named.router_balance
         default_ffn = megatron_ffn_default(fields)
@@ -530,11 +538,19 @@ def from_fields(base: Architecture | None, fields: dict) -> Architecture:
         raise ConfigError(f"model {arch.name}: topk {arch.topk} of {arch.experts} experts, {arch.dense_layers} dense "
                           f"of {arch.layers} layers do not make an MoE model; check the model fields")
     groups, picked = arch.num_groups or 1, arch.group_topk
-    if picked and not (picked <= groups and picked * (arch.experts // groups) >= arch.topk):
+    if picked and not group_routing_holds(picked, groups, arch.experts, arch.topk):
         raise ConfigError(f"model {arch.name}: group-limited routing picks {arch.group_topk} of {groups} groups of "
                           f"{arch.experts // groups} experts for top-{arch.topk}: set 1 <= moe_router_group_topk "
                           "(moe_router_topk_limited_devices) <= moe_router_num_groups (the EP size), enough for top-k")
     return arch
+
+
+def group_routing_holds(group_topk: int, groups: int, experts: int, topk: int) -> bool:
+    """Whether group-limited routing can route: 1 <= ``group_topk`` <= ``groups`` (Megatron-Core
+    asserts it) and the groups it picks hold the top-k experts. The model's groups, and
+    moe_router_topk_limited_devices' (one group per EP rank), both: `from_fields` and validate's
+    rules ask it."""
+    return 1 <= group_topk <= groups and group_topk * (experts // groups) >= topk
 
 
 def width_split_problems(tp: int, etp: int, **sizes) -> dict:
