@@ -26,7 +26,7 @@ from typing import Callable
 from ..errors import ConfigError
 from . import megatron_fields as mf
 from .catalog import HARDWARE, hardware_key, load_hardware, read_mapping
-from .architecture import GATED_DELTA_NET, dense_layers_of, width_split_problems
+from .architecture import GATED_DELTA_NET, dense_layers_of, group_routing_holds, width_split_problems
 from .layout import (GRAPH_MODULES_DEFAULTS, OUTER_SHARDING, expand_layout, layout_text, name_list,
                      pipeline_split_problems, sequence_split_problems, stage_override, vpp_of_stage_layers)
 from .simulate import domain_for
@@ -876,8 +876,8 @@ RULES = [
          ("moe_router_group_topk", "moe_router_num_groups", "moe_router_topk", "num_moe_experts"),
          "set 1 <= moe_router_group_topk <= moe_router_num_groups with group_topk x experts per group >= topk",
          lambda c: c.given("moe_router_num_groups") and c.given("num_moe_experts"),
-         lambda c: c.given("moe_router_group_topk") and 1 <= c["moe_router_group_topk"] <= c["moe_router_num_groups"]
-         and c["moe_router_group_topk"] * (c["num_moe_experts"] // c["moe_router_num_groups"]) >= c["moe_router_topk"]),
+         lambda c: c.given("moe_router_group_topk") and group_routing_holds(
+             c["moe_router_group_topk"], c["moe_router_num_groups"], c["num_moe_experts"], c["moe_router_topk"])),
     Rule("graph-scope-or-modules", "cuda_graph_scope (deprecated) and cuda_graph_modules name the same parts "
          "(Megatron-LM raises with both)", ("cuda_graph_scope", "cuda_graph_modules"),
          "keep cuda_graph_modules, cuda_graph_scope's newer name", lambda c: c.given("cuda_graph_scope"),
@@ -929,8 +929,8 @@ RULES = [
          ("moe_router_topk_limited_devices", "expert_model_parallel_size", "moe_router_topk", "num_moe_experts"),
          "set 1 <= moe_router_topk_limited_devices <= expert_model_parallel_size, enough ranks for top-k experts",
          lambda c: c.given("moe_router_topk_limited_devices") and c.given("num_moe_experts"),
-         lambda c: 1 <= c["moe_router_topk_limited_devices"] <= c.ep
-         and c["moe_router_topk_limited_devices"] * (c["num_moe_experts"] // c.ep) >= c["moe_router_topk"]),
+         lambda c: group_routing_holds(c["moe_router_topk_limited_devices"], c.ep, c["num_moe_experts"],
+                                       c["moe_router_topk"])),
     Rule("top1-pre-softmax", "top-1 softmax routing needs the softmax before top-k",
          ("moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax"), "set moe_router_pre_softmax=true",
          lambda c: int(c["moe_router_topk"]) == 1 and c["moe_router_score_function"] == "softmax"
