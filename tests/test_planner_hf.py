@@ -85,7 +85,46 @@ FAMILIES = {
                       "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
                       "vocab_size": 202048},
                      dict(experts=16, topk=1, dense_layers=0, shared_ffn=8192)),
+    "deepseek_v32": ({"model_type": "deepseek_v32", "hidden_size": 7168, "num_hidden_layers": 61,
+                      "num_attention_heads": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                      "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+                      "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4, "index_topk": 2048,
+                      "vocab_size": 129280, **MLA},
+                     dict(experts=256, topk=8, dense_layers=3, shared_ffn=2048, num_groups=8, group_topk=4)),
+    # Qwen2-57B-A14B: Qwen's field names, a shared expert eight experts wide.
+    "qwen2_moe": ({"model_type": "qwen2_moe", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+                   "num_key_value_heads": 4, "intermediate_size": 18944, "moe_intermediate_size": 2560,
+                   "shared_expert_intermediate_size": 20480, "num_experts": 64, "num_experts_per_tok": 8,
+                   "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936},
+                  dict(experts=64, topk=8, moe_ffn=2560, shared_ffn=20480, dense_layers=0, kv_heads=4)),
+    # Qwen3-VL-30B-A3B: Qwen3-MoE's fields in a multimodal file's text_config.
+    "qwen3_vl_moe": ({"model_type": "qwen3_vl_moe", "vision_config": {"depth": 27},
+                      "text_config": {"model_type": "qwen3_vl_moe_text", "hidden_size": 2048, "num_hidden_layers": 48,
+                                      "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                                      "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                                      "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                                      "vocab_size": 151936}},
+                     {k: v for k, v in vars(ARCHITECTURES["qwen3-30b-a3b"]).items()
+                      if k in ("layers", "hidden", "moe_ffn", "experts", "topk", "heads", "kv_heads", "head_dim")}),
+    "olmoe": ({"model_type": "olmoe", "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16,
+               "num_key_value_heads": 16, "intermediate_size": 1024, "num_experts": 64, "num_experts_per_tok": 8,
+               "vocab_size": 50304},
+              dict(experts=64, topk=8, moe_ffn=1024, dense_layers=0, shared_ffn=0)),
+    "minimax_m2": ({"model_type": "minimax_m2", "hidden_size": 3072, "num_hidden_layers": 62, "num_attention_heads": 48,
+                    "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 1536, "num_local_experts": 256,
+                    "num_experts_per_tok": 8, "use_routing_bias": True, "vocab_size": 200064},
+                   dict(experts=256, topk=8, moe_ffn=1536, dense_layers=0, shared_ffn=0, router_balance="global_batch")),
+    # ERNIE 4.5 21B-A3B: experts under moe_* names, MoE layers from moe_layer_start_index on.
+    "ernie4_5_moe": ({"model_type": "ernie4_5_moe", "hidden_size": 2560, "num_hidden_layers": 28,
+                      "num_attention_heads": 20, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 12288,
+                      "moe_intermediate_size": 1536, "moe_num_experts": 64, "moe_num_shared_experts": 2, "moe_k": 6,
+                      "moe_layer_start_index": 1, "moe_layer_end_index": 27, "moe_layer_interval": 1,
+                      "tie_word_embeddings": True, "vocab_size": 103424},
+                     dict(experts=64, topk=6, moe_ffn=1536, ffn=12288, dense_layers=1, shared_ffn=3072)),
 }
+
+# Total parameters as each model's card publishes them (billions), for the families above.
+PUBLISHED_PARAMS = {"qwen2_moe": 57.4, "olmoe": 6.92, "minimax_m2": 230, "ernie4_5_moe": 21.8, "deepseek_v32": 671}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -259,10 +298,84 @@ def test_a_repository_id_reads_from_the_local_hugging_face_cache(tmp_path, monke
 
 
 def test_a_config_json_of_another_moe_family_is_refused_with_the_families_read():
-    """An MoE config.json whose experts sit under names no supported family uses (ERNIE 4.5's
-    moe_num_experts) is refused naming its model_type, the families read and the other ways in."""
+    """An MoE config.json whose experts sit under names no family read uses (DBRX's nested
+    ffn_config) is refused naming its model_type, the families read and the other ways in."""
     from expertrail.errors import ConfigError
-    ernie = {"model_type": "ernie4_5_moe", "hidden_size": 2560, "num_hidden_layers": 28, "moe_num_experts": 64,
-             "moe_k": 6, "moe_intermediate_size": 1536, "num_attention_heads": 20}
-    with pytest.raises(ConfigError, match=r"model_type 'ernie4_5_moe'.*Qwen3-MoE.*Megatron fields"):
-        from_hf_config(ernie, "ernie")
+    dbrx = {"model_type": "dbrx", "hidden_size": 6144, "num_hidden_layers": 40, "num_attention_heads": 48,
+            "ffn_config": {"moe_num_experts": 16, "moe_top_k": 4, "ffn_hidden_size": 10752}}
+    with pytest.raises(ConfigError, match=r"model_type 'dbrx'.*Qwen3-MoE.*Megatron fields"):
+        from_hf_config(dbrx, "dbrx")
+
+
+@pytest.mark.parametrize("family", sorted(PUBLISHED_PARAMS))
+def test_each_family_holds_its_published_parameters(family):
+    assert from_hf_config(FAMILIES[family][0]).total_params() == pytest.approx(PUBLISHED_PARAMS[family] * 1e9, rel=0.01)
+
+
+def test_every_checked_model_type_is_read_here():
+    """`hf_fields.CHECKED_TYPES`, the model_types read without the assumed line's note, are the
+    ones this file's FAMILIES read into their published shapes."""
+    from expertrail.plan.hf_fields import CHECKED_TYPES, language_model
+    read = {cfg.get("model_type") for cfg, _ in FAMILIES.values()} | \
+        {language_model(cfg).get("model_type") for cfg, _ in FAMILIES.values()}
+    assert CHECKED_TYPES <= read
+    assert all(from_hf_config(cfg).assumed == () for cfg, _ in FAMILIES.values())
+
+
+HYBRIDS = {
+    "jamba": ({"model_type": "jamba", "num_experts": 16, "num_experts_per_tok": 2, "attn_layer_period": 8,
+               "mamba_d_state": 16}, "Mamba"),
+    "granitemoehybrid": ({"model_type": "granitemoehybrid", "num_local_experts": 62, "num_experts_per_tok": 6,
+                          "layer_types": ["mamba"] * 9 + ["attention"], "mamba_n_heads": 128}, "Mamba"),
+    "lfm2_moe": ({"model_type": "lfm2_moe", "num_experts": 32, "num_experts_per_tok": 4, "num_dense_layers": 2,
+                  "layer_types": ["conv", "conv", "full_attention"] * 8}, "short-convolution"),
+    "minimax": ({"model_type": "minimax", "num_local_experts": 32, "num_experts_per_tok": 2,
+                 "layer_types": ["linear_attention"] * 7 + ["full_attention"]}, "not Gated DeltaNet"),
+    "kimi_linear": ({"model_type": "kimi_linear", "num_experts": 256, "num_experts_per_token": 8,
+                     "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_num_heads": 32},
+                    "not Gated DeltaNet"),
+    "jetmoe": ({"model_type": "jetmoe", "num_local_experts": 8, "num_experts_per_tok": 2}, "attention heads"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(HYBRIDS))
+def test_layers_the_planner_cannot_cost_are_refused_by_name(family):
+    """A config.json with state-space, convolution, non-DeltaNet linear-attention layers or
+    attention experts is refused naming them (costed as attention it would be silently wrong),
+    by the MoE reader plan and simulate use too."""
+    from expertrail.errors import ConfigError
+    from expertrail.plan.catalog import from_hf_config as moe_of
+    fields, said = HYBRIDS[family]
+    cfg = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "intermediate_size": 14336,
+           **fields}
+    for read in (from_hf_config, moe_of):
+        with pytest.raises(ConfigError, match=f"model_type '{family}'.*{said}.*Megatron fields"):
+            read(cfg, family)
+
+
+def test_another_family_is_read_by_its_fields_and_says_so():
+    """A model_type outside the checked families is read by the spellings other families use (a
+    per-layer mlp_layer_types, dense layers first by num_dense_layers, num_shared_experts routed
+    experts wide, Step's share_expert_dim), and the estimate's assumed line names it; a per-layer
+    expert count that varies is refused by name; Qwen3-Omni's language model sits under
+    thinker_config."""
+    from expertrail.errors import ConfigError
+    base = {"hidden_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 16, "intermediate_size": 6144,
+            "moe_intermediate_size": 1024, "num_experts": 64, "num_experts_per_tok": 6}
+    exaone = from_hf_config({**base, "model_type": "exaone_moe", "num_shared_experts": 1,
+                             "mlp_layer_types": ["dense"] + ["sparse"] * 7})
+    assert (exaone.dense_layers, exaone.shared_ffn) == (1, 1024)
+    afmoe = from_hf_config({**base, "model_type": "afmoe", "num_dense_layers": 2, "num_shared_experts": 2})
+    assert (afmoe.dense_layers, afmoe.shared_ffn) == (2, 2048)
+    step = from_hf_config({**base, "model_type": "step3p5", "share_expert_dim": 1280,
+                           "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 5})
+    assert (step.dense_layers, step.shared_ffn) == (3, 1280)
+    assert "model_type 'afmoe' is read by its fields" in afmoe.assumed[0]
+    result = estimate(afmoe, HARDWARE["h100"], TrainingLayout(gpus=8, ep=8, global_batch=64))
+    assert afmoe.assumed[0] in result["assumed"]
+    with pytest.raises(ConfigError, match=r"num_experts is \[64, 32\], one value per layer"):
+        from_hf_config({**base, "model_type": "hunyuan_v1_moe", "num_experts": [64, 32]})
+    assert from_hf_config({**base, "model_type": "hunyuan_v1_moe", "num_experts": [64, 64]}).experts == 64
+    omni = from_hf_config({"model_type": "qwen3_omni_moe",
+                           "thinker_config": {"text_config": {**base, "model_type": "qwen3_omni_moe_text"}}})
+    assert omni.experts == 64 and omni.name == "qwen3_omni_moe_text"

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..errors import ConfigError
+from . import hf_fields
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,7 @@ def hf_config(name_or_file: str) -> tuple[dict, str] | None:
         return read_mapping(path / "config.json", "--model"), path.name
     if path.is_file():
         data = read_mapping(path, "--model")
-        if "hidden_size" in data or isinstance(data.get("text_config"), dict):
+        if "hidden_size" in hf_fields.language_model(data):
             return data, path.parent.name if path.name == "config.json" and path.parent.name else path.stem
     return None
 
@@ -261,79 +262,25 @@ def load_model(name_or_file: str) -> MoEModel:
     return _build(MoEModel, read_mapping(path, "--model"), str(path))
 
 
-def hf_dense_layers(cfg: dict) -> int:
-    """Layers of a transformers config.json with a dense MLP instead of experts: DeepSeek's
-    ``first_k_dense_replace``; Qwen-MoE's ``decoder_sparse_step`` (every k-th layer MoE) and
-    ``mlp_only_layers``; Llama 4's ``interleave_moe_layer_step`` or ``moe_layers``."""
-    layers = cfg["num_hidden_layers"]
-    if cfg.get("first_k_dense_replace"):
-        return cfg["first_k_dense_replace"]
-    if isinstance(cfg.get("moe_layers"), list):
-        return layers - len(cfg["moe_layers"])
-    step = cfg.get("interleave_moe_layer_step") or cfg.get("decoder_sparse_step") or 1
-    moe = set(range(step - 1, layers, step)) - set(cfg.get("mlp_only_layers") or [])
-    return layers - len(moe)
-
-
-HF_FAMILIES = ("DeepSeek-V2/V3, Kimi-K2, Moonlight, GLM-4.5, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, GPT-OSS, "
-               "Llama 4")
-# The whole numbers of a config.json the planner reads (sizes, counts, layer indices' steps).
-HF_WHOLE_NUMBERS = (
-    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-    "intermediate_size", "intermediate_size_mlp", "moe_intermediate_size", "shared_expert_intermediate_size",
-    "n_routed_experts", "num_experts", "num_local_experts", "n_shared_experts", "num_experts_per_tok",
-    "experts_per_token", "first_k_dense_replace", "n_group", "topk_group", "decoder_sparse_step",
-    "interleave_moe_layer_step", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-    "num_nextn_predict_layers", "mtp_num_hidden_layers", "sliding_window", "max_window_layers",
-    "attention_chunk_size", "index_topk", "full_attention_interval", "linear_num_key_heads", "linear_num_value_heads",
-    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
-HF_LISTS = ("mlp_only_layers", "moe_layers", "layer_types")
-
-
-def hf_type_problems(cfg: dict, name: str) -> None:
-    """Refuses a config.json whose fields the planner reads hold the wrong kind of value (a size
-    written as text, a layer list as a number), naming the field, instead of failing later."""
-    for key in HF_WHOLE_NUMBERS:
-        value = cfg.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ConfigError(f"{name}: config.json's {key} is {value!r}: write a whole number >= 0 (or null)")
-    for key in HF_LISTS:
-        if cfg.get(key) is not None and not isinstance(cfg[key], list):
-            raise ConfigError(f"{name}: config.json's {key} is {cfg[key]!r}: write a list (or null)")
-    if not isinstance(cfg.get("model_type", ""), str):
-        raise ConfigError(f"{name}: config.json's model_type is {cfg['model_type']!r}: write the model's type name")
-
-
-def hf_topk(cfg: dict):
-    return cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
-
-
 def from_hf_config(cfg: dict, name: str = "hf-model") -> MoEModel:
-    """The MoE shape of a transformers config.json (DeepSeek-V2/V3, Kimi-K2, Moonlight,
-    Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, GPT-OSS, Llama 4 styles)."""
-    if isinstance(cfg.get("text_config"), dict) and "hidden_size" not in cfg:
-        cfg = cfg["text_config"]                     # multimodal wrappers keep the LM in text_config
-    hf_type_problems(cfg, name)
-    experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
-    if not experts:
-        raise ConfigError(f"{name}: config.json (model_type {cfg.get('model_type')!r}) gives its experts in none of "
-                          "n_routed_experts / num_experts / num_local_experts: not an MoE model of a family the planner "
-                          f"reads ({HF_FAMILIES}); give its shape another way: its Megatron fields (num_layers, "
-                          "hidden_size, num_moe_experts, moe_ffn_hidden_size, moe_router_topk, ...) to estimate and "
-                          "validate, a YAML/JSON of MoEModel fields to plan and simulate")
+    """The MoE shape of a transformers config.json, in any of the spellings `hf_fields` reads
+    (a multimodal file's ``text_config``); layers the planner cannot cost are refused by name."""
+    cfg = hf_fields.language_model(cfg)
+    hf_fields.type_problems(cfg, name)
+    experts = hf_fields.routed_experts(cfg, name)
+    hf_fields.family_problems(cfg, name)
     missing = [k for k in ("hidden_size", "num_hidden_layers") if not cfg.get(k)]
-    if not hf_topk(cfg):
-        missing.append("num_experts_per_tok")
-    ffn = cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
+    topk = hf_fields.topk(cfg, name)
+    if not topk:
+        missing.append(f"num_experts_per_tok (or {' / '.join(hf_fields.TOPK_KEYS[1:])}: the experts a token picks)")
+    ffn = hf_fields.expert_width(cfg)
     if not ffn:
         missing.append("moe_intermediate_size")
     if missing:
         raise ConfigError(f"{name}: config.json lacks {', '.join(missing)}; the planner needs them")
-    dense_layers = hf_dense_layers(cfg)
-    shared = cfg.get("n_shared_experts") or (1 if cfg.get("shared_expert_intermediate_size") else 0) or \
-        (1 if str(cfg.get("model_type", "")).startswith("llama4") else 0)
+    shared = hf_fields.shared_width(cfg, ffn)
     model = MoEModel(name=cfg.get("model_type", name), hidden=cfg["hidden_size"], num_experts=experts,
-                     topk=hf_topk(cfg), moe_ffn=ffn, layers=cfg["num_hidden_layers"] - dense_layers,
-                     shared_experts=shared, num_groups=cfg.get("n_group"), group_topk=cfg.get("topk_group"))
+                     topk=topk, moe_ffn=ffn, layers=cfg["num_hidden_layers"] - hf_fields.dense_layers(cfg),
+                     shared_experts=-(-shared // ffn), num_groups=cfg.get("n_group"), group_topk=cfg.get("topk_group"))
     _check(model, f"{name} config.json")
     return model

@@ -568,7 +568,7 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
                    "delay_wgrad": layout.delay_wgrad, "graph_scopes": list(layout.graph_scopes),
                    "fsdp": layout.fsdp, "optimizer_instances": layout.optimizer_instances,
                    "routing_imbalance": routing_imbalance(arch, layout)},
-        "assumed": list(layout.assumed) + routing_assumption(arch, layout) + recipe_assumption(hw, layout),
+        "assumed": list(arch.assumed) + list(layout.assumed) + routing_assumption(arch, layout) + recipe_assumption(hw, layout),
         "not_modelled": list(layout.not_modelled) + list(arch.not_modelled),
         "fits": fits, "peak_memory_GB": busiest.total_GB, "usable_memory_GB": usable, "hbm_GB": hw.hbm_GB,
         "memory": {"busiest_rank": busiest.rank, "weights_GB": busiest.weights_GB,
