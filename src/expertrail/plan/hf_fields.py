@@ -28,7 +28,8 @@ WHOLE_NUMBERS = (
     "intermediate_size", "intermediate_size_mlp", "moe_intermediate_size", "shared_expert_intermediate_size",
     "shared_intermediate_size", "share_expert_dim", *EXPERT_KEYS, *TOPK_KEYS, "n_shared_experts",
     "num_shared_experts", "moe_num_shared_experts", "first_k_dense_replace", "num_dense_layers", "n_group",
-    "topk_group", "decoder_sparse_step", "interleave_moe_layer_step", "moe_layer_start_index", "moe_layer_interval",
+    "topk_group", "moe_layer_freq", "decoder_sparse_step", "interleave_moe_layer_step", "moe_layer_start_index",
+    "moe_layer_interval",
     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers",
     "mtp_num_hidden_layers", "sliding_window", "max_window_layers", "attention_chunk_size", "index_topk",
     "full_attention_interval", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
@@ -131,7 +132,8 @@ def expert_width(cfg: dict) -> int | None:
 def moe_layer_ids(cfg: dict) -> set:
     """The indices of the layers with experts (the others have a dense MLP), by the first of:
     a per-layer ``mlp_layer_types`` (dense / sparse); DeepSeek's ``first_k_dense_replace`` and
-    ``num_dense_layers`` (dense layers first); Llama 4's ``moe_layers``; ERNIE's
+    ``num_dense_layers`` (dense layers first; then DeepSeek's every ``moe_layer_freq``-th);
+    Llama 4's ``moe_layers``; ERNIE's
     ``moe_layer_start_index`` .. ``moe_layer_end_index`` (-1: the last) every
     ``moe_layer_interval``-th; every ``interleave_moe_layer_step``-th (Llama 4) or
     ``decoder_sparse_step``-th (Qwen) layer but Qwen's ``mlp_only_layers``."""
@@ -140,7 +142,7 @@ def moe_layer_ids(cfg: dict) -> set:
         return {i for i, kind in enumerate(cfg["mlp_layer_types"][:layers]) if kind != "dense"}
     first = cfg.get("first_k_dense_replace") or cfg.get("num_dense_layers")
     if first:
-        return set(range(first, layers))
+        return set(range(first, layers)) & set(range(0, layers, cfg.get("moe_layer_freq") or 1))
     if isinstance(cfg.get("moe_layers"), list):
         return set(cfg["moe_layers"])
     if "moe_layer_start_index" in cfg or "moe_layer_interval" in cfg:
