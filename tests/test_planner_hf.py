@@ -109,7 +109,7 @@ FAMILIES = {
     "olmoe": ({"model_type": "olmoe", "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16,
                "num_key_value_heads": 16, "intermediate_size": 1024, "num_experts": 64, "num_experts_per_tok": 8,
                "vocab_size": 50304},
-              dict(experts=64, topk=8, moe_ffn=1024, dense_layers=0, shared_ffn=0)),
+              dict(experts=64, topk=8, moe_ffn=1024, dense_layers=0, shared_ffn=0, router_balance="micro_batch")),
     "minimax_m2": ({"model_type": "minimax_m2", "hidden_size": 3072, "num_hidden_layers": 62, "num_attention_heads": 48,
                     "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 1536, "num_local_experts": 256,
                     "num_experts_per_tok": 8, "use_routing_bias": True, "vocab_size": 200064},
@@ -120,7 +120,8 @@ FAMILIES = {
                       "moe_intermediate_size": 1536, "moe_num_experts": 64, "moe_num_shared_experts": 2, "moe_k": 6,
                       "moe_layer_start_index": 1, "moe_layer_end_index": 27, "moe_layer_interval": 1,
                       "tie_word_embeddings": True, "vocab_size": 103424},
-                     dict(experts=64, topk=6, moe_ffn=1536, ffn=12288, dense_layers=1, shared_ffn=3072)),
+                     dict(experts=64, topk=6, moe_ffn=1536, ffn=12288, dense_layers=1, shared_ffn=3072,
+                          router_balance="global_batch")),
 }
 
 # Total parameters as each model's card publishes them (billions), for the families above.

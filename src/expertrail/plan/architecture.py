@@ -640,11 +640,11 @@ def hf_router_balance(cfg: dict) -> str:
     """`Architecture.router_balance` of a config.json: balanced over the whole batch for the Qwen3
     family (``model_type`` qwen3*, Qwen3-Next and Qwen3.5 taken as the family's) and for
     auxiliary-loss-free expert biases (``topk_method`` noaux_tc: DeepSeek-V3, Kimi-K2, Moonlight;
-    GLM-4.5's ``glm4_moe``, whose router is DeepSeek-V3's; MiniMax's ``use_routing_bias``);
-    within each micro-batch otherwise."""
+    the model types of `hf_fields.EXPERT_BIAS_TYPES`: GLM-4.5, ERNIE 4.5, MiniMax-M2, ...;
+    ``use_routing_bias``, ``use_expert_bias``); within each micro-batch otherwise."""
     kind = str(cfg.get("model_type", ""))
-    whole = kind.startswith(("qwen3", "glm4_moe")) or cfg.get("topk_method") == "noaux_tc" \
-        or bool(cfg.get("use_routing_bias"))
+    whole = kind.startswith("qwen3") or kind in hf_fields.EXPERT_BIAS_TYPES or cfg.get("topk_method") == "noaux_tc" \
+        or bool(cfg.get("use_routing_bias") or cfg.get("use_expert_bias"))
     return "global_batch" if whole else "micro_batch"
 
 
