@@ -1425,6 +1425,25 @@ def test_validate_and_estimate_agree_on_what_is_valid():
     assert built >= 20
 
 
+def test_a_system_no_published_run_calibrates_says_its_speed_and_refuses_fp8_it_lacks():
+    """A100 (and a user's catalog file) has no fitted speed: the assumed line says it runs at
+    GB200's share of its datasheet peak; a fitted system, or one on a fitted system's GPU, says
+    nothing; FP8 on a GPU without FP8 tensor cores is refused naming bf16, not costed as BF16."""
+    from dataclasses import replace
+
+    from expertrail.plan.catalog import HARDWARE
+    layout = TrainingLayout.from_fields({"expert_model_parallel_size": 8, "pipeline_model_parallel_size": 4,
+                                         "bf16": True}, 64)
+    arch = ARCHITECTURES["mixtral-8x7b"]
+    said = {h: [a for a in estimate(arch, hw, layout)["assumed"] if "sustained speed" in a]
+            for h, hw in (("a100", HARDWARE["a100"]), ("h200", HARDWARE["h200"]),
+                          ("mine", replace(HARDWARE["h100"], name="my-h100-pod")))}
+    assert said["h200"] == [] and "a100's sustained speed 1.0" in said["a100"][0] and len(said["mine"]) == 1
+    fp8 = TrainingLayout.from_fields({"expert_model_parallel_size": 8, "fp8": "hybrid"}, 64)
+    with pytest.raises(ConfigError, match="FP8 on a100.*train in bf16"):
+        estimate(arch, HARDWARE["a100"], fp8)
+
+
 def test_a_system_on_a_fitted_systems_gpu_takes_its_speed():
     """H200 and H800 run H100's GPU (H200 with faster HBM, H800 with fewer NVLink lanes): their
     GEMMs and attention take H100's fitted speed, not the unfitted default; the same layout on

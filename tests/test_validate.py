@@ -178,6 +178,7 @@ CASES = {   # rule -> (breaking config, satisfying config)
     "one-half-precision": ({"bf16": True, "fp16": True}, {"bf16": True, "fp16": False}),
     "mxfp8-needs-blackwell": ({"fp8": "e4m3", "fp8_recipe": "mxfp8", "hardware": "h100"},
                               {"fp8": "e4m3", "fp8_recipe": "mxfp8", "hardware": "b200"}),
+    "fp8-needs-gpu": ({"fp8": "hybrid", "hardware": "a100"}, {"fp8": "hybrid", "hardware": "h100"}),
     "fp4-or-fp8": ({"fp4": "e2m1", "fp8": "hybrid"}, {"fp4": "e2m1"}),
     "nvfp4-needs-blackwell": ({"fp4": "e2m1", "hardware": "h100"}, {"fp4": "e2m1", "hardware": "gb200-nvl72"}),
     "cp-splits-sequence": ({"seq_length": 4096, "context_parallel_size": 3}, {"seq_length": 4096, "context_parallel_size": 4}),
@@ -612,8 +613,8 @@ def test_hardware_names_in_any_case_and_bridges_rack_names():
     assert load_hardware("gb300").name == "gb300-nvl72" and load_hardware("GB200-NVL36").name == "gb200-nvl36"
     assert "mxfp8-needs-blackwell" in {v.rule for v in validate({"hardware": "H100", "fp8": "e4m3",
                                                                  "fp8_recipe": "mxfp8"})}
-    with pytest.raises(ConfigError, match="choose one of h100"):
-        load_hardware("a100")
+    with pytest.raises(ConfigError, match="choose one of a100, h100"):
+        load_hardware("v100")
 
 
 def test_bridges_performance_script_flags_read_as_the_fields_they_set():

@@ -70,6 +70,9 @@ class MoEModel:
 
 
 HARDWARE = {h.name: h for h in [
+    # DGX A100 (A100 SXM4 80GB datasheet: 312 BF16 TFLOPS dense, 2,039 GB/s HBM2e, NVLink 3 at
+    # 600 GB/s both ways; one 200 Gb/s HDR InfiniBand NIC a GPU): no FP8, no published run fits its speed.
+    Hardware("a100", 8, 300, 25, 108, 80, 2.039, 312, 0, "ampere"),
     Hardware("h100", 8, 450, 50, 132, 80, 3.35, 989, 1979, "hopper"),
     Hardware("h200", 8, 450, 50, 132, 141, 4.8, 989, 1979, "hopper"),
     Hardware("h800", 8, 160, 50, 132, 80, 3.35, 989, 1979, "hopper"),

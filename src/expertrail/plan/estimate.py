@@ -265,6 +265,15 @@ def _speed(hw: Hardware) -> float:
     return SYSTEM_SPEED.get(hw.name, SYSTEM_SPEED.get(gpu_twin(hw.name), 1.0))
 
 
+def speed_assumption(hw: Hardware) -> list:
+    """The assumed line's note for a system no published run calibrates (A100, a user's catalog
+    file): its GEMMs and attention run at GB200's sustained share of the datasheet peak."""
+    if hw.name in SYSTEM_SPEED or gpu_twin(hw.name) in SYSTEM_SPEED:
+        return []
+    return [f"{hw.name}'s sustained speed 1.0 of its datasheet peak, GB200's (no published run on it calibrates "
+            f"one; the fitted systems run at {', '.join(f'{k} {v:g}' for k, v in SYSTEM_SPEED.items())})"]
+
+
 def width_factor(arch: Architecture) -> float:
     """The share of GEMM_EFFICIENCY a model's GEMMs reach for their width: d / (d + GEMM_HALF_DIM),
     d the hidden size, which every GEMM of a layer has as its inner or outer dimension (the
@@ -474,6 +483,9 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
     """Everything `expertrail estimate` prints, as data."""
     layout = layout.for_model(arch.layers, arch.mtp_layers, arch.output_layers_worth(layout.seq))
     problems = layout.problems(arch.experts, arch.layers) + arch.split_problems(layout.tp, layout.etp)
+    if layout.precision == "fp8" and not hw.fp8_TFLOPS:
+        problems.append(f"FP8 on {hw.name}, which has no FP8 tensor cores (fp8_TFLOPS 0; Transformer Engine raises): "
+                        "train in bf16")
     if layout.recompute == "selective":
         problems += arch.recompute_problems(layout.recompute_modules)
     if problems:
@@ -568,7 +580,8 @@ def estimate(arch: Architecture, hw: Hardware, layout: TrainingLayout) -> dict:
                    "delay_wgrad": layout.delay_wgrad, "graph_scopes": list(layout.graph_scopes),
                    "fsdp": layout.fsdp, "optimizer_instances": layout.optimizer_instances,
                    "routing_imbalance": routing_imbalance(arch, layout)},
-        "assumed": list(arch.assumed) + list(layout.assumed) + routing_assumption(arch, layout) + recipe_assumption(hw, layout),
+        "assumed": list(arch.assumed) + list(layout.assumed) + routing_assumption(arch, layout)
+                   + recipe_assumption(hw, layout) + speed_assumption(hw),
         "not_modelled": list(layout.not_modelled) + list(arch.not_modelled),
         "fits": fits, "peak_memory_GB": busiest.total_GB, "usable_memory_GB": usable, "hbm_GB": hw.hbm_GB,
         "memory": {"busiest_rank": busiest.rank, "weights_GB": busiest.weights_GB,

@@ -954,6 +954,10 @@ RULES = [
          "use fp8_recipe=blockwise (Hopper) or run on Blackwell",
          lambda c: c.given("fp8") and c["fp8_recipe"] == "mxfp8" and c.given("hardware"),
          lambda c: c.hardware.arch == "blackwell"),
+    Rule("fp8-needs-gpu", "FP8 training needs FP8 tensor cores (Hopper or later: Transformer Engine raises below "
+         "compute capability 8.9)", ("fp8", "hardware"), "train in bf16, or run on Hopper or Blackwell",
+         lambda c: c.given("fp8") and c["fp8"] not in (False, "none") and c.given("hardware"),
+         lambda c: c.hardware.fp8_TFLOPS > 0),
     Rule("fp4-or-fp8", "FP4 and FP8 training cannot both be on (Megatron-LM raises)", ("fp4", "fp8"),
          "keep one of fp4 (--fp4-format) / fp8 (--fp8-format)",
          lambda c: c.given("fp4") and c["fp4"] not in (False, "none"), lambda c: c["fp8"] in (None, False, "none")),
