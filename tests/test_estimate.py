@@ -592,16 +592,21 @@ def test_plan_fit_recompute_choices_name_only_the_models_modules():
 
 def test_plan_fit_searches_gpu_counts_whose_dp_is_not_a_power_of_two(capsys):
     """72 GPUs (an NVL72 rack): without --global-batch each layout takes the first multiple of its
-    DP x micro-batch from 1024 sequences, so layouts are found; a --global-batch no layout's DP x
-    micro-batch divides is refused naming the multiples that would work, not called a memory wall."""
-    from expertrail.plan.search import default_global_batch, search
+    DP x micro-batch from 1024 sequences, so layouts are found, PP 3, 9 and the other divisors
+    tried too (Qwen3-235B fits one rack only at PP 9 or PP 3, which split its 94 layers unevenly); a
+    --global-batch no layout's DP x micro-batch divides is refused naming the multiples that would
+    work, not called a memory wall."""
+    from expertrail.plan.search import default_global_batch, pp_sizes, search
     assert default_global_batch(72, 4096) == 1080 and default_global_batch(64, 4096) == 1024
     assert default_global_batch(3, 16384) == 258
+    assert pp_sizes(72, 94) == [1, 2, 3, 4, 6, 8, 9, 12, 18, 24] and pp_sizes(1024, 61)[-1] == 32
     qwen30 = ARCHITECTURES["qwen3-30b-a3b"]
     found = search(qwen30, HARDWARE["gb200-nvl72"], 72, top=3)
     assert found and all(r["layout"]["global_batch"] % (lay.dp * lay.micro_batch) == 0 for r, lay in found)
-    with pytest.raises(ConfigError, match="--global-batch 1000 is not a multiple of DP x micro-batch"):
-        search(qwen30, HARDWARE["gb200-nvl72"], 72, global_batch=1000)
+    rack = search(QWEN, HARDWARE["gb200-nvl72"], 72, top=3)
+    assert rack and {lay.pp for _, lay in rack} <= {3, 9} and all(r["fits"] for r, _ in rack)
+    with pytest.raises(ConfigError, match="--global-batch 1001 is not a multiple of DP x micro-batch"):
+        search(qwen30, HARDWARE["gb200-nvl72"], 1024, global_batch=1001)        # every DP even at PP <= 32
 
 
 def test_tp_and_etp_must_split_the_models_heads_and_widths(capsys):

@@ -261,8 +261,9 @@ def test_ep_choice_respects_memory():
                                 **megatron_split(dsv3.layers, dsv3.mtp_layers, pp, 1))
         return estimate(dsv3, HARDWARE["gb200-nvl72"], layout)["fits"]
     assert fits(rows[4]["fits_at_pp"]) and not fits(rows[4]["fits_at_pp"] // 2)
-    forced = plan(HARDWARE["h100"], MODELS["deepseek-v3"], ep=8, stage="tune")
+    forced = plan(HARDWARE["h100"], MODELS["deepseek-v3"], ep=4, stage="tune")
     assert forced["advice"][0]["topic"] == "memory" and forced["advice"][0]["value"] is False
+    assert "no pipeline split up to PP 32 fits" in forced["advice"][0]["reason"]      # every PP tried, named
 
 
 def test_the_measured_overlap_share_is_the_recorded_runs():

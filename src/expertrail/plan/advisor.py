@@ -145,10 +145,11 @@ def plan(hw: Hardware, model: MoEModel, tokens: int = 4096, ep: int | None = Non
                       "expert_gemm_us": compute * 1e6, "verdict": verdict(comm, compute)})
     arch = arch or architecture_of(model)          # a catalog model's, or the one given (a config.json's)
     for row in table:
-        row["fits_at_pp"], row["memory_GB"] = None, None
+        row["fits_at_pp"], row["memory_GB"], row["largest_pp"] = None, None, None
         if arch is not None and gpus % row["ep"] == 0:
             pp, est = fitting_pp(arch, hw, row["ep"], precision, gpus)
             row["fits_at_pp"], row["memory_GB"] = pp, est["peak_memory_GB"] if est else None
+            row["largest_pp"] = est["layout"]["pp"] if est else None
     memory_known = arch is not None and any(r["memory_GB"] is not None for r in table)
     if not table and ep is None:
         raise ConfigError(f"{model.name} has {model.num_experts} experts: no EP size of 4..256 divides them; "
@@ -192,8 +193,9 @@ def plan(hw: Hardware, model: MoEModel, tokens: int = 4096, ep: int | None = Non
         if chosen_row["fits_at_pp"] is None:
             advice.insert(0, Advice("memory", False, f"EP {ep} does not fit",
                                     f"at EP {ep} each GPU holds {model.num_experts // ep} experts of each of the "
-                                    f"{model.layers} MoE layers; on {gpus} x {hw.name} no pipeline split up to PP 16 "
-                                    f"fits ({chosen_row['memory_GB']:.0f} GB at PP 16 against {hw.hbm_GB:.0f} GB): "
+                                    f"{model.layers} MoE layers; on {gpus} x {hw.name} no pipeline split up to PP "
+                                    f"{chosen_row['largest_pp']} fits ({chosen_row['memory_GB']:.0f} GB at PP "
+                                    f"{chosen_row['largest_pp']} against {hw.hbm_GB:.0f} GB): "
                                     "raise EP, or run `expertrail plan --fit` for a whole layout"))
         else:
             advice.insert(0, Advice("memory", True, f"fits from PP {chosen_row['fits_at_pp']}",

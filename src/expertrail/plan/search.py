@@ -33,7 +33,9 @@ from .validate import validate
 RECOMPUTE = [(None, ()), ("selective", ("mla_up_proj", "gdn_norm_out", "moe_act", "layernorm")),
              ("selective", ("mla_up_proj", "gdn_norm_out", "moe_act", "layernorm", "mlp", "shared_experts")),
              ("selective", ("moe",)), ("full", ())]
-PP_SIZES = (1, 2, 4, 8, 16)
+# Pipeline sizes searched: every divisor of the GPUs up to this many stages (the published runs
+# reach PP 32), so 72 GPUs of an NVL72 rack try PP 3, 6, 9, ... too; uneven splits as Megatron builds them.
+MAX_PP = 32
 # Micro-batch sizes searched, up to MAX_MICRO_BATCH_TOKENS tokens a micro-batch (the published
 # recipes run 1 to 8 sequences of 4096).
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -42,6 +44,11 @@ MAX_MICRO_BATCH_TOKENS = 32768
 
 def _divisors(n: int, limit: int) -> list:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def pp_sizes(gpus: int, layers: int) -> list:
+    """The pipeline sizes searched on ``gpus`` GPUs: its divisors up to `MAX_PP` and the layers."""
+    return _divisors(gpus, min(MAX_PP, layers))
 
 
 def _recompute_choices(arch: Architecture) -> list:
@@ -66,7 +73,7 @@ def fitting_pp(arch: Architecture, hw: Hardware, ep: int, precision: str, gpus: 
     split Megatron builds."""
     last = None
     light = ("selective", ("mla_up_proj", "moe_act") if arch.mla else ("moe_act",))
-    for pp in PP_SIZES:
+    for pp in pp_sizes(gpus, arch.layers):
         split = megatron_split(arch.layers, arch.mtp_layers, pp, 1, arch.output_layers_worth(seq))
         if gpus % (pp * ep) or split is None:
             continue
@@ -85,9 +92,7 @@ def _shapes(arch: Architecture, hw: Hardware, gpus: int):
     """Each (PP, TP, CP, DP, EP, ETP) of ``gpus`` GPUs: TP within the NVLink domain (at most 8),
     CP 1 or 2, EP > 1 dividing the experts, EP x ETP and TP x CP each dividing a stage's GPUs,
     and TP and ETP splitting the model's heads and widths (`Architecture.split_problems`)."""
-    for pp in PP_SIZES:
-        if gpus % pp or pp > arch.layers:
-            continue
+    for pp in pp_sizes(gpus, arch.layers):
         stage = gpus // pp
         for tp in _divisors(stage, min(8, hw.domain_size)):
             for cp in (1, 2):
