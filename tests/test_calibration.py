@@ -169,3 +169,14 @@ def test_the_fitted_fp8_recipes_are_the_fit_rows_recipes():
     ran = {(HARDWARE[run["system"]].arch, run["layout"]["fp8_recipe"]) for rid, run in calibration.TRAINING_RUNS.items()
            if rid in calibration.FITTED_ON["estimate.GEMM_EFFICIENCY"] and run["layout"]["precision"] == "fp8"}
     assert ran == set(estimate.FITTED_FP8_RECIPES.items())
+
+
+def test_held_out_error_by_container_is_the_documented_drift():
+    """The record's by-container line covers every held-out run once, and the drift
+    docs/cost-model.md describes holds: the oldest Bridge release over-predicted, the newest
+    under-predicted."""
+    from expertrail.plan.calibration import errors_by_container, summary
+    by = errors_by_container("held_out")
+    assert sum(n for _, n in by.values()) == summary("held_out")["runs"]
+    bridge = [where for where in by if where[:2].isdigit()]
+    assert bridge == sorted(bridge) and by[bridge[0]][0] > 0 > by[bridge[-1]][0]

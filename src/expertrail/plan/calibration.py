@@ -460,6 +460,19 @@ def summary(split: str, consts: dict | None = None) -> dict:
             "median_abs_pct": median, "fit": sum(results[rid]["fits"] for rid in ids)}
 
 
+def errors_by_container(split: str) -> dict:
+    """{container: (mean signed error of its ``split`` runs in percent, runs)}, Bridge's releases
+    oldest first, then the other publications: positive is predicted faster than published.
+    Software gets faster from release to release, so the error drifts from over- to
+    under-prediction across the Bridge containers."""
+    out = {}
+    for rid, run in TRAINING_RUNS.items():
+        if run["split"] == split:
+            out.setdefault(run["container"], []).append(error_pct(rid))
+    order = sorted(out, key=lambda where: (source_of({"container": where}) != "Bridge", where))
+    return {where: (sum(out[where]) / len(out[where]), len(out[where])) for where in order}
+
+
 def spearman(x: list, y: list) -> float:
     """Spearman's rank correlation (average ranks for ties)."""
     def ranks(v):
@@ -586,6 +599,8 @@ def table() -> str:
         lines.append(f"- {split.replace('_', '-')}: {n} runs, {round(s['within_25'] * n)} ({s['within_25']:.1%}) "
                      f"within 25% ({s['within_15']:.1%} within 15%), median absolute error {s['median_abs_pct']:.1f}%, "
                      f"{s['fit']} of {s['runs']} predicted to fit")
+    lines.append("- held-out error by container, the mean of the signed errors (runs): " + ", ".join(
+        f"{where} {mean:+.1f}% ({n})" for where, (mean, n) in errors_by_container("held_out").items()))
     memory, published = memory_errors(), published_peaks()
     lines.append(f"- peak memory, the {len(memory)} runs that publish it (the table's and calibration.MEMORY_FIGURES): "
                  + ", ".join(f"{rid} {published[rid]:.1f} GB, {err:+.0f}%" for rid, err in memory.items()))
