@@ -46,6 +46,16 @@ def tiny_block(kind: str, dtype):
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
         block = MixtralSparseMoeBlock(MixtralConfig(hidden_size=32, intermediate_size=16, num_local_experts=8,
                                                     num_experts_per_tok=2, router_jitter_noise=0.0))
+    elif kind == "ernie4_5_moe":                # expert-bias router statistics, shared experts
+        from transformers import Ernie4_5_MoeConfig
+        from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeSparseMoeBlock
+        block = Ernie4_5_MoeSparseMoeBlock(Ernie4_5_MoeConfig(hidden_size=32, moe_intermediate_size=16,
+                                                              moe_num_experts=8, moe_k=2, moe_num_shared_experts=1))
+    elif kind == "olmoe":                       # softmax over all experts, top-k weights not renormalised
+        from transformers import OlmoeConfig
+        from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+        block = OlmoeSparseMoeBlock(OlmoeConfig(hidden_size=32, intermediate_size=16, num_experts=8,
+                                                num_experts_per_tok=2, norm_topk_prob=False))
     else:
         from transformers import DeepseekV3Config
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE

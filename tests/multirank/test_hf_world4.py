@@ -21,7 +21,7 @@ def _check_expert_grads(results, ep_size):
             torch.testing.assert_close(down, ref_down[first:first + local], rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v3", "ernie4_5_moe", "olmoe"])
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 def test_hf_block_equals_original_fp32_ep2_and_ep4(world4, kind, backend):
     for ep_size in (2, 4):
@@ -30,7 +30,7 @@ def test_hf_block_equals_original_fp32_ep2_and_ep4(world4, kind, backend):
         _check_expert_grads(results, ep_size)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v3", "ernie4_5_moe", "olmoe"])
 @pytest.mark.parametrize("backend", sorted(er.BACKENDS))
 def test_hf_block_equals_original_bf16(world4, kind, backend):
     for ep_size in (2, 4):

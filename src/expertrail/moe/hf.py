@@ -2,8 +2,8 @@
 
 transformers 5 keeps a sparse MoE block's experts fused in 3D parameters
 (``experts.gate_up_proj [E, 2F, H]``, ``experts.down_proj [E, H, F]``) next to its router
-(``gate``, returning ``(logits, topk_weights, topk_idx)``), in Qwen3-MoE, Mixtral and
-DeepSeek-V3 alike. `ExpertParallelMoE` keeps the block's own router (and shared experts),
+(``gate``, returning ``(logits, topk_weights, topk_idx)``), in Qwen3-MoE, Mixtral,
+DeepSeek-V3, ERNIE 4.5 and OLMoE alike. `ExpertParallelMoE` keeps the block's own router (and shared experts),
 keeps this rank's slice of the experts as `GroupedExperts`, and moves tokens with an
 expertrail dispatcher. `patch_model` does it for every MoE block of a model.
 
@@ -54,7 +54,7 @@ _EXPERTS_FLAGS = {"has_gate": True, "has_bias": False, "has_post_expert_norm": F
 RECOGNISED = ("a module with a router `gate` (returning (logits, topk_weights, topk_idx)) and an `experts` "
               "module holding fused 3D weights gate_up_proj [E, 2F, H] and down_proj [E, H, F], "
               "and optionally `shared_experts` (transformers>=5; tested against the original: Qwen3MoeSparseMoeBlock, "
-              "MixtralSparseMoeBlock, DeepseekV3MoE)")
+              "MixtralSparseMoeBlock, DeepseekV3MoE, Ernie4_5_MoeSparseMoeBlock, OlmoeSparseMoeBlock)")
 
 
 def is_sparse_moe_block(module: nn.Module) -> bool:
