@@ -371,6 +371,9 @@ def test_another_family_is_read_by_its_fields_and_says_so():
     step = from_hf_config({**base, "model_type": "step3p5", "share_expert_dim": 1280,
                            "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 5})
     assert (step.dense_layers, step.shared_ffn) == (3, 1280)
+    biased = [from_hf_config({**base, "model_type": kind}).router_balance
+              for kind in ("solar_open", "minimax_m3_vl_text", "olmoe", "phimoe")]
+    assert biased == ["global_batch", "global_batch", "micro_batch", "micro_batch"]     # expert-bias routers
     every_other = from_hf_config({**FAMILIES["deepseek_v2"][0], "moe_layer_freq": 2})    # MoE at 2, 4, ..., 58
     assert every_other.dense_layers == 31
     assert "model_type 'afmoe' is read by its fields" in afmoe.assumed[0]

@@ -643,7 +643,7 @@ def hf_router_balance(cfg: dict) -> str:
     the model types of `hf_fields.EXPERT_BIAS_TYPES`: GLM-4.5, ERNIE 4.5, MiniMax-M2, ...;
     ``use_routing_bias``, ``use_expert_bias``); within each micro-batch otherwise."""
     kind = str(cfg.get("model_type", ""))
-    whole = kind.startswith("qwen3") or kind in hf_fields.EXPERT_BIAS_TYPES or cfg.get("topk_method") == "noaux_tc" \
+    whole = kind.startswith(("qwen3", *hf_fields.EXPERT_BIAS_TYPES)) or cfg.get("topk_method") == "noaux_tc" \
         or bool(cfg.get("use_routing_bias") or cfg.get("use_expert_bias"))
     return "global_batch" if whole else "micro_batch"
 

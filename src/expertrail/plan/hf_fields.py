@@ -20,12 +20,16 @@ CHECKED_TYPES = frozenset({
     "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe", "qwen2_moe", "qwen3_moe", "qwen3_next",
     "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_vl_moe", "qwen3_vl_moe_text", "mixtral", "gpt_oss", "llama4",
     "llama4_text", "minimax_m2", "olmoe", "ernie4_5_moe"})
-# The model_types whose routers (transformers' modeling files) add learned per-expert biases to the
-# scores they pick by (``e_score_correction_bias``: auxiliary-loss-free balancing, set from the
-# batch's loads), which balance over the whole batch, not each micro-batch (`Architecture.router_balance`).
-EXPERT_BIAS_TYPES = frozenset({
-    "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "ernie4_5_moe", "exaone_moe",
-    "minimax_m2", "step3p5", "dots1", "mimo_v2_flash", "longcat_flash"})
+# The model_types whose routers add learned per-expert biases to the scores they pick by
+# (``e_score_correction_bias`` in transformers 5.24's modeling files: auxiliary-loss-free
+# balancing, set from the batch's loads), which balance over the whole batch, not each
+# micro-batch (`Architecture.router_balance`); a model_type that begins with one of these (its
+# ``_text`` / ``_vl`` parts) counts too.
+EXPERT_BIAS_TYPES = (
+    "axk1", "axk2", "beam", "deepseek_v3", "deepseek_v32", "deepseek_v4", "dots1", "dots3_note", "ernie4_5_moe",
+    "ernie4_5_vl_moe", "exaone_moe", "glm4_moe", "glm4v_moe", "glm5_next", "glm_moe_dsa", "hy_v3", "hy_v4", "inkling",
+    "kolibri1", "laguna", "longcat_flash", "mimo_v2_flash", "minimax_m2", "minimax_m3_vl", "muse_spark", "solar_open",
+    "step3p5", "step3p7")
 EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 TOPK_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_k")
 # The whole numbers of a config.json the planner reads (sizes, counts, layer indices' steps).
