@@ -1447,6 +1447,9 @@ def test_a_system_no_published_run_calibrates_says_its_speed_and_refuses_fp8_it_
     fp8 = TrainingLayout.from_fields({"expert_model_parallel_size": 8, "fp8": "hybrid"}, 64)
     with pytest.raises(ConfigError, match="FP8 on a100.*train in bf16"):
         estimate(arch, HARDWARE["a100"], fp8)
+    from expertrail.plan.search import format_search, search
+    table = format_search(search(arch, HARDWARE["a100"], 64, top=2), arch, HARDWARE["a100"], 64)
+    assert "assumed (every layout): a100's sustained speed 1.0" in table
 
 
 def test_a_system_on_a_fitted_systems_gpu_takes_its_speed():
