@@ -483,7 +483,9 @@ def test_plan_fit_lists_fitting_layouts_that_validate(capsys):
     assert out.count(" | ") == 4 and "peak GB" in out            # the header and 3 layouts
     assert main(["plan", "--fit", "--gpus", "64", "--hardware", "h100", "--model", "qwen3-30b-a3b", "--emit",
                  "megatron"]) == 0
-    flags = capsys.readouterr().out.replace("\\\n", " ").split()
+    emitted = capsys.readouterr()
+    flags = emitted.out.replace("\\\n", " ").split()
+    assert "forced to balance" in emitted.err and "`expertrail estimate`" in emitted.err   # the table's routers, said
     assert main(["validate", *flags, "hardware=h100", "world_size=64"]) == 0
     assert main(["plan", "--fit", "--gpus", "8", "--hardware", "h100", "--model", "deepseek-v3"]) == 1
     out = capsys.readouterr().out

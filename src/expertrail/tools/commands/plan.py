@@ -3,6 +3,7 @@ parallel layouts that fit, fastest first (torch-free)."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ...errors import ExpertrailError
 from ..arguments import positive_int, workload_arguments
@@ -80,6 +81,11 @@ def _run_fit(args) -> int:
         if not found:
             raise ExpertrailError(format_search(found, arch, hw, args.gpus, closest))
         print(emit_layout(arch, hw, found[0][1], args.emit))
+        if args.router == "forced":                 # said where a pasted configuration's reader sees it
+            r = found[0][0]
+            print(f"plan --fit: this layout's {r['step_time_s']:.2f} s a step is with the routers forced to balance, as "
+                  "benchmarks run; the configuration trains the model's own router, which `expertrail estimate` "
+                  "costs (or rank the layouts with --router natural)", file=sys.stderr)
     elif args.json:
         print(dumps([dict(r, fields=layout_fields(arch, lay, hw)) for r, lay in found]))
     else:
