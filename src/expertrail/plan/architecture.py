@@ -592,7 +592,7 @@ def from_hf_config(cfg: dict, name: str = "hf-model") -> Architecture:
     cfg = hf_fields.language_model(cfg)
     moe = hf_moe_model(cfg, name)                       # the MoE part, with its checks
     hidden, heads = cfg["hidden_size"], cfg.get("num_attention_heads") or 1
-    dense = hf_fields.dense_layers(cfg)
+    dense = cfg["num_hidden_layers"] - moe.layers        # the MoE part's dense layers (`hf_fields.dense_layers`)
     shared = hf_fields.shared_width(cfg, moe.moe_ffn)
     # The dense MLP's width: Llama 4's intermediate_size_mlp (its intermediate_size is an expert's).
     ffn = cfg.get("intermediate_size_mlp") or cfg.get("intermediate_size") or moe.moe_ffn

@@ -260,15 +260,22 @@ def _expected_busiest(experts: int, ep: int, cv: float, cap: float | None = None
     return _busiest_share(rng.lognormal(-sigma2 / 2, sigma2 ** 0.5, size=(IMBALANCE_SAMPLES, ep, experts // ep)), cap)
 
 
+def fitted_speed(hw: Hardware) -> float | None:
+    """The system's fitted speed, or that of the system whose GPU it runs (`catalog.gpu_twin`);
+    None for a system no published run calibrates."""
+    return SYSTEM_SPEED.get(hw.name, SYSTEM_SPEED.get(gpu_twin(hw.name)))
+
+
 def _speed(hw: Hardware) -> float:
-    """The system's fitted speed, or that of the system whose GPU it runs (`catalog.gpu_twin`), else 1."""
-    return SYSTEM_SPEED.get(hw.name, SYSTEM_SPEED.get(gpu_twin(hw.name), 1.0))
+    """`fitted_speed`, else 1 (GB200's)."""
+    speed = fitted_speed(hw)
+    return 1.0 if speed is None else speed
 
 
 def speed_assumption(hw: Hardware) -> list:
     """The assumed line's note for a system no published run calibrates (A100, a user's catalog
     file): its GEMMs and attention run at GB200's sustained share of the datasheet peak."""
-    if hw.name in SYSTEM_SPEED or gpu_twin(hw.name) in SYSTEM_SPEED:
+    if fitted_speed(hw) is not None:
         return []
     return [f"{hw.name}'s sustained speed 1.0 of its datasheet peak, GB200's (no published run on it calibrates "
             f"one; the fitted systems run at {', '.join(f'{k} {v:g}' for k, v in SYSTEM_SPEED.items())})"]

@@ -39,8 +39,8 @@ WHOLE_NUMBERS = (
     "shared_intermediate_size", "share_expert_dim", *EXPERT_KEYS, *TOPK_KEYS, "n_shared_experts",
     "num_shared_experts", "moe_num_shared_experts", "first_k_dense_replace", "num_dense_layers", "n_group",
     "topk_group", "moe_layer_freq", "decoder_sparse_step", "interleave_moe_layer_step", "moe_layer_start_index",
-    "moe_layer_interval", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers",
-    "mtp_num_hidden_layers", "sliding_window", "max_window_layers", "attention_chunk_size", "index_topk",
+    "moe_layer_interval", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "num_nextn_predict_layers", "mtp_num_hidden_layers", "sliding_window", "max_window_layers", "attention_chunk_size", "index_topk",
     "full_attention_interval", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
     "linear_value_head_dim", "linear_conv_kernel_dim")
 LISTS = ("mlp_only_layers", "moe_layers", "layer_types", "mlp_layer_types")

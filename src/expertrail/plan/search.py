@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..names import default_flex_backend
 from .architecture import ARCHITECTURES, Architecture
 from .catalog import Hardware, MoEModel
-from .estimate import estimate
+from .estimate import estimate, speed_assumption
 from .layout import FUSED_BY_RECIPES, TrainingLayout, megatron_split
 from .validate import validate
 
@@ -317,7 +317,7 @@ def format_search(found: list, arch: Architecture, hw: Hardware, gpus: int, clos
     lines += ["", "memory of #1 (busiest rank, GB): " + ", ".join(
         f"{k} {mem[k + '_GB']:.1f}" for k in ("weights", "gradients", "optimizer", "activations", "dispatcher"))
         + f" = {r['peak_memory_GB']:.1f} of {r['usable_memory_GB']:.1f} usable"]
-    said = [a for a in r["assumed"] if a in arch.assumed or "sustained speed" in a]    # the model's, the system's
+    said = list(arch.assumed) + speed_assumption(hw)          # what holds for every layout: the model's, the system's
     if said:
         lines.append("assumed (every layout): " + "; ".join(said))
     return "\n".join(lines)
